@@ -1,0 +1,42 @@
+//! `loraq`: extract LoRA adapters from merged fine-tunes and measure them on
+//! quantized bases. One module per subcommand; results go to stdout, progress and
+//! diagnostics to stderr; errors print as `loraq: <error chain>` with exit status 2.
+
+mod demo;
+mod inspect;
+mod progress;
+mod synth;
+
+use clap::{Parser, Subcommand};
+
+/// Extract LoRA adapters from merged fine-tunes and measure what a quantized base
+/// does to their answers.
+#[derive(Parser)]
+#[command(name = "loraq", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the main job on the built-in example (a synthetic Qwen3.5 model pair).
+    Demo(demo::Args),
+    /// Summarize a checkpoint: architecture, layer types, dtypes, quantization, modules.
+    Inspect(inspect::Args),
+    /// Write a deterministic synthetic base / merged / true-adapter triple.
+    Synth(synth::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Synth(args) => synth::run(args),
+    };
+    if let Err(err) = result {
+        eprintln!("loraq: {err:#}");
+        std::process::exit(2);
+    }
+}

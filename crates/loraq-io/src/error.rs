@@ -1,0 +1,138 @@
+//! The one error type of loraq-io.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong reading or writing checkpoints and adapters.
+///
+/// Every variant names the file and, where there is one, the tensor, so that a
+/// message on its own tells the user what to look at.
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    /// An operating-system error on a file.
+    #[error("{path}: {source}")]
+    Os {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file that should exist does not.
+    #[error("{path}: not found{context}")]
+    Missing {
+        /// The missing path.
+        path: PathBuf,
+        /// Why it was expected (e.g. " (named by model.safetensors.index.json)").
+        context: String,
+    },
+    /// A safetensors header that is malformed or inconsistent with the file.
+    #[error("{path}: invalid safetensors header: {reason}")]
+    Header {
+        /// The safetensors file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// One tensor entry of a safetensors header is invalid.
+    #[error("{path}: tensor {tensor}: {reason}")]
+    Tensor {
+        /// The file holding (or expected to hold) the tensor.
+        path: PathBuf,
+        /// The tensor name.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A dtype string that loraq does not know.
+    #[error("{path}: tensor {tensor}: unknown dtype {dtype:?}")]
+    UnknownDtype {
+        /// The file.
+        path: PathBuf,
+        /// The tensor name.
+        tensor: String,
+        /// The dtype as written.
+        dtype: String,
+    },
+    /// A JSON file that does not parse or lacks a required field.
+    #[error("{path}: invalid JSON: {reason}")]
+    Json {
+        /// The JSON file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A sharded checkpoint whose index and shards disagree.
+    #[error("{path}: {reason}")]
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A tensor asked for that the checkpoint does not hold.
+    #[error("{root}: no tensor named {tensor}")]
+    TensorNotFound {
+        /// The checkpoint root.
+        root: PathBuf,
+        /// The missing tensor.
+        tensor: String,
+    },
+    /// A conversion that the tensor's dtype does not allow.
+    #[error("tensor {tensor}: cannot convert {dtype} to f32")]
+    Unconvertible {
+        /// The tensor.
+        tensor: String,
+        /// Its dtype.
+        dtype: String,
+    },
+    /// An output directory that exists already (pass `--force` to replace it).
+    #[error("{path}: already exists (use --force to replace it)")]
+    OutputExists {
+        /// The target directory.
+        path: PathBuf,
+    },
+    /// A writer used out of its contract (wrong tensor order, wrong byte count, ...).
+    #[error("{path}: {reason}")]
+    Write {
+        /// The file being written.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A SHA256SUMS line that does not match the file.
+    #[error("{path}: checksum mismatch for {file}")]
+    Checksum {
+        /// The SHA256SUMS file.
+        path: PathBuf,
+        /// The file whose digest differs.
+        file: String,
+    },
+    /// A PEFT adapter directory that does not follow the format.
+    #[error("{path}: invalid adapter: {reason}")]
+    Adapter {
+        /// The adapter directory or file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An unknown synth preset or invalid synth parameter.
+    #[error("synth: {0}")]
+    Synth(String),
+}
+
+/// Result alias of loraq-io.
+pub type Result<T, E = IoError> = std::result::Result<T, E>;
+
+/// Attaches a path to an `std::io::Error`.
+pub(crate) trait OsContext<T> {
+    fn at(self, path: impl Into<PathBuf>) -> Result<T>;
+}
+
+impl<T> OsContext<T> for std::result::Result<T, std::io::Error> {
+    fn at(self, path: impl Into<PathBuf>) -> Result<T> {
+        self.map_err(|source| IoError::Os {
+            path: path.into(),
+            source,
+        })
+    }
+}

@@ -1,0 +1,35 @@
+//! Checkpoint I/O for loraq.
+//!
+//! - [`Checkpoint`]: a Hugging Face checkpoint (one safetensors file, or shards with
+//!   an index), memory-mapped, headers validated, tensors read one at a time as
+//!   zero-copy bytes or converted to f32.
+//! - [`ModelConfig`]: config.json with `text_config` nesting, architecture, layer
+//!   types and quantization.
+//! - [`ModuleName`]: decoder-layer tensor names parsed into layer, block and module.
+//! - [`CheckpointWriter`] / [`SafetensorsWriter`]: streaming writers, sharded with an
+//!   index past a size limit.
+//! - [`AtomicDir`]: output directories that appear only when complete.
+//! - [`write_sha256sums`] / [`verify_sha256sums`]: `sha256sum -c` compatible lists.
+//! - [`peft`]: PEFT LoRA adapters, read and written.
+
+pub mod atomic;
+pub mod checkpoint;
+pub mod config;
+pub mod convert;
+pub mod dtype;
+pub mod error;
+pub mod header;
+pub mod module_name;
+pub mod peft;
+pub mod sha256sums;
+pub mod writer;
+
+pub use atomic::AtomicDir;
+pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInfo};
+pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};
+pub use dtype::DType;
+pub use error::{IoError, Result};
+pub use module_name::{Block, ModuleKind, ModuleName};
+pub use peft::{AdapterConfig, LoraAdapter, LoraFactors, LoraModuleInfo, write_adapter};
+pub use sha256sums::{verify_sha256sums, write_sha256sums};
+pub use writer::{CheckpointWriter, SafetensorsWriter, TensorSpec, write_safetensors_file};
