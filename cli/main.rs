@@ -2,6 +2,8 @@
 //! quantized bases. One module per subcommand; results go to stdout, progress and
 //! diagnostics to stderr; errors print as `loraq: <error chain>` with exit status 2.
 
+mod compare;
+mod compare_hidden;
 mod demo;
 mod inspect;
 mod progress;
@@ -26,6 +28,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Write a deterministic synthetic base / merged / true-adapter triple.
     Synth(synth::Args),
+    /// Compare a candidate's answers with a reference's: flips, KL, accuracy, calibration.
+    Compare(compare::Args),
+    /// Compare two hidden-state files per tensor: cosine, relative L2, SQNR.
+    CompareHidden(compare_hidden::Args),
 }
 
 fn main() {
@@ -34,6 +40,8 @@ fn main() {
         Command::Demo(args) => demo::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Compare(args) => compare::run(args),
+        Command::CompareHidden(args) => compare_hidden::run(args),
     };
     if let Err(err) = result {
         eprintln!("loraq: {err:#}");

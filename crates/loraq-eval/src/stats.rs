@@ -1,0 +1,301 @@
+//! Small exact statistics: means with standard errors, percentiles, the Wilson
+//! interval, the exact binomial test behind McNemar's test, and the paired bootstrap.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Binomial, Distribution};
+
+/// z = Phi^-1(0.975), the two-sided 95% normal quantile.
+pub const Z_95: f64 = 1.959_963_984_540_054;
+
+/// Arithmetic mean; `None` for an empty slice.
+pub fn mean(values: &[f64]) -> Option<f64> {
+    if values.is_empty() {
+        None
+    } else {
+        Some(values.iter().sum::<f64>() / values.len() as f64)
+    }
+}
+
+/// Standard error of the mean with N-1: sqrt(sum (x - mean)^2 / (N - 1)) / sqrt(N).
+///
+/// This equals llama.cpp's `sqrt((<x^2> - <x>^2) / (N - 1))` (its KL-divergence
+/// statistics), computed in two passes so it does not cancel; llama.cpp prints 0
+/// for N <= 10, this gives the value for every N >= 2 and `None` below.
+pub fn standard_error(values: &[f64]) -> Option<f64> {
+    let n = values.len();
+    if n < 2 {
+        return None;
+    }
+    let m = mean(values)?;
+    let ss: f64 = values.iter().map(|x| (x - m) * (x - m)).sum();
+    Some((ss / (n - 1) as f64).sqrt() / (n as f64).sqrt())
+}
+
+/// Percentile `q` (0..=100) of ascending `sorted` values by linear interpolation
+/// between closest ranks: position h = (q / 100) (N - 1), exactly numpy's default
+/// (`method="linear"`, including its two-sided lerp). `None` for an empty slice.
+pub fn percentile_sorted(sorted: &[f64], q: f64) -> Option<f64> {
+    let n = sorted.len();
+    if n == 0 {
+        return None;
+    }
+    let h = (q / 100.0) * (n - 1) as f64;
+    let below = h.floor();
+    let i = (below as usize).min(n - 1);
+    let t = h - below;
+    let a = sorted[i];
+    let b = sorted[(i + 1).min(n - 1)];
+    let d = b - a;
+    Some(if t >= 0.5 {
+        b - d * (1.0 - t)
+    } else {
+        a + d * t
+    })
+}
+
+/// Sorts a copy ascending (total order; inputs are finite) for [`percentile_sorted`].
+pub fn sorted_copy(values: &[f64]) -> Vec<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_unstable_by(f64::total_cmp);
+    sorted
+}
+
+/// Median (the 50th percentile by [`percentile_sorted`]) of unsorted values.
+pub fn median(values: &[f64]) -> Option<f64> {
+    percentile_sorted(&sorted_copy(values), 50.0)
+}
+
+/// Wilson score 95% interval of a proportion k / n, with the bounds exactly 0 at
+/// k = 0 and 1 at k = n (scipy's `binomtest(k, n).proportion_ci(method="wilson")`).
+/// `None` when n = 0.
+pub fn wilson_interval(k: usize, n: usize) -> Option<[f64; 2]> {
+    if n == 0 {
+        return None;
+    }
+    let (kf, nf) = (k as f64, n as f64);
+    let p = kf / nf;
+    let z = Z_95;
+    let denom = 2.0 * (nf + z * z);
+    let center = (2.0 * nf * p + z * z) / denom;
+    let delta = z / denom * (4.0 * nf * p * (1.0 - p) + z * z).sqrt();
+    let lo = if k == 0 { 0.0 } else { center - delta };
+    let hi = if k == n { 1.0 } else { center + delta };
+    Some([lo, hi])
+}
+
+/// McNemar's exact test on the discordant pairs b (one way) and c (the other):
+/// returns (p, mid-p) with p = min(1, 2 P(X <= min(b, c))) and
+/// mid-p = p - P(X = min(b, c)) for X ~ Binomial(b + c, 1/2). Both are 1 when
+/// b + c = 0.
+pub fn mcnemar(b: u64, c: u64) -> (f64, f64) {
+    let n = b + c;
+    if n == 0 {
+        return (1.0, 1.0);
+    }
+    let k = b.min(c);
+    let pmf_k = binomial_half_pmf(k, n);
+    let cdf_k = binomial_half_cdf_from(k, n, pmf_k);
+    let p = (2.0 * cdf_k).min(1.0);
+    let mid_p = (2.0 * cdf_k - pmf_k).min(1.0);
+    (p, mid_p)
+}
+
+/// P(X = k) for X ~ Binomial(n, 1/2), by Loader's saddle-point form
+/// exp(-stirlerr terms - bd0 terms) / sqrt(2 pi k (n-k) / n), accurate to a few ulps
+/// for every n (no cancellation of large log-factorials).
+pub fn binomial_half_pmf(k: u64, n: u64) -> f64 {
+    assert!(k <= n, "binomial_half_pmf: k > n");
+    let nf = n as f64;
+    if k == 0 || k == n {
+        return (-nf * std::f64::consts::LN_2).exp();
+    }
+    let kf = k as f64;
+    let rest = nf - kf;
+    let half = nf / 2.0;
+    let lc = stirling_error(nf)
+        - stirling_error(kf)
+        - stirling_error(rest)
+        - bd0(kf, half)
+        - bd0(rest, half);
+    lc.exp() * (nf / (2.0 * std::f64::consts::PI * kf * rest)).sqrt()
+}
+
+/// P(X <= k) for X ~ Binomial(n, 1/2), given P(X = k) (k <= n/2): sums the terms
+/// downwards with pmf(i-1) = pmf(i) i / (n - i + 1) until they no longer matter.
+fn binomial_half_cdf_from(k: u64, n: u64, pmf_k: f64) -> f64 {
+    let mut term = pmf_k;
+    let mut sum = pmf_k;
+    let mut i = k;
+    while i > 0 {
+        term *= i as f64 / (n - i + 1) as f64;
+        sum += term;
+        if term < sum * 1e-18 {
+            break;
+        }
+        i -= 1;
+    }
+    sum
+}
+
+/// stirlerr(x) = ln(x!) - ((x + 1/2) ln x - x + ln sqrt(2 pi)), Loader (2000).
+fn stirling_error(x: f64) -> f64 {
+    const S0: f64 = 1.0 / 12.0;
+    const S1: f64 = 1.0 / 360.0;
+    const S2: f64 = 1.0 / 1260.0;
+    const S3: f64 = 1.0 / 1680.0;
+    const S4: f64 = 1.0 / 1188.0;
+    if x <= 15.0 {
+        // Direct for small integers: ln(x!) by summation is exact to a few ulps here.
+        let mut ln_fact = 0.0;
+        let mut i = 2.0;
+        while i <= x {
+            ln_fact += f64::ln(i);
+            i += 1.0;
+        }
+        return ln_fact - ((x + 0.5) * x.ln() - x + 0.5 * (2.0 * std::f64::consts::PI).ln());
+    }
+    let xx = x * x;
+    if x > 500.0 {
+        return (S0 - S1 / xx) / x;
+    }
+    if x > 80.0 {
+        return (S0 - (S1 - S2 / xx) / xx) / x;
+    }
+    if x > 35.0 {
+        return (S0 - (S1 - (S2 - S3 / xx) / xx) / xx) / x;
+    }
+    (S0 - (S1 - (S2 - (S3 - S4 / xx) / xx) / xx) / xx) / x
+}
+
+/// bd0(x, np) = x ln(x / np) + np - x, by a series when x is close to np (Loader).
+fn bd0(x: f64, np: f64) -> f64 {
+    if (x - np).abs() < 0.1 * (x + np) {
+        let v = (x - np) / (x + np);
+        let mut s = (x - np) * v;
+        let mut ej = 2.0 * x * v;
+        let v2 = v * v;
+        let mut j = 1.0;
+        loop {
+            ej *= v2;
+            let s1 = s + ej / (2.0 * j + 1.0);
+            if s1 == s {
+                return s1;
+            }
+            s = s1;
+            j += 1.0;
+        }
+    }
+    x * (x / np).ln() + np - x
+}
+
+/// Paired bootstrap 95% interval of an accuracy delta over `n` questions, of which
+/// `worse` went correct -> wrong (-1) and `better` wrong -> correct (+1).
+///
+/// Resampling n questions with replacement and averaging their per-question deltas
+/// d in {-1, 0, +1} is, draw for draw, the same distribution as drawing the counts
+/// (k+, k-, k0) ~ Multinomial(n; better/n, worse/n, rest/n), which is sampled
+/// exactly as k+ ~ Binomial(n, better/n), k- ~ Binomial(n - k+, worse/(n - better)):
+/// O(resamples), not O(resamples x n). The bounds are the 2.5th and 97.5th
+/// percentiles of the resampled deltas ([`percentile_sorted`]). ChaCha8 seeded with
+/// `seed`, so a run is reproducible. `None` when n or `resamples` is 0.
+pub fn paired_bootstrap_delta_ci(
+    n: u64,
+    worse: u64,
+    better: u64,
+    resamples: usize,
+    seed: u64,
+) -> Option<[f64; 2]> {
+    if n == 0 || resamples == 0 {
+        return None;
+    }
+    assert!(
+        worse + better <= n,
+        "paired_bootstrap_delta_ci: counts exceed n"
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let nf = n as f64;
+    let p_better = better as f64 / nf;
+    let not_better = n - better;
+    let p_worse_given = if not_better == 0 {
+        0.0
+    } else {
+        worse as f64 / not_better as f64
+    };
+    let draw_better = Binomial::new(n, p_better).expect("probability in [0, 1]");
+    let mut deltas = Vec::with_capacity(resamples);
+    for _ in 0..resamples {
+        let k_better = draw_better.sample(&mut rng);
+        let k_worse = Binomial::new(n - k_better, p_worse_given)
+            .expect("probability in [0, 1]")
+            .sample(&mut rng);
+        deltas.push((k_better as f64 - k_worse as f64) / nf);
+    }
+    deltas.sort_unstable_by(f64::total_cmp);
+    Some([
+        percentile_sorted(&deltas, 2.5)?,
+        percentile_sorted(&deltas, 97.5)?,
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// pmf by Pascal's triangle: exact integers up to n = 56, then rounding of
+    /// about n ulps (hence the 1e-12 tolerance).
+    fn pascal_pmf(k: u64, n: u64) -> f64 {
+        let mut row = vec![1.0f64];
+        for _ in 0..n {
+            let mut next = vec![1.0; row.len() + 1];
+            for j in 1..row.len() {
+                next[j] = row[j - 1] + row[j];
+            }
+            row = next;
+        }
+        row[k as usize] / 2f64.powi(n as i32)
+    }
+
+    #[test]
+    fn binomial_pmf_matches_pascal_to_1e_12() {
+        for n in [1u64, 2, 5, 16, 17, 40, 90, 120, 600, 1000] {
+            for k in 0..=n.min(1000) {
+                let exact = pascal_pmf(k, n);
+                let ours = binomial_half_pmf(k, n);
+                assert!(
+                    (ours - exact).abs() <= 1e-12 * exact + 1e-300,
+                    "n={n} k={k}: {ours} vs {exact}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn mcnemar_symmetric_table_has_p_one() {
+        assert_eq!(mcnemar(0, 0), (1.0, 1.0));
+        let (p, mid) = mcnemar(7, 7);
+        assert_eq!(p, 1.0);
+        assert!((mid - 1.0).abs() < 1e-15);
+        // b = 0, c = 5: p = 2 / 32, mid-p = 1 / 32.
+        let (p, mid) = mcnemar(0, 5);
+        assert!((p - 2.0 / 32.0).abs() < 1e-16 && (mid - 1.0 / 32.0).abs() < 1e-16);
+    }
+
+    #[test]
+    fn percentile_matches_numpy_hand_values() {
+        let v = [1.0, 2.0, 4.0, 8.0];
+        // numpy.percentile([1,2,4,8], [0, 50, 90, 100]) = [1, 3, 6.8, 8]
+        assert_eq!(percentile_sorted(&v, 0.0), Some(1.0));
+        assert_eq!(percentile_sorted(&v, 50.0), Some(3.0));
+        assert!((percentile_sorted(&v, 90.0).unwrap() - 6.8).abs() < 1e-15);
+        assert_eq!(percentile_sorted(&v, 100.0), Some(8.0));
+    }
+
+    #[test]
+    fn bootstrap_is_reproducible_and_brackets_the_delta() {
+        let a = paired_bootstrap_delta_ci(1000, 50, 80, 2000, 3).unwrap();
+        let b = paired_bootstrap_delta_ci(1000, 50, 80, 2000, 3).unwrap();
+        assert_eq!(a, b);
+        assert!(a[0] < 0.03 && 0.03 < a[1], "{a:?}");
+    }
+}
