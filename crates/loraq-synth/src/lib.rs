@@ -612,10 +612,8 @@ pub fn write_synth(
     for (done, entry) in tensors.iter().chain(&base_only).enumerate() {
         let (name, shape, init) = entry;
         progress(done, total, name);
-        let values: Vec<f32> = draw(options.seed, name, shape, *init)
-            .into_iter()
-            .map(round_to_bf16)
-            .collect();
+        let mut values = draw(options.seed, name, shape, *init);
+        values.par_iter_mut().for_each(|x| *x = round_to_bf16(*x));
         base_parameters += values.len();
         let bytes = bf16_bytes(&values);
         base.write_tensor(name, &bytes)?;
@@ -648,7 +646,11 @@ pub fn write_synth(
             (in_f as f32).sqrt().recip(),
         );
         let delta = low_rank_product(&f.b, &f.a, out_f, f.rank, in_f);
-        let merged_values: Vec<f32> = values.iter().zip(&delta).map(|(w, d)| w + d).collect();
+        let mut merged_values = delta;
+        merged_values
+            .par_iter_mut()
+            .zip(&values)
+            .for_each(|(d, w)| *d += w);
         merged.write_tensor(name, &bf16_bytes(&merged_values))?;
         let module_path = module.module_path();
         ranks.insert(module_path.clone(), f.rank);
