@@ -7,6 +7,8 @@ mod compare_hidden;
 mod demo;
 mod inspect;
 mod progress;
+mod quant_error;
+mod quantize;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +30,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Write a deterministic synthetic base / merged / true-adapter triple.
     Synth(synth::Args),
+    /// Write a quantized copy of a checkpoint (fp8, nvfp4, mxfp4, int4; native or bf16-emulated).
+    Quantize(quantize::Args),
+    /// Per-module error of a quantization scheme, alone and under an adapter.
+    QuantError(quant_error::Args),
     /// Compare a candidate's answers with a reference's: flips, KL, accuracy, calibration.
     Compare(compare::Args),
     /// Compare two hidden-state files per tensor: cosine, relative L2, SQNR.
@@ -40,6 +46,8 @@ fn main() {
         Command::Demo(args) => demo::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Quantize(args) => quantize::run(args),
+        Command::QuantError(args) => quant_error::run(args),
         Command::Compare(args) => compare::run(args),
         Command::CompareHidden(args) => compare_hidden::run(args),
     };

@@ -1,0 +1,114 @@
+//! `loraq quantize`: write a quantized copy of a checkpoint.
+
+use crate::progress;
+use anyhow::{Context, Result, bail};
+use loraq_io::{AtomicDir, Checkpoint};
+use loraq_quant::Scheme;
+use loraq_quant::layout::{
+    DEFAULT_SKIP, Layout, QuantizeOptions, compile_skip, plan_quantization, write_quantized,
+};
+use std::path::{Path, PathBuf};
+
+/// Quantize a checkpoint, one tensor at a time, into a new directory.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Input checkpoint directory (bf16 / f16 / f32 weights).
+    #[arg(long = "in", value_name = "DIR")]
+    input: PathBuf,
+    /// Output directory (must not exist unless --force).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Scheme: fp8-tensor, fp8-channel, fp8-block128, nvfp4, mxfp4, int4-g128-sym,
+    /// int4-g128-asym.
+    #[arg(long)]
+    scheme: Scheme,
+    /// Layout: fp8-block128, fp8-tensor, nvfp4-modelopt or bf16-emulated; default the
+    /// scheme's own (bf16-emulated for fp8-channel, mxfp4 and int4).
+    #[arg(long)]
+    layout: Option<Layout>,
+    /// Keep tensors whose names match this regex unquantized (repeatable; added to
+    /// the default list of embeddings, lm_head, norms and linear-attention
+    /// conv1d / A_log / dt_bias / in_proj_a / in_proj_b).
+    #[arg(long, value_name = "REGEX")]
+    skip: Vec<String>,
+    /// Do not use the default skip list, only the --skip patterns.
+    #[arg(long)]
+    no_default_skip: bool,
+    /// Largest shard of the output, in bytes.
+    #[arg(long, default_value_t = 5_000_000_000)]
+    max_shard_bytes: usize,
+    /// Replace the output directory if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+/// Files of the input directory copied as they are (tokenizer, generation config,
+/// chat template, ...): everything but the weights, their index and the configs
+/// the output rewrites.
+fn copy_side_files(input: &Path, out: &Path) -> Result<usize> {
+    if !input.is_dir() {
+        return Ok(0);
+    }
+    let mut copied = 0;
+    for entry in std::fs::read_dir(input).with_context(|| format!("reading {}", input.display()))? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let rewritten = name.ends_with(".safetensors")
+            || name == loraq_io::INDEX_FILE
+            || name == loraq_io::CONFIG_FILE
+            || name == "hf_quant_config.json"
+            || name == "SHA256SUMS";
+        if entry.file_type()?.is_file() && !rewritten {
+            std::fs::copy(entry.path(), out.join(&*name))
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+            copied += 1;
+        }
+    }
+    Ok(copied)
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let layout = args.layout.unwrap_or(Layout::default_for(args.scheme));
+    let mut patterns: Vec<String> = if args.no_default_skip {
+        Vec::new()
+    } else {
+        DEFAULT_SKIP.iter().map(|s| s.to_string()).collect()
+    };
+    patterns.extend(args.skip.iter().cloned());
+    let options = QuantizeOptions {
+        scheme: args.scheme,
+        layout,
+        skip: compile_skip(&patterns)?,
+        max_shard_bytes: args.max_shard_bytes,
+    };
+    let input = Checkpoint::open(&args.input)
+        .with_context(|| format!("cannot open checkpoint {}", args.input.display()))?;
+    let plan = plan_quantization(&input, &options)?;
+    if plan.quantized_count() == 0 {
+        bail!(
+            "{}: no tensor to quantize (every 2-D float .weight is skipped)",
+            args.input.display()
+        );
+    }
+    let out = AtomicDir::create(&args.out, args.force)?;
+    let bar = progress::bar(plan.actions.len() as u64, "quantize");
+    write_quantized(&input, &plan, &options, out.path(), &mut |name| {
+        bar.set_message(name.to_string());
+        bar.inc(1);
+    })?;
+    bar.finish_and_clear();
+    let side_files = copy_side_files(&args.input, out.path())?;
+    let target = out.commit()?;
+    println!(
+        "wrote {}: {} of {} tensors quantized with {} in the {} layout, {} kept as they were, {} side files copied",
+        target.display(),
+        plan.quantized_count(),
+        plan.actions.len(),
+        args.scheme,
+        layout,
+        plan.actions.len() - plan.quantized_count(),
+        side_files,
+    );
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while quantizing, dequantizing or reading and
+/// writing quantized checkpoints. Variants name the tensor (or file) concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantError {
+    /// A scheme name that is not one of [`crate::Scheme::ALL`].
+    #[error("unknown quantization scheme {name:?} (known: {known})")]
+    UnknownScheme {
+        /// The name given.
+        name: String,
+        /// The accepted names, comma separated.
+        known: String,
+    },
+    /// A layout name that is not known.
+    #[error("unknown checkpoint layout {name:?} (known: {known})")]
+    UnknownLayout {
+        /// The name given.
+        name: String,
+        /// The accepted names, comma separated.
+        known: String,
+    },
+    /// A scheme cannot be written in the requested layout.
+    #[error("scheme {scheme} cannot be written in layout {layout}")]
+    SchemeLayoutMismatch {
+        /// The scheme.
+        scheme: &'static str,
+        /// The layout.
+        layout: &'static str,
+    },
+    /// The data length does not match `rows * cols` (or the product overflows).
+    #[error("tensor {tensor}: {len} values do not form a {rows}x{cols} matrix")]
+    ShapeMismatch {
+        /// Tensor name.
+        tensor: String,
+        /// Rows (output features).
+        rows: usize,
+        /// Columns (input features).
+        cols: usize,
+        /// Number of values given.
+        len: usize,
+    },
+    /// A weight or activation entry is NaN or infinite.
+    #[error("tensor {tensor}: non-finite value {value} at row {row}, column {col}")]
+    NonFinite {
+        /// Tensor name.
+        tensor: String,
+        /// Row of the first offending entry.
+        row: usize,
+        /// Column of the first offending entry.
+        col: usize,
+        /// The value.
+        value: f32,
+    },
+    /// The input dimension is not a multiple of what the scheme needs.
+    #[error(
+        "tensor {tensor}: scheme {scheme} needs the input dimension to be a multiple of {multiple}, got {cols}"
+    )]
+    InputDimNotDivisible {
+        /// Tensor name.
+        tensor: String,
+        /// The scheme.
+        scheme: &'static str,
+        /// Required multiple.
+        multiple: usize,
+        /// The input dimension given.
+        cols: usize,
+    },
+    /// A global or static scale that is zero, negative or not finite.
+    #[error("tensor {tensor}: scale {value} is not a positive finite number")]
+    BadScale {
+        /// Tensor name.
+        tensor: String,
+        /// The scale.
+        value: f32,
+    },
+    /// A tensor of a quantized checkpoint has the wrong shape.
+    #[error("tensor {tensor}: shape {actual:?}, expected {expected:?}")]
+    TensorShape {
+        /// Tensor name.
+        tensor: String,
+        /// Shape found.
+        actual: Vec<usize>,
+        /// Shape expected.
+        expected: Vec<usize>,
+    },
+    /// A tensor of a quantized checkpoint has a dtype the layout does not allow.
+    #[error("tensor {tensor}: dtype {actual}, expected {expected}")]
+    TensorDtype {
+        /// Tensor name.
+        tensor: String,
+        /// Dtype found.
+        actual: String,
+        /// Dtype(s) expected.
+        expected: String,
+    },
+    /// A tensor the layout needs is missing from the checkpoint.
+    #[error("{path}: tensor {tensor} is missing (needed by the {layout} layout)")]
+    MissingTensor {
+        /// Checkpoint directory.
+        path: PathBuf,
+        /// Tensor name.
+        tensor: String,
+        /// The layout.
+        layout: &'static str,
+    },
+    /// The checkpoint's quantization_config is not one this crate reads.
+    #[error("{path}: unsupported quantization_config: {reason}")]
+    UnsupportedConfig {
+        /// Checkpoint directory or config file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An error from the checkpoint I/O crate.
+    #[error(transparent)]
+    Io(#[from] loraq_io::IoError),
+    /// A file system error outside loraq-io.
+    #[error("{path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A regular expression given to the skip list does not compile.
+    #[error("bad --skip pattern {pattern:?}: {reason}")]
+    BadPattern {
+        /// The pattern.
+        pattern: String,
+        /// Why it does not compile.
+        reason: String,
+    },
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = QuantError> = std::result::Result<T, E>;

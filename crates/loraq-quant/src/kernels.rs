@@ -1,0 +1,207 @@
+//! Hot loops over runs of values, compiled several times (AVX-512, AVX2, baseline)
+//! and picked at run time, so the branch-free encoders vectorize on the machine at
+//! hand while the crate still builds for the baseline target. Every version runs the
+//! same scalar code, so results are bit-identical whichever is picked.
+
+use crate::element::{E2M1_TABLE, E4M3_TABLE, E8M0_TABLE, e2m1_encode, e4m3_encode};
+use crate::scheme::{
+    MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale, mxfp4_scale_code, nvfp4_block_scale_code,
+};
+
+/// Defines `fn $name(args) -> ret` that runs `$body` compiled for the best
+/// instruction set the CPU offers.
+macro_rules! multiversion {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn generic($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
+                fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    generic($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    generic($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512bw") {
+                    // SAFETY: the CPU supports every feature `avx512` is compiled for.
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the CPU supports every feature `avx2` is compiled for.
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            generic($($arg),*)
+        }
+    };
+}
+
+multiversion! {
+    /// Largest `|x|` as bits: for non-negative floats the integer order is the float
+    /// order, and NaN / Inf compare above every finite value, so one integer max both
+    /// finds the maximum and flags non-finite input.
+    pub fn abs_max_bits(values: &[f32]) -> u32 {
+        // A plain fold: LLVM turns this integer max reduction into vector maxes.
+        values
+            .iter()
+            .fold(0u32, |max, x| max.max(x.to_bits() & 0x7FFF_FFFF))
+    }
+}
+
+multiversion! {
+    /// `codes[i] = e4m3(values[i] / scale)`.
+    pub fn encode_fp8_run(values: &[f32], scale: f32, codes: &mut [u8]) {
+        for (c, &x) in codes.iter_mut().zip(values) {
+            *c = e4m3_encode(x / scale);
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i] = e4m3_value(codes[i]) * scale`.
+    pub fn decode_fp8_run(codes: &[u8], scale: f32, out: &mut [f32]) {
+        for (o, &c) in out.iter_mut().zip(codes) {
+            *o = E4M3_TABLE[c as usize] * scale;
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i] = e4m3_value(e4m3(values[i] / scale)) * scale`: FP8 fake-quant of a run.
+    pub fn fake_quant_fp8_run(values: &[f32], scale: f32, out: &mut [f32]) {
+        for (o, &x) in out.iter_mut().zip(values) {
+            *o = E4M3_TABLE[e4m3_encode(x / scale) as usize] * scale;
+        }
+    }
+}
+
+/// Largest `|x|` bits of a short block, inlined into the kernels that call it.
+#[inline(always)]
+fn block_abs_max_bits(values: &[f32]) -> u32 {
+    values
+        .iter()
+        .fold(0u32, |max, x| max.max(x.to_bits() & 0x7FFF_FFFF))
+}
+
+/// Packs 2 codes per byte, even element in the low nibble.
+#[inline(always)]
+fn pack_pairs(codes: &[u8], packed: &mut [u8]) {
+    for (byte, pair) in packed.iter_mut().zip(codes.chunks_exact(2)) {
+        *byte = pair[0] | (pair[1] << 4);
+    }
+}
+
+multiversion! {
+    /// NVFP4-quantizes whole 16-blocks under global scale `global` (dequantization
+    /// direction): per block `s_b = e4m3(clamp(amax_b / (6 g), 2^-9, 448))` (1 for
+    /// an all-zero block) and `q = e2m1(x / (f32(s_b) g))`, packed two per byte.
+    pub fn nvfp4_quantize_run(values: &[f32], global: f32, packed: &mut [u8], scale_codes: &mut [u8]) {
+        for ((block, p), s) in values
+            .chunks_exact(NVFP4_BLOCK)
+            .zip(packed.chunks_exact_mut(NVFP4_BLOCK / 2))
+            .zip(scale_codes.iter_mut())
+        {
+            *s = nvfp4_block_scale_code(f32::from_bits(block_abs_max_bits(block)), global);
+            let divisor = E4M3_TABLE[*s as usize] * global;
+            let mut codes = [0u8; NVFP4_BLOCK];
+            for (c, &x) in codes.iter_mut().zip(block) {
+                *c = e2m1_encode(x / divisor);
+            }
+            pack_pairs(&codes, p);
+        }
+    }
+}
+
+multiversion! {
+    /// NVFP4 fake-quant of whole 16-blocks: `x <- (e2m1 * f32(s_b)) * g`.
+    pub fn nvfp4_fake_quant_run(values: &[f32], global: f32, out: &mut [f32]) {
+        for (block, o) in values.chunks_exact(NVFP4_BLOCK).zip(out.chunks_exact_mut(NVFP4_BLOCK)) {
+            let code = nvfp4_block_scale_code(f32::from_bits(block_abs_max_bits(block)), global);
+            let block_scale = E4M3_TABLE[code as usize];
+            let divisor = block_scale * global;
+            for (y, &x) in o.iter_mut().zip(block) {
+                *y = E2M1_TABLE[(e2m1_encode(x / divisor) & 0xF) as usize] * block_scale * global;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// NVFP4 dequantization of whole 16-blocks: `(e2m1 * f32(s_b))` then the global
+    /// scale in its stored direction.
+    pub fn nvfp4_dequantize_run(packed: &[u8], scale_codes: &[u8], global: Nvfp4GlobalScale, out: &mut [f32]) {
+        for ((o, p), &s) in out
+            .chunks_exact_mut(NVFP4_BLOCK)
+            .zip(packed.chunks_exact(NVFP4_BLOCK / 2))
+            .zip(scale_codes)
+        {
+            let block_scale = E4M3_TABLE[s as usize];
+            for (pair, &byte) in o.chunks_exact_mut(2).zip(p) {
+                pair[0] = global.apply(E2M1_TABLE[(byte & 0xF) as usize] * block_scale);
+                pair[1] = global.apply(E2M1_TABLE[(byte >> 4) as usize] * block_scale);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// MXFP4-quantizes whole 32-blocks: per block the E8M0 scale
+    /// `2^(floor(log2 amax) - 2)` and `q = e2m1(x / s)`, packed two per byte.
+    pub fn mxfp4_quantize_run(values: &[f32], packed: &mut [u8], scale_codes: &mut [u8]) {
+        for ((block, p), s) in values
+            .chunks_exact(MXFP4_BLOCK)
+            .zip(packed.chunks_exact_mut(MXFP4_BLOCK / 2))
+            .zip(scale_codes.iter_mut())
+        {
+            *s = mxfp4_scale_code(f32::from_bits(block_abs_max_bits(block)));
+            let scale = E8M0_TABLE[*s as usize];
+            let mut codes = [0u8; MXFP4_BLOCK];
+            for (c, &x) in codes.iter_mut().zip(block) {
+                *c = e2m1_encode(x / scale);
+            }
+            pack_pairs(&codes, p);
+        }
+    }
+}
+
+multiversion! {
+    /// MXFP4 dequantization of whole 32-blocks: `e2m1 * e8m0` (exact).
+    pub fn mxfp4_dequantize_run(packed: &[u8], scale_codes: &[u8], out: &mut [f32]) {
+        for ((o, p), &s) in out
+            .chunks_exact_mut(MXFP4_BLOCK)
+            .zip(packed.chunks_exact(MXFP4_BLOCK / 2))
+            .zip(scale_codes)
+        {
+            let scale = E8M0_TABLE[s as usize];
+            for (pair, &byte) in o.chunks_exact_mut(2).zip(p) {
+                pair[0] = E2M1_TABLE[(byte & 0xF) as usize] * scale;
+                pair[1] = E2M1_TABLE[(byte >> 4) as usize] * scale;
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// INT4 codes of one group: `clamp(round_half_even(x / s) + z, 0, 15)`.
+    pub fn int4_encode_run(values: &[f32], scale: f32, zero: u8, codes: &mut [u8]) {
+        let zero = f32::from(zero);
+        for (c, &x) in codes.iter_mut().zip(values) {
+            *c = ((x / scale).round_ties_even() + zero).clamp(0.0, 15.0) as u8;
+        }
+    }
+}
+
+multiversion! {
+    /// INT4 dequantization of one group: `(q - z) * s`.
+    pub fn int4_decode_run(codes: &[u8], scale: f32, zero: u8, out: &mut [f32]) {
+        for (o, &q) in out.iter_mut().zip(codes) {
+            *o = (i32::from(q) - i32::from(zero)) as f32 * scale;
+        }
+    }
+}

@@ -1,0 +1,789 @@
+//! Quantized checkpoint layouts: reading any of them back to exact `f32` weights
+//! ([`QuantizedBase`]) and writing them ([`plan_quantization`] /
+//! [`write_quantized`]).
+//!
+//! Read (detected per weight from the tensor names, checked against
+//! `quantization_config`):
+//! * fp8-block128 (Qwen / DeepSeek): `X.weight` F8_E4M3 `[out, in]` +
+//!   `X.weight_scale_inv` `[ceil(out/128), ceil(in/128)]` in F32, BF16 or F16, a
+//!   dequantization multiplier despite its name;
+//! * fp8 per tensor / per channel: `X.weight` F8_E4M3 + `X.weight_scale` `[]`, `[1]`,
+//!   `[out]` or `[out, 1]` (vLLM `fp8`, compressed-tensors float-quantized);
+//! * NVFP4 ModelOpt: `X.weight` U8 `[out, in/2]` + `X.weight_scale` F8_E4M3
+//!   `[out, in/16]` + `X.weight_scale_2` F32 (multiplier);
+//! * NVFP4 compressed-tensors: `X.weight_packed` U8 + `X.weight_scale` F8_E4M3 +
+//!   `X.weight_global_scale` F32 (divisor);
+//! * plain BF16 / F16 / F32 weights (bf16-emulated checkpoints are plain).
+//!
+//! Written: fp8-block128, fp8-tensor (vLLM `fp8` per-tensor), NVFP4 ModelOpt and
+//! bf16-emulated, one tensor in memory at a time.
+
+use crate::error::{QuantError, Result};
+use crate::scheme::{
+    FP8_BLOCK, Fp8Granularity, NVFP4_BLOCK, Nvfp4GlobalScale, QuantizedWeight, Scheme, WeightView,
+    blocks, dequantize_fp8_into, dequantize_nvfp4_into, fp8_scale_shape,
+};
+use loraq_io::{Checkpoint, CheckpointWriter, DType, QuantizationConfig, TensorInfo, TensorSpec};
+use regex::Regex;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// How one linear weight is stored in a checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoredWeight {
+    /// A plain float matrix (BF16, F16, F32, F64).
+    Float {
+        /// The stored dtype.
+        dtype: DType,
+    },
+    /// FP8 E4M3 codes with a scale per tensor, output row or 128x128 tile.
+    Fp8 {
+        /// Which scale applies where.
+        granularity: Fp8Granularity,
+        /// The scale tensor (`weight_scale_inv` for blocks, else `weight_scale`).
+        scale: String,
+    },
+    /// NVFP4 in the ModelOpt layout.
+    Nvfp4ModelOpt {
+        /// The E4M3 block-scale tensor.
+        block_scale: String,
+        /// The F32 global scale (multiplier).
+        global_scale: String,
+    },
+    /// NVFP4 in the compressed-tensors layout.
+    Nvfp4CompressedTensors {
+        /// The packed U8 codes.
+        packed: String,
+        /// The E4M3 block-scale tensor.
+        block_scale: String,
+        /// The F32 global scale (divisor).
+        global_scale: String,
+    },
+}
+
+impl StoredWeight {
+    /// Short name of the storage format.
+    pub fn format_name(&self) -> String {
+        match self {
+            Self::Float { dtype } => dtype.as_str().to_lowercase(),
+            Self::Fp8 { granularity, .. } => match granularity {
+                Fp8Granularity::Tensor => "fp8-tensor".into(),
+                Fp8Granularity::Channel => "fp8-channel".into(),
+                Fp8Granularity::Block128 => "fp8-block128".into(),
+            },
+            Self::Nvfp4ModelOpt { .. } => "nvfp4 (modelopt)".into(),
+            Self::Nvfp4CompressedTensors { .. } => "nvfp4 (compressed-tensors)".into(),
+        }
+    }
+}
+
+/// One linear weight of a [`QuantizedBase`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinearWeight {
+    /// Logical name, `<module path>.weight`, whatever the layout calls the codes.
+    pub name: String,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// How it is stored.
+    pub stored: StoredWeight,
+}
+
+/// A checkpoint whose 2-D weights can each be decoded exactly to `f32`, whatever
+/// the layout: what `extract`, `verify` and `run` read a base through.
+pub struct QuantizedBase {
+    checkpoint: Checkpoint,
+    weights: BTreeMap<String, LinearWeight>,
+}
+
+fn tensor_error(info: &TensorInfo, expected: &[&str]) -> QuantError {
+    QuantError::TensorDtype {
+        tensor: info.name.clone(),
+        actual: info.dtype.as_str().to_string(),
+        expected: expected.join(" or "),
+    }
+}
+
+fn require_dtype(info: &TensorInfo, allowed: &[DType]) -> Result<()> {
+    if allowed.contains(&info.dtype) {
+        Ok(())
+    } else {
+        let names: Vec<&str> = allowed.iter().map(|d| d.as_str()).collect();
+        Err(tensor_error(info, &names))
+    }
+}
+
+fn require_shape(info: &TensorInfo, expected: &[usize]) -> Result<()> {
+    if info.shape == expected {
+        Ok(())
+    } else {
+        Err(QuantError::TensorShape {
+            tensor: info.name.clone(),
+            actual: info.shape.clone(),
+            expected: expected.to_vec(),
+        })
+    }
+}
+
+/// A one-element F32 tensor (shape `[]` or `[1]`), e.g. a global scale.
+fn require_scalar(info: &TensorInfo) -> Result<()> {
+    require_dtype(info, &[DType::F32])?;
+    if info.shape.iter().product::<usize>() != 1 || info.shape.len() > 1 {
+        return Err(QuantError::TensorShape {
+            tensor: info.name.clone(),
+            actual: info.shape.clone(),
+            expected: vec![1],
+        });
+    }
+    Ok(())
+}
+
+const SCALE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+impl QuantizedBase {
+    /// Opens a checkpoint directory (or file) and detects how every weight is stored.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::new(Checkpoint::open(path)?)
+    }
+
+    /// Detects how every 2-D weight of `checkpoint` is stored and checks the scale
+    /// tensors' dtypes and shapes.
+    pub fn new(checkpoint: Checkpoint) -> Result<Self> {
+        let root = checkpoint.root().to_path_buf();
+        if let Some(QuantizationConfig::Fp8Block { block, .. }) =
+            checkpoint.config().and_then(|c| c.quantization.as_ref())
+            && *block != [FP8_BLOCK, FP8_BLOCK]
+        {
+            return Err(QuantError::UnsupportedConfig {
+                path: root,
+                reason: format!("weight_block_size {block:?}: only [128, 128] is supported"),
+            });
+        }
+        let mut weights = BTreeMap::new();
+        for info in checkpoint.tensors() {
+            if let Some(weight) = detect(&checkpoint, info)? {
+                weights.insert(weight.name.clone(), weight);
+            }
+        }
+        Ok(Self {
+            checkpoint,
+            weights,
+        })
+    }
+
+    /// The underlying checkpoint (for the tensors that are not linear weights).
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
+    }
+
+    /// Every 2-D weight, by logical name (`<module path>.weight`).
+    pub fn weights(&self) -> impl Iterator<Item = &LinearWeight> {
+        self.weights.values()
+    }
+
+    /// The weight called `name` (`<module path>.weight`).
+    pub fn weight(&self, name: &str) -> Result<&LinearWeight> {
+        self.weights
+            .get(name)
+            .ok_or_else(|| QuantError::MissingTensor {
+                path: self.checkpoint.root().to_path_buf(),
+                tensor: name.to_string(),
+                layout: "any",
+            })
+    }
+
+    /// The weight decoded exactly to `f32`, `[rows * cols]` row-major.
+    pub fn read_weight_f32(&self, name: &str) -> Result<Vec<f32>> {
+        let weight = self.weight(name)?;
+        let len =
+            weight
+                .rows
+                .checked_mul(weight.cols)
+                .ok_or_else(|| QuantError::ShapeMismatch {
+                    tensor: name.to_string(),
+                    rows: weight.rows,
+                    cols: weight.cols,
+                    len: usize::MAX,
+                })?;
+        let mut out = vec![0.0f32; len];
+        self.read_weight_f32_into(name, &mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes the weight into `out` (`rows * cols` values).
+    pub fn read_weight_f32_into(&self, name: &str, out: &mut [f32]) -> Result<()> {
+        let weight = self.weight(name)?;
+        if out.len() != weight.rows * weight.cols {
+            return Err(QuantError::ShapeMismatch {
+                tensor: name.to_string(),
+                rows: weight.rows,
+                cols: weight.cols,
+                len: out.len(),
+            });
+        }
+        let ckpt = &self.checkpoint;
+        match &weight.stored {
+            StoredWeight::Float { .. } => ckpt.read_f32_into(name, out)?,
+            StoredWeight::Fp8 { granularity, scale } => {
+                let scales = ckpt.read_f32(scale)?;
+                dequantize_fp8_into(ckpt.bytes(name)?, &scales, *granularity, weight.cols, out);
+            }
+            StoredWeight::Nvfp4ModelOpt {
+                block_scale,
+                global_scale,
+            } => {
+                let global = Nvfp4GlobalScale::Multiplier(ckpt.read_f32(global_scale)?[0]);
+                dequantize_nvfp4_into(ckpt.bytes(name)?, ckpt.bytes(block_scale)?, global, out);
+            }
+            StoredWeight::Nvfp4CompressedTensors {
+                packed,
+                block_scale,
+                global_scale,
+            } => {
+                let global = Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]);
+                dequantize_nvfp4_into(ckpt.bytes(packed)?, ckpt.bytes(block_scale)?, global, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// The stored codes and scales of a quantized weight as this crate's types
+    /// (copied), or `None` for a plain float weight. Kernels that run on the codes
+    /// directly start here.
+    pub fn read_quantized(&self, name: &str) -> Result<Option<QuantizedWeight>> {
+        let weight = self.weight(name)?;
+        let ckpt = &self.checkpoint;
+        let (rows, cols) = (weight.rows, weight.cols);
+        Ok(match &weight.stored {
+            StoredWeight::Float { .. } => None,
+            StoredWeight::Fp8 { granularity, scale } => {
+                Some(QuantizedWeight::Fp8(crate::scheme::Fp8Weight {
+                    rows,
+                    cols,
+                    granularity: *granularity,
+                    codes: ckpt.bytes(name)?.to_vec(),
+                    scales: ckpt.read_f32(scale)?,
+                }))
+            }
+            StoredWeight::Nvfp4ModelOpt {
+                block_scale,
+                global_scale,
+            } => Some(QuantizedWeight::Nvfp4(crate::scheme::Nvfp4Weight {
+                rows,
+                cols,
+                packed: ckpt.bytes(name)?.to_vec(),
+                block_scales: ckpt.bytes(block_scale)?.to_vec(),
+                global_scale: Nvfp4GlobalScale::Multiplier(ckpt.read_f32(global_scale)?[0]),
+            })),
+            StoredWeight::Nvfp4CompressedTensors {
+                packed,
+                block_scale,
+                global_scale,
+            } => Some(QuantizedWeight::Nvfp4(crate::scheme::Nvfp4Weight {
+                rows,
+                cols,
+                packed: ckpt.bytes(packed)?.to_vec(),
+                block_scales: ckpt.bytes(block_scale)?.to_vec(),
+                global_scale: Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]),
+            })),
+        })
+    }
+}
+
+/// Classifies one tensor: `Some` for the codes / matrix of a linear weight, `None`
+/// for scales and everything else.
+fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> {
+    let name = info.name.as_str();
+    if let Some(module) = name.strip_suffix(".weight_packed") {
+        // compressed-tensors NVFP4.
+        require_dtype(info, &[DType::U8])?;
+        let (rows, half_cols) = matrix(info)?;
+        let cols = half_cols * 2;
+        let block_scale = format!("{module}.weight_scale");
+        let global_scale = format!("{module}.weight_global_scale");
+        let scale_info = needed(ckpt, &block_scale, "nvfp4 compressed-tensors")?;
+        require_dtype(scale_info, &[DType::F8E4M3])?;
+        require_shape(scale_info, &[rows, cols / NVFP4_BLOCK])?;
+        require_block_multiple(info, cols)?;
+        require_scalar(needed(ckpt, &global_scale, "nvfp4 compressed-tensors")?)?;
+        return Ok(Some(LinearWeight {
+            name: format!("{module}.weight"),
+            rows,
+            cols,
+            stored: StoredWeight::Nvfp4CompressedTensors {
+                packed: name.to_string(),
+                block_scale,
+                global_scale,
+            },
+        }));
+    }
+    let Some(module) = name.strip_suffix(".weight") else {
+        return Ok(None);
+    };
+    if info.shape.len() != 2 {
+        return Ok(None);
+    }
+    let (rows, stored_cols) = matrix(info)?;
+    let stored = match info.dtype {
+        DType::F8E4M3 => {
+            let scale_inv = format!("{module}.weight_scale_inv");
+            let scale = format!("{module}.weight_scale");
+            if let Some(scale_info) = ckpt.get(&scale_inv) {
+                require_dtype(scale_info, &SCALE_DTYPES)?;
+                require_shape(
+                    scale_info,
+                    &fp8_scale_shape(Fp8Granularity::Block128, rows, stored_cols),
+                )?;
+                StoredWeight::Fp8 {
+                    granularity: Fp8Granularity::Block128,
+                    scale: scale_inv,
+                }
+            } else {
+                let scale_info = needed(ckpt, &scale, "fp8")?;
+                require_dtype(scale_info, &SCALE_DTYPES)?;
+                let granularity = match scale_info.shape.as_slice() {
+                    [] | [1] | [1, 1] => Fp8Granularity::Tensor,
+                    [n] | [n, 1] if *n == rows => Fp8Granularity::Channel,
+                    _ => {
+                        return Err(QuantError::TensorShape {
+                            tensor: scale.clone(),
+                            actual: scale_info.shape.clone(),
+                            expected: vec![rows, 1],
+                        });
+                    }
+                };
+                StoredWeight::Fp8 { granularity, scale }
+            }
+        }
+        DType::U8 => {
+            // ModelOpt NVFP4: two codes per byte.
+            let cols = stored_cols * 2;
+            let block_scale = format!("{module}.weight_scale");
+            let global_scale = format!("{module}.weight_scale_2");
+            let scale_info = needed(ckpt, &block_scale, "nvfp4 modelopt")?;
+            require_dtype(scale_info, &[DType::F8E4M3])?;
+            require_block_multiple(info, cols)?;
+            require_shape(scale_info, &[rows, cols / NVFP4_BLOCK])?;
+            require_scalar(needed(ckpt, &global_scale, "nvfp4 modelopt")?)?;
+            return Ok(Some(LinearWeight {
+                name: name.to_string(),
+                rows,
+                cols,
+                stored: StoredWeight::Nvfp4ModelOpt {
+                    block_scale,
+                    global_scale,
+                },
+            }));
+        }
+        dtype if dtype.is_float() => StoredWeight::Float { dtype },
+        _ => return Err(tensor_error(info, &["BF16", "F16", "F32", "F8_E4M3", "U8"])),
+    };
+    Ok(Some(LinearWeight {
+        name: name.to_string(),
+        rows,
+        cols: stored_cols,
+        stored,
+    }))
+}
+
+fn matrix(info: &TensorInfo) -> Result<(usize, usize)> {
+    info.matrix_shape().ok_or_else(|| QuantError::TensorShape {
+        tensor: info.name.clone(),
+        actual: info.shape.clone(),
+        expected: vec![0, 0],
+    })
+}
+
+fn require_block_multiple(info: &TensorInfo, cols: usize) -> Result<()> {
+    if cols % NVFP4_BLOCK != 0 {
+        return Err(QuantError::InputDimNotDivisible {
+            tensor: info.name.clone(),
+            scheme: "nvfp4",
+            multiple: NVFP4_BLOCK,
+            cols,
+        });
+    }
+    Ok(())
+}
+
+fn needed<'a>(ckpt: &'a Checkpoint, name: &str, layout: &'static str) -> Result<&'a TensorInfo> {
+    ckpt.get(name).ok_or_else(|| QuantError::MissingTensor {
+        path: ckpt.root().to_path_buf(),
+        tensor: name.to_string(),
+        layout,
+    })
+}
+
+// ------------------------------------------------------------------------------
+// Writing
+
+/// A checkpoint layout `loraq quantize` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// Qwen / DeepSeek block FP8: `weight` F8_E4M3 + `weight_scale_inv` F32.
+    Fp8Block128,
+    /// vLLM `fp8` per-tensor: `weight` F8_E4M3 + scalar `weight_scale` F32.
+    Fp8Tensor,
+    /// NVIDIA ModelOpt NVFP4.
+    Nvfp4ModelOpt,
+    /// Dequantized weights written back as BF16: runs anywhere.
+    Bf16Emulated,
+}
+
+impl Layout {
+    /// Every layout.
+    pub const ALL: [Layout; 4] = [
+        Self::Fp8Block128,
+        Self::Fp8Tensor,
+        Self::Nvfp4ModelOpt,
+        Self::Bf16Emulated,
+    ];
+
+    /// Command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fp8Block128 => "fp8-block128",
+            Self::Fp8Tensor => "fp8-tensor",
+            Self::Nvfp4ModelOpt => "nvfp4-modelopt",
+            Self::Bf16Emulated => "bf16-emulated",
+        }
+    }
+
+    /// The native layout of a scheme; schemes without one are written emulated.
+    pub fn default_for(scheme: Scheme) -> Layout {
+        match scheme {
+            Scheme::Fp8Block128 => Self::Fp8Block128,
+            Scheme::Fp8Tensor => Self::Fp8Tensor,
+            Scheme::Nvfp4 => Self::Nvfp4ModelOpt,
+            _ => Self::Bf16Emulated,
+        }
+    }
+
+    /// Whether `scheme` can be written in this layout.
+    pub fn accepts(self, scheme: Scheme) -> bool {
+        self == Self::Bf16Emulated || self == Self::default_for(scheme)
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Layout {
+    type Err = QuantError;
+
+    fn from_str(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|layout| layout.name() == name)
+            .ok_or_else(|| QuantError::UnknownLayout {
+                name: name.to_string(),
+                known: Self::ALL.map(Layout::name).join(", "),
+            })
+    }
+}
+
+/// Tensors kept in high precision by default, as published FP8 Qwen3.5 checkpoints
+/// keep them: embeddings, lm_head, norms, the linear-attention conv1d / A_log /
+/// dt_bias / in_proj_a / in_proj_b, and MoE routers.
+pub const DEFAULT_SKIP: &[&str] = &[
+    r"embed_tokens\.",
+    r"(^|\.)lm_head\.",
+    r"norm\.weight$",
+    r"linear_attn\.conv1d\.",
+    r"linear_attn\.A_log$",
+    r"linear_attn\.dt_bias$",
+    r"linear_attn\.in_proj_a\.",
+    r"linear_attn\.in_proj_b\.",
+    r"mlp\.gate\.weight$",
+    r"shared_expert_gate\.",
+];
+
+/// Compiles skip patterns, naming the one that fails.
+pub fn compile_skip(patterns: &[String]) -> Result<Vec<Regex>> {
+    patterns
+        .iter()
+        .map(|p| {
+            Regex::new(p).map_err(|e| QuantError::BadPattern {
+                pattern: p.clone(),
+                reason: e.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// What `write_quantized` does.
+#[derive(Clone, Debug)]
+pub struct QuantizeOptions {
+    /// The scheme.
+    pub scheme: Scheme,
+    /// The layout (must accept the scheme).
+    pub layout: Layout,
+    /// Tensors whose names match any of these stay as they are.
+    pub skip: Vec<Regex>,
+    /// Shard size limit of the output.
+    pub max_shard_bytes: usize,
+}
+
+/// What happens to one input tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TensorAction {
+    /// Copied unchanged.
+    Copy,
+    /// Quantized (a 2-D float `.weight` not skipped).
+    Quantize {
+        /// Output features.
+        rows: usize,
+        /// Input features.
+        cols: usize,
+    },
+}
+
+/// The output tensors and the action for every input tensor, computed before
+/// anything is written so every refusal comes first.
+#[derive(Clone, Debug)]
+pub struct QuantizePlan {
+    /// Input tensor names in order, with what happens to each.
+    pub actions: Vec<(String, TensorAction)>,
+    /// Output tensors, in write order.
+    pub specs: Vec<TensorSpec>,
+    /// Module paths left unquantized (2-D `.weight` tensors skipped).
+    pub not_converted: Vec<String>,
+    /// The `quantization_config` to add to config.json (none for bf16-emulated).
+    pub quantization_config: Option<Value>,
+}
+
+impl QuantizePlan {
+    /// Number of tensors quantized.
+    pub fn quantized_count(&self) -> usize {
+        self.actions
+            .iter()
+            .filter(|(_, a)| matches!(a, TensorAction::Quantize { .. }))
+            .count()
+    }
+}
+
+fn is_quantizable(info: &TensorInfo) -> bool {
+    info.name.ends_with(".weight")
+        && info.shape.len() == 2
+        && matches!(
+            info.dtype,
+            DType::BF16 | DType::F16 | DType::F32 | DType::F64
+        )
+}
+
+/// Plans the quantization of `input`: which tensors are quantized, the output
+/// tensors, and the config. Refuses an input that is already quantized, a scheme
+/// the layout cannot hold, and (naming the tensor) a weight whose input dimension
+/// the scheme cannot take.
+pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Result<QuantizePlan> {
+    let scheme = options.scheme;
+    if !options.layout.accepts(scheme) {
+        return Err(QuantError::SchemeLayoutMismatch {
+            scheme: scheme.name(),
+            layout: options.layout.name(),
+        });
+    }
+    if let Some(q) = input.config().and_then(|c| c.quantization.as_ref()) {
+        return Err(QuantError::UnsupportedConfig {
+            path: input.root().to_path_buf(),
+            reason: format!("the input is already quantized ({})", q.scheme_name()),
+        });
+    }
+    let mut actions = Vec::new();
+    let mut specs = Vec::new();
+    let mut not_converted = Vec::new();
+    for info in input.tensors() {
+        let skipped = options.skip.iter().any(|re| re.is_match(&info.name));
+        if !is_quantizable(info) || skipped {
+            if skipped && info.name.ends_with(".weight") && info.shape.len() == 2 {
+                not_converted.push(info.name.trim_end_matches(".weight").to_string());
+            }
+            actions.push((info.name.clone(), TensorAction::Copy));
+            specs.push(TensorSpec::new(&info.name, info.dtype, info.shape.clone()));
+            continue;
+        }
+        let (rows, cols) = (info.shape[0], info.shape[1]);
+        let multiple = scheme.input_multiple();
+        if cols % multiple != 0 {
+            return Err(QuantError::InputDimNotDivisible {
+                tensor: info.name.clone(),
+                scheme: scheme.name(),
+                multiple,
+                cols,
+            });
+        }
+        let module = info.name.trim_end_matches(".weight");
+        match options.layout {
+            Layout::Bf16Emulated => {
+                specs.push(TensorSpec::new(&info.name, DType::BF16, vec![rows, cols]));
+            }
+            Layout::Fp8Block128 => {
+                specs.push(TensorSpec::new(&info.name, DType::F8E4M3, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale_inv"),
+                    DType::F32,
+                    vec![blocks(rows, FP8_BLOCK), blocks(cols, FP8_BLOCK)],
+                ));
+            }
+            Layout::Fp8Tensor => {
+                specs.push(TensorSpec::new(&info.name, DType::F8E4M3, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale"),
+                    DType::F32,
+                    vec![],
+                ));
+            }
+            Layout::Nvfp4ModelOpt => {
+                specs.push(TensorSpec::new(&info.name, DType::U8, vec![rows, cols / 2]));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale"),
+                    DType::F8E4M3,
+                    vec![rows, cols / NVFP4_BLOCK],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale_2"),
+                    DType::F32,
+                    vec![],
+                ));
+            }
+        }
+        actions.push((info.name.clone(), TensorAction::Quantize { rows, cols }));
+    }
+    let quantization_config = match options.layout {
+        Layout::Bf16Emulated => None,
+        Layout::Fp8Block128 => Some(json!({
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "modules_to_not_convert": not_converted,
+        })),
+        Layout::Fp8Tensor => Some(json!({
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": not_converted,
+        })),
+        Layout::Nvfp4ModelOpt => Some(json!({
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": NVFP4_BLOCK,
+            "kv_cache_quant_algo": null,
+            "exclude_modules": not_converted,
+        })),
+    };
+    Ok(QuantizePlan {
+        actions,
+        specs,
+        not_converted,
+        quantization_config,
+    })
+}
+
+/// Writes the planned checkpoint into `dir` (an empty directory, normally an
+/// [`loraq_io::AtomicDir`]'s path): the tensors, one input tensor in memory at a
+/// time, sharded past `options.max_shard_bytes` with an index, then config.json with
+/// `quantization_config` (and, for NVFP4, ModelOpt's `hf_quant_config.json`).
+/// `progress` is called after every input tensor with its name.
+pub fn write_quantized(
+    input: &Checkpoint,
+    plan: &QuantizePlan,
+    options: &QuantizeOptions,
+    dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let mut metadata = BTreeMap::new();
+    metadata.insert("format".to_string(), "pt".to_string());
+    let mut writer =
+        CheckpointWriter::new(dir, plan.specs.clone(), options.max_shard_bytes, metadata)?;
+    for (name, action) in &plan.actions {
+        match action {
+            TensorAction::Copy => writer.write_tensor(name, input.bytes(name)?)?,
+            TensorAction::Quantize { rows, cols } => {
+                let values = input.read_f32(name)?;
+                let view = WeightView::new(name, *rows, *cols, &values)?;
+                let module = name.trim_end_matches(".weight");
+                if options.layout == Layout::Bf16Emulated {
+                    let dequantized = options.scheme.fake_quant(view)?;
+                    drop(values);
+                    writer
+                        .write_tensor(name, &loraq_io::convert::f32_to_bf16_bytes(&dequantized))?;
+                } else {
+                    match options.scheme.quantize(view)? {
+                        QuantizedWeight::Fp8(w) => {
+                            writer.write_tensor(name, &w.codes)?;
+                            let scale_name = if options.layout == Layout::Fp8Block128 {
+                                format!("{module}.weight_scale_inv")
+                            } else {
+                                format!("{module}.weight_scale")
+                            };
+                            writer.write_tensor(&scale_name, &le_bytes(&w.scales))?;
+                        }
+                        QuantizedWeight::Nvfp4(w) => {
+                            let Nvfp4GlobalScale::Multiplier(global) = w.global_scale else {
+                                unreachable!("quantize_nvfp4 writes a multiplier");
+                            };
+                            writer.write_tensor(name, &w.packed)?;
+                            writer
+                                .write_tensor(&format!("{module}.weight_scale"), &w.block_scales)?;
+                            writer.write_tensor(
+                                &format!("{module}.weight_scale_2"),
+                                &global.to_le_bytes(),
+                            )?;
+                        }
+                        QuantizedWeight::Mxfp4(_) | QuantizedWeight::Int4(_) => {
+                            unreachable!("plan_quantization only allows native layouts")
+                        }
+                    }
+                }
+            }
+        }
+        progress(name);
+    }
+    writer.finish()?;
+    write_configs(input, plan, dir)
+}
+
+fn le_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn write_json(path: PathBuf, value: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("JSON values serialize") + "\n";
+    std::fs::write(&path, text).map_err(|source| QuantError::File { path, source })
+}
+
+/// config.json with `quantization_config` at the root (where vLLM and transformers
+/// look), copied otherwise unchanged; ModelOpt's `hf_quant_config.json` for NVFP4.
+fn write_configs(input: &Checkpoint, plan: &QuantizePlan, dir: &Path) -> Result<()> {
+    let Some(config) = input.config() else {
+        return Ok(());
+    };
+    let mut raw = config.raw.clone();
+    if let (Some(q), Some(object)) = (&plan.quantization_config, raw.as_object_mut()) {
+        object.insert("quantization_config".to_string(), q.clone());
+    }
+    write_json(dir.join(loraq_io::CONFIG_FILE), &raw)?;
+    if let Some(q) = &plan.quantization_config
+        && q["quant_method"] == "modelopt"
+    {
+        let hf_quant = json!({
+            "producer": {"name": "modelopt", "version": "loraq"},
+            "quantization": {
+                "quant_algo": q["quant_algo"],
+                "kv_cache_quant_algo": null,
+                "group_size": q["group_size"],
+                "exclude_modules": q["exclude_modules"],
+            }
+        });
+        write_json(dir.join("hf_quant_config.json"), &hf_quant)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,259 @@
+//! Quantization error of weights, alone and under a LoRA adapter: what
+//! `loraq quant-error` reports per module.
+//!
+//! All norms are Frobenius norms accumulated in f64.
+
+use crate::error::{QuantError, Result};
+use crate::scheme::{Scheme, WeightView};
+use rayon::prelude::*;
+use serde_json::{Value, json};
+
+/// Relative error of the fake-quantized weight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightQuantError {
+    /// `||W||`.
+    pub weight_norm: f64,
+    /// `||dequant(Q(W)) - W||`.
+    pub error_norm: f64,
+}
+
+impl WeightQuantError {
+    /// `||dequant(Q(W)) - W|| / ||W||` (0 for an all-zero weight).
+    pub fn relative(&self) -> f64 {
+        ratio(self.error_norm, self.weight_norm)
+    }
+}
+
+/// Errors of `base + scale * B A` against the merged weight, with the merged
+/// weight's bf16 rounding floor beside them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MergedQuantError {
+    /// `||M||`.
+    pub merged_norm: f64,
+    /// `||W + s B A - M||`: the adapter on the unquantized base.
+    pub exact_error_norm: f64,
+    /// `||dequant(Q(W)) + s B A - M||`: the adapter on the quantized base.
+    pub quantized_error_norm: f64,
+    /// bf16 rounding floor of M, `sqrt(sum ulp(m)^2 / 12)` (DESIGN.md).
+    pub floor: f64,
+}
+
+impl MergedQuantError {
+    /// The four figures relative to `||M||`: exact, quantized, floor.
+    pub fn relative(&self) -> (f64, f64, f64) {
+        (
+            ratio(self.exact_error_norm, self.merged_norm),
+            ratio(self.quantized_error_norm, self.merged_norm),
+            ratio(self.floor, self.merged_norm),
+        )
+    }
+}
+
+fn ratio(num: f64, den: f64) -> f64 {
+    if den == 0.0 { 0.0 } else { num / den }
+}
+
+/// The fake-quantized weight and its error against `weight`.
+pub fn weight_quant_error(
+    scheme: Scheme,
+    weight: WeightView<'_>,
+) -> Result<(Vec<f32>, WeightQuantError)> {
+    let quantized = scheme.fake_quant(weight)?;
+    let (weight_sq, error_sq) = weight
+        .data
+        .par_chunks(1 << 14)
+        .zip(quantized.par_chunks(1 << 14))
+        .map(|(w, q)| {
+            w.iter()
+                .zip(q)
+                .fold((0.0f64, 0.0f64), |(ws, es), (&w, &q)| {
+                    let d = f64::from(q) - f64::from(w);
+                    (ws + f64::from(w) * f64::from(w), es + d * d)
+                })
+        })
+        .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    Ok((
+        quantized,
+        WeightQuantError {
+            weight_norm: weight_sq.sqrt(),
+            error_norm: error_sq.sqrt(),
+        },
+    ))
+}
+
+/// A LoRA update `scale * B A` of one module: `b` is `[out, rank]`, `a` is
+/// `[rank, in]`, row-major f32.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraUpdate<'a> {
+    /// `[out, rank]`.
+    pub b: &'a [f32],
+    /// `[rank, in]`.
+    pub a: &'a [f32],
+    /// Rank.
+    pub rank: usize,
+    /// `alpha / r`.
+    pub scale: f32,
+}
+
+/// Errors of the adapter on the unquantized and on the quantized base against the
+/// merged weight. `base` and `quantized` are the base weight and its fake-quant
+/// (from [`weight_quant_error`]); `merged` has the same shape.
+pub fn merged_quant_error(
+    base: WeightView<'_>,
+    quantized: &[f32],
+    update: LoraUpdate<'_>,
+    merged: &[f32],
+) -> Result<MergedQuantError> {
+    let (rows, cols, rank) = (base.rows, base.cols, update.rank);
+    let shape_error = |len| QuantError::ShapeMismatch {
+        tensor: base.name.to_string(),
+        rows,
+        cols,
+        len,
+    };
+    if merged.len() != base.data.len() || quantized.len() != base.data.len() {
+        return Err(shape_error(merged.len()));
+    }
+    if rows.checked_mul(rank) != Some(update.b.len())
+        || rank.checked_mul(cols) != Some(update.a.len())
+    {
+        return Err(shape_error(update.b.len() + update.a.len()));
+    }
+    if cols == 0 {
+        return Ok(MergedQuantError {
+            merged_norm: 0.0,
+            exact_error_norm: 0.0,
+            quantized_error_norm: 0.0,
+            floor: 0.0,
+        });
+    }
+    let sums = (0..rows)
+        .into_par_iter()
+        .map(|row| {
+            // delta = scale * B[row, :] A, accumulated as axpys over A's rows.
+            let mut delta = vec![0.0f32; cols];
+            for k in 0..rank {
+                let coefficient = update.scale * update.b[row * rank + k];
+                if coefficient != 0.0 {
+                    for (d, &a) in delta.iter_mut().zip(&update.a[k * cols..(k + 1) * cols]) {
+                        *d += coefficient * a;
+                    }
+                }
+            }
+            let range = row * cols..(row + 1) * cols;
+            let mut acc = [0.0f64; 4];
+            for (((&d, &w), &q), &m) in delta
+                .iter()
+                .zip(&base.data[range.clone()])
+                .zip(&quantized[range.clone()])
+                .zip(&merged[range])
+            {
+                let (d, m64) = (f64::from(d), f64::from(m));
+                let exact = f64::from(w) + d - m64;
+                let quant = f64::from(q) + d - m64;
+                let ulp = loraq_io::convert::bf16_ulp(m);
+                acc[0] += m64 * m64;
+                acc[1] += exact * exact;
+                acc[2] += quant * quant;
+                acc[3] += ulp * ulp / 12.0;
+            }
+            acc
+        })
+        .reduce(
+            || [0.0f64; 4],
+            |a, b| [a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]],
+        );
+    Ok(MergedQuantError {
+        merged_norm: sums[0].sqrt(),
+        exact_error_norm: sums[1].sqrt(),
+        quantized_error_norm: sums[2].sqrt(),
+        floor: sums[3].sqrt(),
+    })
+}
+
+/// One module's line of the report.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModuleReport {
+    /// Weight tensor name.
+    pub name: String,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    /// The weight's own quantization error.
+    pub weight: WeightQuantError,
+    /// With an adapter and a merged checkpoint, the errors against the merged weight.
+    pub merged: Option<(usize, MergedQuantError)>,
+}
+
+impl ModuleReport {
+    /// JSON object of this line.
+    pub fn to_json(&self) -> Value {
+        let mut value = json!({
+            "name": self.name,
+            "shape": [self.rows, self.cols],
+            "weight_norm": self.weight.weight_norm,
+            "quant_error": self.weight.error_norm,
+            "quant_rel_error": self.weight.relative(),
+        });
+        if let Some((rank, merged)) = &self.merged {
+            let (exact, quantized, floor) = merged.relative();
+            value["adapter"] = json!({
+                "rank": rank,
+                "merged_norm": merged.merged_norm,
+                "exact_rel_error": exact,
+                "quantized_rel_error": quantized,
+                "bf16_floor_rel": floor,
+                "quantized_over_floor": ratio(merged.quantized_error_norm, merged.floor),
+            });
+        }
+        value
+    }
+}
+
+/// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure.
+pub fn totals_json(reports: &[ModuleReport]) -> Value {
+    let sum = |f: &dyn Fn(&ModuleReport) -> Option<f64>| -> f64 {
+        reports
+            .iter()
+            .filter_map(f)
+            .map(|x| x * x)
+            .sum::<f64>()
+            .sqrt()
+    };
+    let weight_norm = sum(&|r| Some(r.weight.weight_norm));
+    let weight_error = sum(&|r| Some(r.weight.error_norm));
+    let mut value = json!({
+        "modules": reports.len(),
+        "quant_rel_error": ratio(weight_error, weight_norm),
+    });
+    let adapted: Vec<&MergedQuantError> = reports
+        .iter()
+        .filter_map(|r| r.merged.as_ref().map(|m| &m.1))
+        .collect();
+    if !adapted.is_empty() {
+        let norm = adapted
+            .iter()
+            .map(|m| m.merged_norm.powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let exact = adapted
+            .iter()
+            .map(|m| m.exact_error_norm.powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let quant = adapted
+            .iter()
+            .map(|m| m.quantized_error_norm.powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let floor = adapted.iter().map(|m| m.floor.powi(2)).sum::<f64>().sqrt();
+        value["adapter"] = json!({
+            "modules": adapted.len(),
+            "exact_rel_error": ratio(exact, norm),
+            "quantized_rel_error": ratio(quant, norm),
+            "bf16_floor_rel": ratio(floor, norm),
+        });
+    }
+    value
+}
