@@ -1,0 +1,162 @@
+//! CPU benchmarks of the fused quantized-base + LoRA linear.
+//!
+//! - `memory_read`: this machine's streaming read bandwidth (rayon + SIMD sum over
+//!   256 MiB), the physical limit the decode path is compared against.
+//! - `decode`: batch 1 at 17408x5120 (Qwen3.8-27B up/gate shape) + rank 256, fp8-block128
+//!   and nvfp4 bases: the fused path, dequantize-then-multiply (dequantizing every call),
+//!   and multiplying by a pre-dequantized f32 weight. Throughput = weight bytes the fused
+//!   path reads (codes + scales + both LoRA factors), so the figures are effective GB/s.
+//! - `prefill`: 128 tokens at 6144x5120 + rank 256: throughput in elements = multiply-adds,
+//!   so GFLOP/s = 2 x the reported Gelem/s.
+//!
+//! `cargo bench -p loraq-kernels --bench cpu_linear`
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use loraq_kernels::{
+    BaseWeight, CpuOptions, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, QuantLoraLinear,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use std::hint::black_box;
+use std::time::Duration;
+
+fn random_bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8 + Sync) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    out.par_chunks_mut(1 << 20)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_add(i as u64));
+            rng.fill(chunk);
+            chunk.iter_mut().for_each(|b| *b = map(*b));
+        });
+    out
+}
+
+fn no_nan_e4m3(b: u8) -> u8 {
+    if b & 0x7F == 0x7F { b ^ 1 } else { b }
+}
+
+fn lora(out_dim: usize, in_dim: usize, rank: usize) -> LoraAdapter {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let a = (0..rank * in_dim)
+        .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
+        .collect();
+    let b = (0..out_dim * rank)
+        .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
+        .collect();
+    LoraAdapter::new(rank, in_dim, out_dim, a, b, 1.0).unwrap()
+}
+
+fn fp8_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
+    let codes = random_bytes(out_dim * in_dim, 1, no_nan_e4m3);
+    let scales = vec![1e-3f32; out_dim.div_ceil(128) * in_dim.div_ceil(128)];
+    let base =
+        BaseWeight::Fp8Block128(Fp8Block128Weight::new(out_dim, in_dim, codes, scales).unwrap());
+    QuantLoraLinear::new(base, Some(lora(out_dim, in_dim, rank))).unwrap()
+}
+
+fn nvfp4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
+    let packed = random_bytes(out_dim * in_dim / 2, 2, |b| b);
+    let scales = random_bytes(out_dim * in_dim / 16, 3, |b| 0x30 + (b & 0x0F));
+    let base = BaseWeight::Nvfp4(Nvfp4Weight::new(out_dim, in_dim, packed, scales, 1e-3).unwrap());
+    QuantLoraLinear::new(base, Some(lora(out_dim, in_dim, rank))).unwrap()
+}
+
+fn activations(len: usize) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn memory_read(c: &mut Criterion) {
+    const BYTES: usize = 256 << 20;
+    let buffer: Vec<u64> = (0..BYTES / 8).into_par_iter().map(|i| i as u64).collect();
+    let mut group = c.benchmark_group("memory_read");
+    group.throughput(Throughput::Bytes(BYTES as u64));
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(4));
+    group.bench_function("rayon_sum_256MiB", |b| {
+        b.iter(|| {
+            // 8 independent lanes per chunk so the adds vectorize and never serialize.
+            let s: u64 = buffer
+                .par_chunks(1 << 16)
+                .map(|chunk| {
+                    let mut lanes = [0u64; 8];
+                    for block in chunk.chunks_exact(8) {
+                        for (l, v) in lanes.iter_mut().zip(block) {
+                            *l = l.wrapping_add(*v);
+                        }
+                    }
+                    lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                })
+                .reduce(|| 0, u64::wrapping_add);
+            black_box(s)
+        })
+    });
+    group.finish();
+}
+
+fn decode(c: &mut Criterion) {
+    let (out_dim, in_dim, rank) = (17408, 5120, 256);
+    let opts = CpuOptions::default();
+    let x = activations(in_dim);
+    let mut group = c.benchmark_group("decode_17408x5120_r256_b1");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(5));
+    for (name, linear) in [
+        ("fp8-block128", fp8_linear(out_dim, in_dim, rank)),
+        ("nvfp4", nvfp4_linear(out_dim, in_dim, rank)),
+    ] {
+        group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
+        let mut y = vec![0f32; out_dim];
+        group.bench_function(BenchmarkId::new("fused", name), |b| {
+            b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
+        });
+        group.bench_function(BenchmarkId::new("dequantize_then_multiply", name), |b| {
+            b.iter(|| {
+                let dense = linear.dequantize_base(opts);
+                linear
+                    .forward_dense_baseline(&dense, black_box(&x), 1, &mut y, opts)
+                    .unwrap()
+            })
+        });
+        let dense = linear.dequantize_base(opts);
+        group.bench_function(BenchmarkId::new("predequantized_f32_multiply", name), |b| {
+            b.iter(|| {
+                linear
+                    .forward_dense_baseline(&dense, black_box(&x), 1, &mut y, opts)
+                    .unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn prefill(c: &mut Criterion) {
+    let (out_dim, in_dim, rank, batch) = (6144, 5120, 256, 128);
+    let opts = CpuOptions::default();
+    let x = activations(batch * in_dim);
+    let mut group = c.benchmark_group("prefill_6144x5120_r256_b128");
+    group
+        .sample_size(10)
+        .measurement_time(Duration::from_secs(8));
+    for (name, linear) in [
+        ("fp8-block128", fp8_linear(out_dim, in_dim, rank)),
+        ("nvfp4", nvfp4_linear(out_dim, in_dim, rank)),
+    ] {
+        group.throughput(Throughput::Elements(
+            (linear.macs_per_token() * batch) as u64,
+        ));
+        let mut y = vec![0f32; batch * out_dim];
+        group.bench_function(BenchmarkId::new("fused", name), |b| {
+            b.iter(|| linear.forward(black_box(&x), batch, &mut y, opts).unwrap())
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, memory_read, decode, prefill);
+criterion_main!(benches);

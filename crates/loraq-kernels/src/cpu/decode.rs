@@ -1,0 +1,412 @@
+//! Row decoders: "dequantize a short run of one weight row straight into f32 registers".
+//!
+//! Each stored format implements [`RowDecode`]: a scalar element getter (tails, scalar
+//! ISA) plus 16-wide (AVX-512) and 8-wide (AVX2) loads that turn packed codes into
+//! dequantized f32 lanes with a handful of integer ops, never touching memory other than
+//! the codes and their scale. The GEMV and GEMM kernels are generic over this trait, so a
+//! new format is one impl.
+
+use crate::reference::E2M1_VALUES;
+use crate::weight::{FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK};
+use float8::F8E4M3;
+use half::bf16;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// 2^120: moves an E4M3 code, reinterpreted as an f32 with its exponent field shifted
+/// into place, from the f32 bias (127) to the E4M3 bias (7). Subnormal E4M3 codes become
+/// f32 subnormals and are scaled exactly as well.
+const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
+/// Bits kept of a sign-extended E4M3 code shifted left by 20: sign (31) and the
+/// exponent + mantissa (30..20) of the code.
+const E4M3_F32_MASK: i32 = 0x87F0_0000_u32 as i32;
+
+/// Decodes rows of a `[rows, cols]` matrix stored in some format into f32.
+///
+/// # Safety
+/// The SIMD loads are `unsafe` because they need the CPU feature and read
+/// `row * cols + k .. + 16` (or 8) without bounds checks: callers guarantee
+/// `row < rows()`, `k % 16 == 0` (8 for `load8`) and `k + 16 <= cols()` (8 for `load8`).
+pub(crate) trait RowDecode: Sync {
+    /// Rows of the matrix.
+    fn rows(&self) -> usize;
+    /// Columns of the matrix.
+    fn cols(&self) -> usize;
+    /// One element, dequantized.
+    fn get(&self, row: usize, k: usize) -> f32;
+    /// 16 consecutive elements of `row` from `k`, dequantized (AVX-512F/BW).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(&self, row: usize, k: usize) -> __m512;
+    /// 8 consecutive elements of `row` from `k`, dequantized (AVX2/FMA).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(&self, row: usize, k: usize) -> __m256;
+}
+
+/// Row-major f32 matrix (the dequantize-then-multiply baseline and tests).
+pub(crate) struct F32Rows<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl RowDecode for F32Rows<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline(always)]
+    fn get(&self, row: usize, k: usize) -> f32 {
+        self.data[row * self.cols + k]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        unsafe { _mm512_loadu_ps(self.data.as_ptr().add(row * self.cols + k)) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        unsafe { _mm256_loadu_ps(self.data.as_ptr().add(row * self.cols + k)) }
+    }
+}
+
+/// Row-major bf16 matrix (bf16 base weights and the LoRA factors).
+pub(crate) struct Bf16Rows<'a> {
+    pub data: &'a [bf16],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl RowDecode for Bf16Rows<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline(always)]
+    fn get(&self, row: usize, k: usize) -> f32 {
+        self.data[row * self.cols + k].to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        // bf16 is the top half of an f32: widen and shift.
+        unsafe {
+            let raw = _mm256_loadu_si256(self.data.as_ptr().add(row * self.cols + k).cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        unsafe {
+            let raw = _mm_loadu_si128(self.data.as_ptr().add(row * self.cols + k).cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+        }
+    }
+}
+
+/// FP8 E4M3 codes with 128x128 tile multipliers.
+///
+/// `rebiased` holds `scale * 2^120` per tile (see [`E4M3_REBIAS`]) so a SIMD load is
+/// one multiply; when some `scale * 2^120` overflows (a tile multiplier >= 2^8, never
+/// seen in real checkpoints) `TWO_STEP` decoders multiply by 2^120 and the scale apart.
+pub(crate) struct Fp8Block128Rows<'a, const TWO_STEP: bool> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub rebiased: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub scale_cols: usize,
+}
+
+/// `scale * 2^120` per tile, or `None` when one of them overflows.
+pub(crate) fn fp8_rebiased_scales(scales: &[f32]) -> Option<Vec<f32>> {
+    let rebiased: Vec<f32> = scales.iter().map(|s| s * E4M3_REBIAS).collect();
+    rebiased.iter().all(|r| r.is_finite()).then_some(rebiased)
+}
+
+impl<const TWO_STEP: bool> Fp8Block128Rows<'_, TWO_STEP> {
+    #[inline(always)]
+    fn tile(&self, row: usize, k: usize) -> usize {
+        (row / FP8_BLOCK) * self.scale_cols + k / FP8_BLOCK
+    }
+}
+
+impl<const TWO_STEP: bool> RowDecode for Fp8Block128Rows<'_, TWO_STEP> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline(always)]
+    fn get(&self, row: usize, k: usize) -> f32 {
+        F8E4M3::from_bits(self.codes[row * self.cols + k]).to_f32() * self.scales[self.tile(row, k)]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        // SAFETY: row < rows and k + 16 <= cols (trait contract), so the code run and
+        // the tile index are in bounds.
+        unsafe {
+            let raw = _mm_loadu_si128(self.codes.as_ptr().add(row * self.cols + k).cast());
+            // Sign-extended code << 20: the sign lands in bit 31, exponent and mantissa at
+            // the top of f32's fields; the mask clears the sign copies in between.
+            let v = _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(raw));
+            let unbiased =
+                _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(E4M3_F32_MASK)));
+            let tile = self.tile(row, k);
+            if TWO_STEP {
+                let rebiased = _mm512_mul_ps(unbiased, _mm512_set1_ps(E4M3_REBIAS));
+                _mm512_mul_ps(rebiased, _mm512_set1_ps(*self.scales.get_unchecked(tile)))
+            } else {
+                _mm512_mul_ps(unbiased, _mm512_set1_ps(*self.rebiased.get_unchecked(tile)))
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        // SAFETY: as load16.
+        unsafe {
+            let raw = _mm_loadl_epi64(self.codes.as_ptr().add(row * self.cols + k).cast());
+            let v = _mm256_slli_epi32::<20>(_mm256_cvtepi8_epi32(raw));
+            let unbiased =
+                _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(E4M3_F32_MASK)));
+            let tile = self.tile(row, k);
+            if TWO_STEP {
+                let rebiased = _mm256_mul_ps(unbiased, _mm256_set1_ps(E4M3_REBIAS));
+                _mm256_mul_ps(rebiased, _mm256_set1_ps(*self.scales.get_unchecked(tile)))
+            } else {
+                _mm256_mul_ps(unbiased, _mm256_set1_ps(*self.rebiased.get_unchecked(tile)))
+            }
+        }
+    }
+}
+
+/// Packed E2M1 codes (even element in the low nibble) with one multiplier per block of
+/// `BLOCK` inputs, looked up from a 256-entry table indexed by the stored scale byte
+/// (NVFP4: E4M3 times the global scale; MXFP4: E8M0).
+pub(crate) struct PackedFp4Rows<'a, const BLOCK: usize> {
+    pub packed: &'a [u8],
+    pub block_scales: &'a [u8],
+    pub scale_table: &'a [f32; 256],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// NVFP4 rows.
+pub(crate) type Nvfp4Rows<'a> = PackedFp4Rows<'a, NVFP4_BLOCK>;
+/// MXFP4 rows.
+pub(crate) type Mxfp4Rows<'a> = PackedFp4Rows<'a, MXFP4_BLOCK>;
+
+/// Scale table for NVFP4: `e4m3(code) * global_scale`.
+pub(crate) fn nvfp4_scale_table(global_scale: f32) -> [f32; 256] {
+    std::array::from_fn(|code| F8E4M3::from_bits(code as u8).to_f32() * global_scale)
+}
+
+/// Scale table for MXFP4: `2^(code - 127)` (code 255, NaN, is refused at construction).
+pub(crate) fn mxfp4_scale_table() -> [f32; 256] {
+    std::array::from_fn(|code| (2f64.powi(code as i32 - 127)) as f32)
+}
+
+impl<const BLOCK: usize> PackedFp4Rows<'_, BLOCK> {
+    #[inline(always)]
+    fn scale(&self, row: usize, k: usize) -> f32 {
+        self.scale_table[usize::from(self.block_scales[row * (self.cols / BLOCK) + k / BLOCK])]
+    }
+
+    /// # Safety
+    /// `row < rows`, `k < cols`.
+    #[inline(always)]
+    unsafe fn scale_unchecked(&self, row: usize, k: usize) -> f32 {
+        // SAFETY: in-bounds block index (caller); the table has 256 entries.
+        unsafe {
+            let code = *self
+                .block_scales
+                .get_unchecked(row * (self.cols / BLOCK) + k / BLOCK);
+            *self.scale_table.get_unchecked(usize::from(code))
+        }
+    }
+}
+
+impl<const BLOCK: usize> RowDecode for PackedFp4Rows<'_, BLOCK> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline(always)]
+    fn get(&self, row: usize, k: usize) -> f32 {
+        let byte = self.packed[row * (self.cols / 2) + k / 2];
+        let code = if k.is_multiple_of(2) {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        };
+        E2M1_VALUES[usize::from(code)] * self.scale(row, k)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        unsafe {
+            let bytes = _mm_loadl_epi64(
+                self.packed
+                    .as_ptr()
+                    .add(row * (self.cols / 2) + k / 2)
+                    .cast(),
+            );
+            // b0 b0 b1 b1 ...: each lane gets its byte, then the odd lanes shift by 4.
+            let doubled = _mm_unpacklo_epi8(bytes, bytes);
+            let lanes = _mm512_cvtepu8_epi32(doubled);
+            let shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+            // vpermps reads only the low 4 bits of each index: no mask needed.
+            let codes = _mm512_srlv_epi32(lanes, shifts);
+            let table = _mm512_loadu_ps(E2M1_VALUES.as_ptr());
+            let values = _mm512_permutexvar_ps(codes, table);
+            _mm512_mul_ps(values, _mm512_set1_ps(self.scale_unchecked(row, k)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        unsafe {
+            let ptr = self.packed.as_ptr().add(row * (self.cols / 2) + k / 2);
+            let word = std::ptr::read_unaligned(ptr.cast::<i32>());
+            let bytes = _mm_cvtsi32_si128(word);
+            let doubled = _mm_unpacklo_epi8(bytes, bytes);
+            let lanes = _mm256_cvtepu8_epi32(doubled);
+            let shifts = _mm256_set_epi32(4, 0, 4, 0, 4, 0, 4, 0);
+            let codes = _mm256_srlv_epi32(lanes, shifts);
+            // 8-entry permute on the magnitude (vpermps reads the low 3 bits of each
+            // index), sign bit (bit 3) moved to bit 31 and xor-ed in.
+            let table = _mm256_loadu_ps(E2M1_VALUES.as_ptr());
+            let magnitude = _mm256_permutevar8x32_ps(table, codes);
+            let sign =
+                _mm256_and_si256(_mm256_slli_epi32::<28>(codes), _mm256_set1_epi32(i32::MIN));
+            let values = _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+            _mm256_mul_ps(values, _mm256_set1_ps(self.scale_unchecked(row, k)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::{Isa, gemm::decode_segment};
+
+    /// Every SIMD decode equals the element getter on every code: all 254 finite E4M3
+    /// codes, all 16 E2M1 codes against all block-scale codes.
+    fn check_all_isas<D: RowDecode>(d: &D) {
+        for isa in Isa::available() {
+            for row in 0..d.rows() {
+                let mut out = vec![0f32; d.cols()];
+                decode_segment(isa, d, row, 0, &mut out);
+                for (k, &v) in out.iter().enumerate() {
+                    assert_eq!(
+                        v.to_bits(),
+                        d.get(row, k).to_bits(),
+                        "{} row {row} col {k}",
+                        isa.name()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_simd_decode_matches_scalar_for_every_code() {
+        let codes: Vec<u8> = (0..=255u8)
+            .filter(|c| c & 0x7F != 0x7F)
+            .cycle()
+            .take(2 * 256)
+            .collect();
+        // Includes a scale large enough that scale * 2^120 overflows (the two-step path).
+        let scales = [3.0e-3, 1.5e-5];
+        let rebiased = fp8_rebiased_scales(&scales).unwrap();
+        let d = Fp8Block128Rows::<false> {
+            codes: &codes,
+            scales: &scales,
+            rebiased: &rebiased,
+            rows: 2,
+            cols: 256,
+            scale_cols: 2,
+        };
+        check_all_isas(&d);
+        assert_eq!(d.get(0, 1), F8E4M3::from_bits(1).to_f32() * 3.0e-3);
+        // A multiplier whose product with 2^120 overflows takes the two-step decoder.
+        let big = [3.0e-3, 7.5e2];
+        assert!(fp8_rebiased_scales(&big).is_none());
+        check_all_isas(&Fp8Block128Rows::<true> {
+            codes: &codes,
+            scales: &big,
+            rebiased: &[],
+            rows: 2,
+            cols: 256,
+            scale_cols: 2,
+        });
+    }
+
+    #[test]
+    fn fp4_simd_decode_matches_scalar_for_every_code_and_scale() {
+        // 256 rows, one per scale code; each row holds every E2M1 code in both nibbles.
+        let row: Vec<u8> = (0..16u8)
+            .flat_map(|lo| (0..16u8).map(move |hi| lo | (hi << 4)))
+            .collect();
+        let packed: Vec<u8> = row.iter().copied().cycle().take(256 * row.len()).collect();
+        let cols = row.len() * 2;
+        let nv_scales: Vec<u8> = (0..256usize)
+            .flat_map(|c| std::iter::repeat_n(c as u8, cols / 16))
+            .collect();
+        let table = nvfp4_scale_table(0.25);
+        let nvfp4 = Nvfp4Rows {
+            packed: &packed,
+            block_scales: &nv_scales,
+            scale_table: &table,
+            rows: 256,
+            cols,
+        };
+        check_all_isas(&nvfp4);
+        let mx_scales: Vec<u8> = (0..256usize)
+            .flat_map(|c| std::iter::repeat_n(c as u8, cols / 32))
+            .collect();
+        let mx_table = mxfp4_scale_table();
+        let mxfp4 = Mxfp4Rows {
+            packed: &packed,
+            block_scales: &mx_scales,
+            scale_table: &mx_table,
+            rows: 255,
+            cols,
+        };
+        check_all_isas(&mxfp4);
+    }
+
+    #[test]
+    fn bf16_simd_decode_matches_scalar() {
+        let data: Vec<bf16> = (0..=u16::MAX)
+            .step_by(7)
+            .map(bf16::from_bits)
+            .filter(|v| v.is_finite())
+            .take(64 * 40)
+            .collect();
+        check_all_isas(&Bf16Rows {
+            data: &data,
+            rows: 40,
+            cols: 64,
+        });
+    }
+}

@@ -1,0 +1,227 @@
+//! Prefill-shaped products (many tokens): output columns are processed in blocks of
+//! `nr` rows of the weight; for every `KC`-wide slice of the reduction dimension the
+//! block's weights are dequantized once into a small L1-resident panel (`KC x nr` f32,
+//! 16 KiB: never the whole matrix) and reused by every token through a register-blocked
+//! micro-kernel (`mr` tokens x `nr` outputs of accumulators).
+//!
+//! A product may have several reduction segments, each with its own weight and
+//! activation: the fused LoRA linear runs `[x_q | s * (A x)] * [W | B]^T`, so the LoRA
+//! expand is accumulated into the same output tile, in registers, before it is written.
+
+use super::Isa;
+use super::decode::RowDecode;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Reduction slice decoded into one panel.
+pub(crate) const KC: usize = 128;
+
+/// Tokens per micro-kernel call and outputs per block for an ISA.
+pub(crate) fn tile_shape(isa: Isa) -> (usize, usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => (8, 32),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => (6, 16),
+        Isa::Scalar => (4, 8),
+    }
+}
+
+/// One reduction segment: `weight` (`[out, k]`) against `x` (`[n_padded, k]` with row
+/// stride `x_stride`).
+pub(crate) struct Segment<'a, D: RowDecode> {
+    pub weight: &'a D,
+    pub x: &'a [f32],
+    pub x_stride: usize,
+}
+
+/// Dequantizes `W[row, k0 .. k0 + out.len()]` into `out`.
+pub(crate) fn decode_segment<D: RowDecode>(
+    isa: Isa,
+    d: &D,
+    row: usize,
+    k0: usize,
+    out: &mut [f32],
+) {
+    let end = k0 + out.len();
+    assert!(row < d.rows() && end <= d.cols());
+    let mut k = k0;
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if k0.is_multiple_of(16) => {
+            while k + 16 <= end {
+                // SAFETY: detected ISA; k % 16 == 0 and k + 16 <= cols.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(k - k0), d.load16(row, k)) };
+                k += 16;
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if k0.is_multiple_of(8) => {
+            while k + 8 <= end {
+                // SAFETY: detected ISA; k % 8 == 0 and k + 8 <= cols.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(k - k0), d.load8(row, k)) };
+                k += 8;
+            }
+        }
+        _ => {}
+    }
+    for (o, kk) in out[k - k0..].iter_mut().zip(k..end) {
+        *o = d.get(row, kk);
+    }
+}
+
+/// `y_block[t * nr + j] = sum over segments of sum_k W_s[o0 + j, k] x_s[t, k]` for
+/// `t < n_padded`, `j < nrows` (`nrows <= nr`, columns `j >= nrows` are left zero).
+/// `n_padded` must be a multiple of the ISA's `mr`; padded activation rows are zero.
+pub(crate) fn gemm_block<D1: RowDecode, D2: RowDecode>(
+    isa: Isa,
+    o0: usize,
+    nrows: usize,
+    n_padded: usize,
+    first: &Segment<'_, D1>,
+    second: Option<&Segment<'_, D2>>,
+    y_block: &mut [f32],
+) {
+    let (mr, nr) = tile_shape(isa);
+    assert!(nrows <= nr && n_padded.is_multiple_of(mr));
+    assert_eq!(y_block.len(), n_padded * nr);
+    y_block.fill(0.0);
+    let mut panel = vec![0f32; KC * nr];
+    run_segment(isa, o0, nrows, n_padded, first, &mut panel, y_block);
+    if let Some(s) = second {
+        run_segment(isa, o0, nrows, n_padded, s, &mut panel, y_block);
+    }
+}
+
+fn run_segment<D: RowDecode>(
+    isa: Isa,
+    o0: usize,
+    nrows: usize,
+    n_padded: usize,
+    seg: &Segment<'_, D>,
+    panel: &mut [f32],
+    y_block: &mut [f32],
+) {
+    let (mr, nr) = tile_shape(isa);
+    let k_total = seg.weight.cols();
+    assert!(n_padded == 0 || (n_padded - 1) * seg.x_stride + k_total <= seg.x.len());
+    assert_eq!(panel.len(), KC * nr);
+    let mut row_buf = [0f32; KC];
+    let mut k0 = 0;
+    while k0 < k_total {
+        let kc = KC.min(k_total - k0);
+        // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk].
+        panel[..kc * nr].fill(0.0);
+        for j in 0..nrows {
+            decode_segment(isa, seg.weight, o0 + j, k0, &mut row_buf[..kc]);
+            for (kk, &v) in row_buf[..kc].iter().enumerate() {
+                panel[kk * nr + j] = v;
+            }
+        }
+        let mut t0 = 0;
+        while t0 < n_padded {
+            let x_tile = &seg.x[t0 * seg.x_stride + k0..];
+            let y_tile = &mut y_block[t0 * nr..(t0 + mr) * nr];
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: detected ISA; x_tile holds mr rows of kc elements (asserted
+                // above), panel kc * nr, y_tile mr * nr.
+                Isa::Avx512 => unsafe {
+                    micro_avx512(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile)
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Isa::Avx2 => unsafe {
+                    micro_avx2(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile)
+                },
+                Isa::Scalar => micro_scalar(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile),
+            }
+            t0 += mr;
+        }
+        k0 += kc;
+    }
+}
+
+fn micro_scalar(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
+    const MR: usize = 4;
+    const NR: usize = 8;
+    let mut acc = [[0f32; NR]; MR];
+    for (t, acc_t) in acc.iter_mut().enumerate() {
+        acc_t.copy_from_slice(&y[t * NR..(t + 1) * NR]);
+    }
+    for kk in 0..kc {
+        let w = &panel[kk * NR..(kk + 1) * NR];
+        for (t, acc_t) in acc.iter_mut().enumerate() {
+            let xv = x[t * x_stride + kk];
+            for (a, &wv) in acc_t.iter_mut().zip(w) {
+                *a += xv * wv;
+            }
+        }
+    }
+    for (t, acc_t) in acc.iter().enumerate() {
+        y[t * NR..(t + 1) * NR].copy_from_slice(acc_t);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn micro_avx512(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
+    const MR: usize = 8;
+    const NR: usize = 32;
+    debug_assert!(panel.len() >= kc * NR && y.len() >= MR * NR);
+    debug_assert!(x.len() >= (MR - 1) * x_stride + kc);
+    let (pp, xp, yp) = (panel.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    // SAFETY (all pointer arithmetic below): bounds asserted by the caller and above.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        for (t, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm512_loadu_ps(yp.add(t * NR));
+            a[1] = _mm512_loadu_ps(yp.add(t * NR + 16));
+        }
+        for kk in 0..kc {
+            let w0 = _mm512_loadu_ps(pp.add(kk * NR));
+            let w1 = _mm512_loadu_ps(pp.add(kk * NR + 16));
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*xp.add(t * x_stride + kk));
+                a[0] = _mm512_fmadd_ps(xv, w0, a[0]);
+                a[1] = _mm512_fmadd_ps(xv, w1, a[1]);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(yp.add(t * NR), a[0]);
+            _mm512_storeu_ps(yp.add(t * NR + 16), a[1]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
+    const MR: usize = 6;
+    const NR: usize = 16;
+    debug_assert!(panel.len() >= kc * NR && y.len() >= MR * NR);
+    debug_assert!(x.len() >= (MR - 1) * x_stride + kc);
+    let (pp, xp, yp) = (panel.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    // SAFETY (all pointer arithmetic below): bounds asserted by the caller and above.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        for (t, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm256_loadu_ps(yp.add(t * NR));
+            a[1] = _mm256_loadu_ps(yp.add(t * NR + 8));
+        }
+        for kk in 0..kc {
+            let w0 = _mm256_loadu_ps(pp.add(kk * NR));
+            let w1 = _mm256_loadu_ps(pp.add(kk * NR + 8));
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_set1_ps(*xp.add(t * x_stride + kk));
+                a[0] = _mm256_fmadd_ps(xv, w0, a[0]);
+                a[1] = _mm256_fmadd_ps(xv, w1, a[1]);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(yp.add(t * NR), a[0]);
+            _mm256_storeu_ps(yp.add(t * NR + 8), a[1]);
+        }
+    }
+}

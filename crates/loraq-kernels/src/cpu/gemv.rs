@@ -1,0 +1,167 @@
+//! Decode-shaped products (1 to 8 tokens): one pass over the weight, each row segment
+//! dequantized in registers and multiplied into every token's accumulator before the
+//! next segment is loaded, so the weight is streamed exactly once per call.
+
+use super::Isa;
+use super::decode::RowDecode;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Adds `sum_k D[row0 + r, k] * x[t * x_stride + k]` to `out[r * T + t]` for `r < nrows`.
+///
+/// `x` holds `T` token rows of at least `d.cols()` elements each, `x_stride` apart.
+pub(crate) fn dot_rows<D: RowDecode, const T: usize>(
+    isa: Isa,
+    d: &D,
+    row0: usize,
+    nrows: usize,
+    x: &[f32],
+    x_stride: usize,
+    out: &mut [f32],
+) {
+    assert!(row0 + nrows <= d.rows());
+    assert!(out.len() >= nrows * T);
+    assert!(T == 0 || (T - 1) * x_stride + d.cols() <= x.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            let mut r = 0;
+            while r + 2 <= nrows {
+                // SAFETY: Isa::Avx512 is only constructed after runtime detection; bounds
+                // asserted above.
+                unsafe { rows_avx512::<D, 2, T>(d, row0 + r, x, x_stride, &mut out[r * T..]) };
+                r += 2;
+            }
+            if r < nrows {
+                // SAFETY: as above.
+                unsafe { rows_avx512::<D, 1, T>(d, row0 + r, x, x_stride, &mut out[r * T..]) };
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            let mut r = 0;
+            if T <= 4 {
+                while r + 2 <= nrows {
+                    // SAFETY: Isa::Avx2 is only constructed after runtime detection.
+                    unsafe { rows_avx2::<D, 2, T>(d, row0 + r, x, x_stride, &mut out[r * T..]) };
+                    r += 2;
+                }
+            }
+            while r < nrows {
+                // SAFETY: as above.
+                unsafe { rows_avx2::<D, 1, T>(d, row0 + r, x, x_stride, &mut out[r * T..]) };
+                r += 1;
+            }
+        }
+        Isa::Scalar => rows_scalar::<D, T>(d, row0, nrows, x, x_stride, out),
+    }
+}
+
+fn rows_scalar<D: RowDecode, const T: usize>(
+    d: &D,
+    row0: usize,
+    nrows: usize,
+    x: &[f32],
+    x_stride: usize,
+    out: &mut [f32],
+) {
+    let cols = d.cols();
+    for r in 0..nrows {
+        let mut acc = [0f32; T];
+        for k in 0..cols {
+            let w = d.get(row0 + r, k);
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a += w * x[t * x_stride + k];
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            out[r * T + t] += a;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn rows_avx512<D: RowDecode, const R: usize, const T: usize>(
+    d: &D,
+    row0: usize,
+    x: &[f32],
+    x_stride: usize,
+    out: &mut [f32],
+) {
+    let cols = d.cols();
+    let main = cols / 16 * 16;
+    let xp = x.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut k = 0;
+    while k < main {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: k % 16 == 0, k + 16 <= cols, row in range (caller).
+            let w = unsafe { d.load16(row0 + r, k) };
+            for (t, a) in acc_r.iter_mut().enumerate() {
+                // SAFETY: token t's row has cols elements from t * x_stride (caller).
+                let xv = unsafe { _mm512_loadu_ps(xp.add(t * x_stride + k)) };
+                *a = _mm512_fmadd_ps(w, xv, *a);
+            }
+        }
+        k += 16;
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (t, a) in acc_r.iter().enumerate() {
+            let mut s = _mm512_reduce_add_ps(*a);
+            for k in main..cols {
+                s += d.get(row0 + r, k) * x[t * x_stride + k];
+            }
+            out[r * T + t] += s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn hsum256(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2<D: RowDecode, const R: usize, const T: usize>(
+    d: &D,
+    row0: usize,
+    x: &[f32],
+    x_stride: usize,
+    out: &mut [f32],
+) {
+    let cols = d.cols();
+    let main = cols / 8 * 8;
+    let xp = x.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut k = 0;
+    while k < main {
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            // SAFETY: k % 8 == 0, k + 8 <= cols, row in range (caller).
+            let w = unsafe { d.load8(row0 + r, k) };
+            for (t, a) in acc_r.iter_mut().enumerate() {
+                // SAFETY: token t's row has cols elements from t * x_stride (caller).
+                let xv = unsafe { _mm256_loadu_ps(xp.add(t * x_stride + k)) };
+                *a = _mm256_fmadd_ps(w, xv, *a);
+            }
+        }
+        k += 8;
+    }
+    for (r, acc_r) in acc.iter().enumerate() {
+        for (t, a) in acc_r.iter().enumerate() {
+            let mut s = hsum256(*a);
+            for k in main..cols {
+                s += d.get(row0 + r, k) * x[t * x_stride + k];
+            }
+            out[r * T + t] += s;
+        }
+    }
+}

@@ -1,0 +1,622 @@
+//! Fast CPU path: rayon across output rows, SIMD inside (AVX-512 or AVX2 picked at run
+//! time, scalar otherwise), weights dequantized in registers.
+//!
+//! Batch <= [`GEMV_MAX_BATCH`] takes the decode path ([`gemv`]): the weight is streamed
+//! once and every token's dot product is accumulated from the same registers. Larger
+//! batches take the tiled path ([`gemm`]). In both, the LoRA shrink `s * (A x)` is one
+//! pass over `x` (together with the activation fake-quant), and the expand `B (s A x)` is
+//! accumulated into each output tile while it is still in registers / L1, so `y` is
+//! written once.
+
+pub(crate) mod decode;
+pub(crate) mod gemm;
+pub(crate) mod gemv;
+
+use crate::linear::QuantLoraLinear;
+use crate::weight::BaseWeight;
+use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
+use rayon::prelude::*;
+
+/// Largest batch served by the single-pass decode (GEMV) path.
+pub const GEMV_MAX_BATCH: usize = 8;
+/// Weight rows per rayon task on the decode path.
+const GEMV_ROWS_PER_TASK: usize = 32;
+
+/// Instruction set used by the fast CPU path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust (auto-vectorized at best).
+    Scalar,
+    /// AVX2 + FMA, 8 lanes.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 F + BW, 16 lanes.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    /// The widest instruction set this CPU supports.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                return Self::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+
+    /// Every instruction set this CPU supports, widest first (for tests and benches).
+    pub fn available() -> Vec<Self> {
+        let mut out = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                out.push(Self::Avx512);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                out.push(Self::Avx2);
+            }
+        }
+        out.push(Self::Scalar);
+        out
+    }
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => "avx512",
+        }
+    }
+}
+
+/// Whether work is spread over rayon's current thread pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Parallelism {
+    /// One thread.
+    Sequential,
+    /// rayon's current pool (use `ThreadPool::install` to bound it).
+    #[default]
+    Rayon,
+}
+
+/// Options of the fast CPU path.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuOptions {
+    /// Instruction set; must be one [`Isa::available`] lists. `None` = [`Isa::detect`].
+    pub isa: Option<Isa>,
+    /// Threading.
+    pub parallelism: Parallelism,
+}
+
+impl Default for CpuOptions {
+    fn default() -> Self {
+        Self {
+            isa: None,
+            parallelism: Parallelism::Rayon,
+        }
+    }
+}
+
+impl CpuOptions {
+    pub(crate) fn resolved_isa(&self) -> Isa {
+        match self.isa {
+            Some(isa) if Isa::available().contains(&isa) => isa,
+            _ => Isa::detect(),
+        }
+    }
+}
+
+/// Calls `f` with the row decoder of a base weight.
+pub(crate) trait DecoderVisitor {
+    /// Result.
+    type Output;
+    /// Runs with a concrete decoder.
+    fn visit<D: RowDecode>(self, d: &D) -> Self::Output;
+}
+
+pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V::Output {
+    match linear.base() {
+        BaseWeight::Bf16(w) => v.visit(&Bf16Rows {
+            data: &w.data,
+            rows: w.out_dim,
+            cols: w.in_dim,
+        }),
+        BaseWeight::Fp8Block128(w) => match linear.fp8_rebiased_scales() {
+            Some(rebiased) => v.visit(&Fp8Block128Rows::<false> {
+                codes: &w.codes,
+                scales: &w.scales,
+                rebiased,
+                rows: w.out_dim,
+                cols: w.in_dim,
+                scale_cols: w.scale_cols(),
+            }),
+            None => v.visit(&Fp8Block128Rows::<true> {
+                codes: &w.codes,
+                scales: &w.scales,
+                rebiased: &[],
+                rows: w.out_dim,
+                cols: w.in_dim,
+                scale_cols: w.scale_cols(),
+            }),
+        },
+        BaseWeight::Nvfp4(w) => v.visit(&Nvfp4Rows {
+            packed: &w.packed,
+            block_scales: &w.block_scales,
+            scale_table: linear.scale_table(),
+            rows: w.out_dim,
+            cols: w.in_dim,
+        }),
+        BaseWeight::Mxfp4(w) => v.visit(&Mxfp4Rows {
+            packed: &w.packed,
+            block_scales: &w.block_scales,
+            scale_table: linear.scale_table(),
+            rows: w.out_dim,
+            cols: w.in_dim,
+        }),
+    }
+}
+
+/// Splits `out` (row-major `[rows, width]`) into chunks of `rows_per_task` rows and runs
+/// `f(first_row, chunk)` on each, in parallel or not.
+fn for_row_chunks<F>(par: Parallelism, out: &mut [f32], width: usize, rows_per_task: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    let chunk = rows_per_task * width;
+    match par {
+        Parallelism::Sequential => out
+            .chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i * rows_per_task, c)),
+        Parallelism::Rayon => out
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i * rows_per_task, c)),
+    }
+}
+
+macro_rules! with_const_batch {
+    ($batch:expr, $t:ident => $body:expr) => {
+        match $batch {
+            1 => {
+                const $t: usize = 1;
+                $body
+            }
+            2 => {
+                const $t: usize = 2;
+                $body
+            }
+            3 => {
+                const $t: usize = 3;
+                $body
+            }
+            4 => {
+                const $t: usize = 4;
+                $body
+            }
+            5 => {
+                const $t: usize = 5;
+                $body
+            }
+            6 => {
+                const $t: usize = 6;
+                $body
+            }
+            7 => {
+                const $t: usize = 7;
+                $body
+            }
+            8 => {
+                const $t: usize = 8;
+                $body
+            }
+            _ => unreachable!("decode path batch is 1..=GEMV_MAX_BATCH"),
+        }
+    };
+}
+
+/// `out[j][t] = sum_k D[j, k] x[t, k]` for all rows of `d` (`out` is `[rows, T]`).
+fn gemv_t<D: RowDecode, const T: usize>(
+    isa: Isa,
+    par: Parallelism,
+    d: &D,
+    x: &[f32],
+    x_stride: usize,
+    second: Option<(&Bf16Rows<'_>, &[f32], usize)>,
+    out: &mut [f32],
+) {
+    for_row_chunks(par, out, T, GEMV_ROWS_PER_TASK, |row0, chunk| {
+        let nrows = chunk.len() / T;
+        gemv::dot_rows::<D, T>(isa, d, row0, nrows, x, x_stride, chunk);
+        if let Some((b, ts, ts_stride)) = second {
+            // Expand fused into the output write: same rows, same accumulators in L1.
+            gemv::dot_rows::<Bf16Rows<'_>, T>(isa, b, row0, nrows, ts, ts_stride, chunk);
+        }
+    });
+}
+
+struct GemvVisitor<'a> {
+    isa: Isa,
+    par: Parallelism,
+    batch: usize,
+    xq: &'a [f32],
+    in_dim: usize,
+    second: Option<(&'a Bf16Rows<'a>, &'a [f32], usize)>,
+    out: &'a mut [f32],
+}
+
+impl DecoderVisitor for GemvVisitor<'_> {
+    type Output = ();
+    fn visit<D: RowDecode>(self, d: &D) {
+        with_const_batch!(self.batch, T => gemv_t::<D, T>(
+            self.isa, self.par, d, self.xq, self.in_dim, self.second, self.out
+        ))
+    }
+}
+
+/// Applies the activation fake-quant to every token (rows beyond `batch` stay zero).
+fn quantize_activations(
+    linear: &QuantLoraLinear,
+    x: &[f32],
+    batch: usize,
+    padded: usize,
+    par: Parallelism,
+) -> Vec<f32> {
+    let in_dim = linear.in_dim();
+    let mut xq = vec![0f32; padded * in_dim];
+    let act = linear.activation_quant();
+    let f = |(t, row): (usize, &mut [f32])| {
+        if t < batch {
+            act.apply_row(&x[t * in_dim..(t + 1) * in_dim], row);
+        }
+    };
+    match par {
+        Parallelism::Sequential => xq.chunks_mut(in_dim).enumerate().for_each(f),
+        Parallelism::Rayon => xq.par_chunks_mut(in_dim).enumerate().for_each(f),
+    }
+    xq
+}
+
+/// Transposes `src` (`[rows, cols]`) into `dst` (`[cols', rows]` for `cols' <= cols`).
+fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], scale: f32) {
+    let used_cols = dst.len() / rows;
+    for (c, dst_row) in dst.chunks_mut(rows).enumerate().take(used_cols) {
+        for (r, d) in dst_row.iter_mut().enumerate() {
+            *d = src[r * cols + c] * scale;
+        }
+    }
+}
+
+/// The fast path's entry: `y = W x_q + s B (A x)`, shapes already checked.
+pub(crate) fn forward(
+    linear: &QuantLoraLinear,
+    x: &[f32],
+    batch: usize,
+    y: &mut [f32],
+    opts: CpuOptions,
+) {
+    let isa = opts.resolved_isa();
+    if batch <= GEMV_MAX_BATCH {
+        forward_gemv(linear, x, batch, y, isa, opts.parallelism);
+    } else {
+        forward_gemm(linear, x, batch, y, isa, opts.parallelism);
+    }
+}
+
+fn lora_views(linear: &QuantLoraLinear) -> Option<(Bf16Rows<'_>, Bf16Rows<'_>, f32)> {
+    linear.lora().map(|l| {
+        (
+            Bf16Rows {
+                data: &l.a,
+                rows: l.rank,
+                cols: l.in_dim,
+            },
+            Bf16Rows {
+                data: &l.b,
+                rows: l.out_dim,
+                cols: l.rank,
+            },
+            l.scale,
+        )
+    })
+}
+
+fn forward_gemv(
+    linear: &QuantLoraLinear,
+    x: &[f32],
+    batch: usize,
+    y: &mut [f32],
+    isa: Isa,
+    par: Parallelism,
+) {
+    let (out_dim, in_dim) = (linear.out_dim(), linear.in_dim());
+    let quantized;
+    let xq: &[f32] = if linear.activation_quant().is_identity() {
+        x
+    } else {
+        quantized = quantize_activations(linear, x, batch, batch, par);
+        &quantized
+    };
+    let views = lora_views(linear);
+    // Shrink: one pass over A and x, ts[t][j] = s * (A x_t)_j.
+    let ts = views.as_ref().map(|(a, _, scale)| {
+        let mut shrunk = vec![0f32; a.rows * batch];
+        with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, a, x, in_dim, None, &mut shrunk));
+        let mut ts = vec![0f32; batch * a.rows];
+        transpose_into(&shrunk, a.rows, batch, &mut ts, *scale);
+        ts
+    });
+    let second = match (&views, &ts) {
+        (Some((_, b, _)), Some(ts)) => Some((b, ts.as_slice(), b.cols)),
+        _ => None,
+    };
+    let mut y_t = vec![0f32; out_dim * batch];
+    visit_base(
+        linear,
+        GemvVisitor {
+            isa,
+            par,
+            batch,
+            xq,
+            in_dim,
+            second,
+            out: &mut y_t,
+        },
+    );
+    transpose_into(&y_t, out_dim, batch, y, 1.0);
+}
+
+/// Runs the tiled product over all output blocks; returns `[out_rows, n_padded]`.
+fn gemm_all<D1: RowDecode, D2: RowDecode>(
+    isa: Isa,
+    par: Parallelism,
+    n_padded: usize,
+    first: &gemm::Segment<'_, D1>,
+    second: Option<&gemm::Segment<'_, D2>>,
+) -> Vec<f32> {
+    let (_, nr) = gemm::tile_shape(isa);
+    let out_rows = first.weight.rows();
+    let mut y_t = vec![0f32; out_rows * n_padded];
+    let block = |(bi, chunk): (usize, &mut [f32])| {
+        let o0 = bi * nr;
+        let nrows = chunk.len() / n_padded.max(1);
+        let mut y_block = vec![0f32; n_padded * nr];
+        gemm::gemm_block(isa, o0, nrows, n_padded, first, second, &mut y_block);
+        for (j, out_row) in chunk.chunks_mut(n_padded).enumerate() {
+            for (t, o) in out_row.iter_mut().enumerate() {
+                *o = y_block[t * nr + j];
+            }
+        }
+    };
+    match par {
+        Parallelism::Sequential => y_t.chunks_mut(nr * n_padded).enumerate().for_each(block),
+        Parallelism::Rayon => y_t
+            .par_chunks_mut(nr * n_padded)
+            .enumerate()
+            .for_each(block),
+    }
+    y_t
+}
+
+struct GemmVisitor<'a> {
+    isa: Isa,
+    par: Parallelism,
+    n_padded: usize,
+    xq: &'a [f32],
+    in_dim: usize,
+    second: Option<gemm::Segment<'a, Bf16Rows<'a>>>,
+}
+
+impl DecoderVisitor for GemmVisitor<'_> {
+    type Output = Vec<f32>;
+    fn visit<D: RowDecode>(self, d: &D) -> Vec<f32> {
+        let first = gemm::Segment {
+            weight: d,
+            x: self.xq,
+            x_stride: self.in_dim,
+        };
+        gemm_all(
+            self.isa,
+            self.par,
+            self.n_padded,
+            &first,
+            self.second.as_ref(),
+        )
+    }
+}
+
+fn forward_gemm(
+    linear: &QuantLoraLinear,
+    x: &[f32],
+    batch: usize,
+    y: &mut [f32],
+    isa: Isa,
+    par: Parallelism,
+) {
+    let in_dim = linear.in_dim();
+    let (mr, _) = gemm::tile_shape(isa);
+    let n_padded = batch.div_ceil(mr) * mr;
+    let xq = quantize_activations(linear, x, batch, n_padded, par);
+    let views = lora_views(linear);
+    let ts = views.as_ref().map(|(a, _, scale)| {
+        // The LoRA path sees the unquantized activation.
+        let x_pad_owned;
+        let x_pad: &[f32] = if linear.activation_quant().is_identity() {
+            &xq
+        } else {
+            let mut buf = vec![0f32; n_padded * in_dim];
+            buf[..batch * in_dim].copy_from_slice(x);
+            x_pad_owned = buf;
+            &x_pad_owned
+        };
+        let seg = gemm::Segment {
+            weight: a,
+            x: x_pad,
+            x_stride: in_dim,
+        };
+        let shrunk_t = gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None);
+        let mut ts = vec![0f32; n_padded * a.rows];
+        transpose_into(&shrunk_t, a.rows, n_padded, &mut ts, *scale);
+        ts
+    });
+    let second = match (&views, &ts) {
+        (Some((_, b, _)), Some(ts)) => Some(gemm::Segment {
+            weight: b,
+            x: ts.as_slice(),
+            x_stride: b.cols,
+        }),
+        _ => None,
+    };
+    let y_t = visit_base(
+        linear,
+        GemmVisitor {
+            isa,
+            par,
+            n_padded,
+            xq: &xq,
+            in_dim,
+            second,
+        },
+    );
+    let out_dim = linear.out_dim();
+    for (t, y_row) in y.chunks_mut(out_dim).enumerate().take(batch) {
+        for (o, v) in y_row.iter_mut().enumerate() {
+            *v = y_t[o * n_padded + t];
+        }
+    }
+}
+
+struct DequantVisitor<'a> {
+    isa: Isa,
+    par: Parallelism,
+    out: &'a mut [f32],
+}
+
+impl DecoderVisitor for DequantVisitor<'_> {
+    type Output = ();
+    fn visit<D: RowDecode>(self, d: &D) {
+        let cols = d.cols();
+        let isa = self.isa;
+        let f = |(row, out_row): (usize, &mut [f32])| gemm::decode_segment(isa, d, row, 0, out_row);
+        match self.par {
+            Parallelism::Sequential => self.out.chunks_mut(cols).enumerate().for_each(f),
+            Parallelism::Rayon => self.out.par_chunks_mut(cols).enumerate().for_each(f),
+        }
+    }
+}
+
+/// Dequantizes the whole base weight to f32 (`[out, in]`): the baseline the fused path
+/// is measured against, and a debugging aid.
+pub(crate) fn dequantize_base(linear: &QuantLoraLinear, opts: CpuOptions) -> Vec<f32> {
+    let mut out = vec![0f32; linear.out_dim() * linear.in_dim()];
+    visit_base(
+        linear,
+        DequantVisitor {
+            isa: opts.resolved_isa(),
+            par: opts.parallelism,
+            out: &mut out,
+        },
+    );
+    out
+}
+
+/// The unfused baseline: multiply by an already dequantized f32 weight with the same
+/// kernels (the LoRA path unchanged).
+pub(crate) fn forward_with_dense(
+    linear: &QuantLoraLinear,
+    dense: &[f32],
+    x: &[f32],
+    batch: usize,
+    y: &mut [f32],
+    opts: CpuOptions,
+) {
+    let dense_linear = DenseView { linear, dense };
+    dense_linear.forward(x, batch, y, opts);
+}
+
+struct DenseView<'a> {
+    linear: &'a QuantLoraLinear,
+    dense: &'a [f32],
+}
+
+impl DenseView<'_> {
+    fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) {
+        let isa = opts.resolved_isa();
+        let par = opts.parallelism;
+        let (out_dim, in_dim) = (self.linear.out_dim(), self.linear.in_dim());
+        let d = F32Rows {
+            data: self.dense,
+            rows: out_dim,
+            cols: in_dim,
+        };
+        let (mr, _) = gemm::tile_shape(isa);
+        let n_padded = if batch <= GEMV_MAX_BATCH {
+            batch
+        } else {
+            batch.div_ceil(mr) * mr
+        };
+        let xq = quantize_activations(self.linear, x, batch, n_padded, par);
+        let views = lora_views(self.linear);
+        // LoRA exactly as the fused path computes it, then the base product separately.
+        let mut lora_out = vec![0f32; batch * out_dim];
+        if let Some((a, b, scale)) = views {
+            let mut shrunk = vec![0f32; a.rows * batch];
+            let mut ts = vec![0f32; batch * a.rows];
+            if batch <= GEMV_MAX_BATCH {
+                with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, &a, x, in_dim, None, &mut shrunk));
+                transpose_into(&shrunk, a.rows, batch, &mut ts, scale);
+                let mut expanded = vec![0f32; out_dim * batch];
+                with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, &b, &ts, a.rows, None, &mut expanded));
+                transpose_into(&expanded, out_dim, batch, &mut lora_out, 1.0);
+            } else {
+                let mut x_pad = vec![0f32; n_padded * in_dim];
+                x_pad[..batch * in_dim].copy_from_slice(x);
+                let seg = gemm::Segment {
+                    weight: &a,
+                    x: &x_pad,
+                    x_stride: in_dim,
+                };
+                let shrunk_t = gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None);
+                let mut ts = vec![0f32; n_padded * a.rows];
+                transpose_into(&shrunk_t, a.rows, n_padded, &mut ts, scale);
+                let seg = gemm::Segment {
+                    weight: &b,
+                    x: &ts,
+                    x_stride: a.rows,
+                };
+                let expanded_t = gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None);
+                for (t, row) in lora_out.chunks_mut(out_dim).enumerate() {
+                    for (o, v) in row.iter_mut().enumerate() {
+                        *v = expanded_t[o * n_padded + t];
+                    }
+                }
+            }
+        }
+        let base_t = if batch <= GEMV_MAX_BATCH {
+            let mut base_t = vec![0f32; out_dim * batch];
+            with_const_batch!(batch, T => gemv_t::<F32Rows<'_>, T>(isa, par, &d, &xq, in_dim, None, &mut base_t));
+            base_t
+        } else {
+            let seg = gemm::Segment {
+                weight: &d,
+                x: &xq,
+                x_stride: in_dim,
+            };
+            gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None)
+        };
+        for (t, row) in y.chunks_mut(out_dim).enumerate().take(batch) {
+            for (o, v) in row.iter_mut().enumerate() {
+                *v = base_t[o * n_padded + t] + lora_out[t * out_dim + o];
+            }
+        }
+    }
+}

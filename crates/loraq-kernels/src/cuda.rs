@@ -1,0 +1,624 @@
+//! CUDA path (feature `cuda`): uploads a [`QuantLoraLinear`] and runs the kernels of
+//! `kernels/` on it, fused or as the unfused baseline.
+//!
+//! The driver is loaded at run time by cudarc (`dynamic-loading`), the kernels are
+//! compiled at run time by [`Nvrtc`] for the device's architecture, so building needs no
+//! CUDA. [`driver_available`] tells tests and benches whether to skip.
+//!
+//! Activations and outputs are bf16 on the device (what a server passes between layers);
+//! accumulation is f32; the LoRA intermediate `s * A x` is f32.
+
+use crate::error::{KernelError, Result};
+use crate::linear::QuantLoraLinear;
+use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
+use crate::weight::BaseWeight;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Environment variable naming a directory of precompiled cubins (see
+/// [`CudaBackend::from_cubin_dir`]).
+pub const CUBIN_DIR_ENV: &str = "LORAQ_CUBIN_DIR";
+
+/// Largest batch of the decode kernels; larger batches use the tensor-core kernels.
+pub const DECODE_MAX_BATCH: usize = 16;
+const DECODE_BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
+const WARPS_PER_BLOCK: usize = 8;
+const TC_TILE: usize = 64;
+
+fn driver_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+    move |e| KernelError::Cuda {
+        during,
+        message: e.to_string(),
+    }
+}
+
+/// True when the CUDA driver library can be loaded and reports at least one device.
+pub fn driver_available() -> bool {
+    // SAFETY: only probes whether the library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    std::panic::catch_unwind(|| CudaContext::device_count().map(|n| n > 0).unwrap_or(false))
+        .unwrap_or(false)
+}
+
+/// NVRTC architecture name for a compute capability (`sm_90a` for Hopper, `sm_120a` for
+/// consumer Blackwell: the `a` variants unlock the architecture-specific instructions).
+pub fn arch_for(major: i32, minor: i32) -> String {
+    if major >= 9 {
+        format!("sm_{major}{minor}a")
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
+
+/// Which kernel sequence [`GpuLinear::forward`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuMode {
+    /// Decode: one launch (shrink overlapped with the base stream); prefill: shrink, then
+    /// base + expand in one tensor-core pass.
+    Fused,
+    /// Base product, LoRA shrink, LoRA expand as three launches (the baseline).
+    Unfused,
+}
+
+/// A device, its stream and the loaded kernels.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    decode: Arc<CudaModule>,
+    prefill: Arc<CudaModule>,
+    arch: String,
+    name: String,
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` and compiles the kernels for it with NVRTC.
+    pub fn new(ordinal: usize, nvrtc: &Nvrtc) -> Result<Self> {
+        Self::with_images(ordinal, |kernel, arch| {
+            Ok(nvrtc.compile(kernel, arch)?.cubin)
+        })
+    }
+
+    /// Opens device `ordinal` and loads precompiled cubins `{dir}/{file}.{arch}.cubin`
+    /// (written by `cargo run -p loraq-kernels --example compile_kernels`), for machines
+    /// without NVRTC.
+    pub fn from_cubin_dir(ordinal: usize, dir: &Path) -> Result<Self> {
+        Self::with_images(ordinal, |kernel, arch| {
+            let path = dir.join(format!("{}.{arch}.cubin", kernel.file));
+            std::fs::read(&path).map_err(|e| KernelError::Cuda {
+                during: "reading a precompiled cubin",
+                message: format!("{}: {e}", path.display()),
+            })
+        })
+    }
+
+    /// [`CUBIN_DIR_ENV`] if set, else NVRTC from [`NvrtcLocation::discover`]; `Ok(None)`
+    /// when neither exists.
+    pub fn open_default(ordinal: usize) -> Result<Option<Self>> {
+        if let Some(dir) = std::env::var_os(CUBIN_DIR_ENV) {
+            return Self::from_cubin_dir(ordinal, Path::new(&dir)).map(Some);
+        }
+        match NvrtcLocation::discover() {
+            Some(location) => Self::new(ordinal, &Nvrtc::load(location)?).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn with_images(
+        ordinal: usize,
+        image: impl Fn(&KernelSource, &str) -> Result<Vec<u8>>,
+    ) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("opening the device"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("querying the compute capability"))?;
+        let name = ctx.name().map_err(driver_err("querying the device name"))?;
+        let arch = arch_for(major, minor);
+        let mut modules = Vec::new();
+        for kernel in KERNELS {
+            let cubin = image(kernel, &arch)?;
+            let module = ctx
+                .load_module(Ptx::from_binary(cubin))
+                .map_err(driver_err("loading a cubin"))?;
+            modules.push(module);
+        }
+        let stream = ctx.default_stream();
+        // One stream, no cross-stream hazards: skip cudarc's per-buffer event bookkeeping,
+        // which would otherwise be timed along with the kernels.
+        // SAFETY: every buffer of this backend is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(Self {
+            decode: modules[0].clone(),
+            prefill: modules[1].clone(),
+            ctx,
+            stream,
+            arch,
+            name,
+        })
+    }
+
+    /// Device name.
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// Architecture the kernels were compiled for.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The stream every launch goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn decode_fn(&self, name: &str) -> Result<CudaFunction> {
+        self.decode
+            .load_function(name)
+            .map_err(driver_err("loading a decode kernel"))
+    }
+
+    fn prefill_fn(&self, name: &str) -> Result<CudaFunction> {
+        self.prefill
+            .load_function(name)
+            .map_err(driver_err("loading a prefill kernel"))
+    }
+
+    /// Copies bf16 activations to the device.
+    pub fn upload_activations(&self, x: &[f32]) -> Result<CudaSlice<u16>> {
+        let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        self.stream
+            .clone_htod(&bits)
+            .map_err(driver_err("uploading activations"))
+    }
+
+    /// A zeroed bf16 output buffer of `len` elements.
+    pub fn alloc_output(&self, len: usize) -> Result<CudaSlice<u16>> {
+        self.stream
+            .alloc_zeros::<u16>(len)
+            .map_err(driver_err("allocating the output"))
+    }
+
+    /// Copies a bf16 device buffer back as f32.
+    pub fn download(&self, y: &CudaSlice<u16>) -> Result<Vec<f32>> {
+        let bits = self
+            .stream
+            .clone_dtoh(y)
+            .map_err(driver_err("downloading the output"))?;
+        Ok(bits
+            .into_iter()
+            .map(|b| bf16::from_bits(b).to_f32())
+            .collect())
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver_err("synchronizing"))
+    }
+
+    /// Uploads a linear. Base formats: bf16, fp8-block128, NVFP4 (in-dim a multiple of 16).
+    pub fn upload(&self, linear: &QuantLoraLinear) -> Result<GpuLinear> {
+        let s = &self.stream;
+        let up = driver_err("uploading weights");
+        let (format, codes, scales, global) = match linear.base() {
+            BaseWeight::Bf16(w) => {
+                let bytes: Vec<u8> = w
+                    .data
+                    .iter()
+                    .flat_map(|v| v.to_bits().to_le_bytes())
+                    .collect();
+                (
+                    "bf16",
+                    s.clone_htod(&bytes).map_err(&up)?,
+                    s.alloc_zeros::<u8>(4).map_err(&up)?,
+                    1.0,
+                )
+            }
+            BaseWeight::Fp8Block128(w) => {
+                let scale_bytes: Vec<u8> = w.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (
+                    "fp8b128",
+                    s.clone_htod(&w.codes).map_err(&up)?,
+                    s.clone_htod(&scale_bytes).map_err(&up)?,
+                    1.0,
+                )
+            }
+            BaseWeight::Nvfp4(w) => (
+                "nvfp4",
+                s.clone_htod(&w.packed).map_err(&up)?,
+                s.clone_htod(&w.block_scales).map_err(&up)?,
+                w.global_scale,
+            ),
+            BaseWeight::Mxfp4(_) => {
+                return Err(KernelError::UnsupportedOnGpu {
+                    what: "mxfp4 base weights (CPU path only)".into(),
+                });
+            }
+        };
+        let (n, k) = (linear.out_dim(), linear.in_dim());
+        if !k.is_multiple_of(16) {
+            return Err(KernelError::UnsupportedOnGpu {
+                what: format!("in-dim {k} (the GPU kernels need a multiple of 16)"),
+            });
+        }
+        if !linear.activation_quant().is_identity() {
+            return Err(KernelError::UnsupportedOnGpu {
+                what: "activation fake-quant (the GPU kernels take bf16 activations)".into(),
+            });
+        }
+        let lora = match linear.lora() {
+            Some(l) => Some(GpuLora {
+                a: s.clone_htod(&l.a.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
+                    .map_err(&up)?,
+                b: s.clone_htod(&l.b.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
+                    .map_err(&up)?,
+                rank: l.rank,
+                scale: l.scale,
+            }),
+            None => None,
+        };
+        Ok(GpuLinear {
+            format,
+            n,
+            k,
+            codes,
+            scales,
+            global,
+            lora,
+            t: s.alloc_zeros::<f32>(16).map_err(&up)?,
+            counter: s.alloc_zeros::<u32>(1).map_err(&up)?,
+            counter_value: 0,
+            placeholder: s.alloc_zeros::<u16>(16).map_err(&up)?,
+            weight_bytes: linear.weight_bytes(),
+        })
+    }
+}
+
+struct GpuLora {
+    a: CudaSlice<u16>,
+    b: CudaSlice<u16>,
+    rank: usize,
+    scale: f32,
+}
+
+/// A linear resident on the device.
+pub struct GpuLinear {
+    format: &'static str,
+    n: usize,
+    k: usize,
+    codes: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    global: f32,
+    lora: Option<GpuLora>,
+    /// LoRA intermediate, f32 `[batch, rank]` (grown on demand).
+    t: CudaSlice<f32>,
+    /// Monotonic release counter of the fused decode kernel.
+    counter: CudaSlice<u32>,
+    counter_value: u32,
+    /// Stands in for absent LoRA operands (the kernels never read it when rank is 0).
+    placeholder: CudaSlice<u16>,
+    weight_bytes: usize,
+}
+
+fn as_i32(v: usize, what: &'static str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::UnsupportedOnGpu {
+        what: format!("{what} = {v} exceeds i32"),
+    })
+}
+
+fn grid_1d(blocks: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl GpuLinear {
+    /// Bytes of weights one pass reads (base codes + scales + both LoRA factors).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn ensure_t(&mut self, stream: &Arc<CudaStream>, len: usize) -> Result<()> {
+        if self.t.len() < len {
+            self.t = stream
+                .alloc_zeros::<f32>(len)
+                .map_err(driver_err("allocating the LoRA intermediate"))?;
+        }
+        Ok(())
+    }
+
+    /// `y = W x + s B (A x)` for `batch` tokens of bf16 `x` (`[batch, in]`) into bf16 `y`
+    /// (`[batch, out]`), queued on the backend's stream.
+    pub fn forward(
+        &mut self,
+        backend: &CudaBackend,
+        x: &CudaSlice<u16>,
+        batch: usize,
+        y: &mut CudaSlice<u16>,
+        mode: GpuMode,
+    ) -> Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        if x.len() < batch * self.k || y.len() < batch * self.n {
+            return Err(KernelError::InputShape {
+                batch,
+                in_dim: self.k,
+                actual: x.len(),
+            });
+        }
+        let rank = self.lora.as_ref().map_or(0, |l| l.rank);
+        self.ensure_t(&backend.stream, batch * rank.max(1))?;
+        if batch <= DECODE_MAX_BATCH {
+            self.forward_decode(backend, x, batch, y, mode)
+        } else {
+            self.forward_prefill(backend, x, batch, y, mode)
+        }
+    }
+
+    fn forward_decode(
+        &mut self,
+        backend: &CudaBackend,
+        x: &CudaSlice<u16>,
+        batch: usize,
+        y: &mut CudaSlice<u16>,
+        mode: GpuMode,
+    ) -> Result<()> {
+        let nb = DECODE_BATCHES
+            .iter()
+            .copied()
+            .find(|&b| b >= batch)
+            .unwrap_or(DECODE_MAX_BATCH);
+        let rows_per_warp = if nb <= 4 { 4 } else { 2 };
+        let rows_per_block = WARPS_PER_BLOCK * rows_per_warp;
+        let (batch_i, n_i, k_i) = (
+            as_i32(batch, "batch")?,
+            as_i32(self.n, "out_dim")?,
+            as_i32(self.k, "in_dim")?,
+        );
+        let base_blocks = self.n.div_ceil(rows_per_block);
+        let stream = &backend.stream;
+        let launch = driver_err("launching a decode kernel");
+        match (mode, &self.lora) {
+            (GpuMode::Fused, lora) => {
+                let f = backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
+                let (rank, scale) = lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
+                let shrink_blocks = rank.div_ceil(rows_per_block);
+                self.counter_value = self.counter_value.wrapping_add(shrink_blocks as u32);
+                let (rank_i, shrink_i) = (
+                    as_i32(rank, "rank")?,
+                    as_i32(shrink_blocks, "shrink blocks")?,
+                );
+                let target = self.counter_value;
+                let (a, b) = match lora {
+                    Some(l) => (&l.a, &l.b),
+                    None => (&self.placeholder, &self.placeholder),
+                };
+                let mut builder = stream.launch_builder(&f);
+                builder
+                    .arg(x)
+                    .arg(&batch_i)
+                    .arg(&n_i)
+                    .arg(&k_i)
+                    .arg(&self.codes)
+                    .arg(&self.scales)
+                    .arg(&self.global)
+                    .arg(a)
+                    .arg(b)
+                    .arg(&rank_i)
+                    .arg(&scale)
+                    .arg(&mut self.t)
+                    .arg(&mut self.counter)
+                    .arg(&target)
+                    .arg(&shrink_i)
+                    .arg(y);
+                // SAFETY: argument list matches `{format}_fused_b{NB}` in lora_decode.cu;
+                // buffers are sized as checked above.
+                unsafe { builder.launch(grid_1d(shrink_blocks + base_blocks, 256)) }
+                    .map_err(&launch)?;
+            }
+            (GpuMode::Unfused, lora) => {
+                let f = backend.decode_fn(&format!("{}_base_b{nb}", self.format))?;
+                let mut builder = stream.launch_builder(&f);
+                builder
+                    .arg(x)
+                    .arg(&batch_i)
+                    .arg(&n_i)
+                    .arg(&k_i)
+                    .arg(&self.codes)
+                    .arg(&self.scales)
+                    .arg(&self.global)
+                    .arg(&mut *y);
+                // SAFETY: matches `{format}_base_b{NB}`.
+                unsafe { builder.launch(grid_1d(base_blocks, 256)) }.map_err(&launch)?;
+                if let Some(l) = lora {
+                    let rank_i = as_i32(l.rank, "rank")?;
+                    let shrink = backend.decode_fn(&format!("lora_shrink_b{nb}"))?;
+                    let mut builder = stream.launch_builder(&shrink);
+                    builder
+                        .arg(x)
+                        .arg(&batch_i)
+                        .arg(&k_i)
+                        .arg(&l.a)
+                        .arg(&rank_i)
+                        .arg(&l.scale)
+                        .arg(&mut self.t);
+                    // SAFETY: matches `lora_shrink_b{NB}`.
+                    unsafe { builder.launch(grid_1d(l.rank.div_ceil(rows_per_block), 256)) }
+                        .map_err(&launch)?;
+                    let expand = backend.decode_fn(&format!("lora_expand_b{nb}"))?;
+                    let mut builder = stream.launch_builder(&expand);
+                    builder
+                        .arg(&self.t)
+                        .arg(&batch_i)
+                        .arg(&n_i)
+                        .arg(&l.b)
+                        .arg(&rank_i)
+                        .arg(y);
+                    // SAFETY: matches `lora_expand_b{NB}`.
+                    unsafe { builder.launch(grid_1d(base_blocks, 256)) }.map_err(&launch)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn forward_prefill(
+        &mut self,
+        backend: &CudaBackend,
+        x: &CudaSlice<u16>,
+        batch: usize,
+        y: &mut CudaSlice<u16>,
+        mode: GpuMode,
+    ) -> Result<()> {
+        let stream = &backend.stream;
+        let launch = driver_err("launching a prefill kernel");
+        let (m_i, n_i, k_i) = (
+            as_i32(batch, "batch")?,
+            as_i32(self.n, "out_dim")?,
+            as_i32(self.k, "in_dim")?,
+        );
+        let grid = |cols: usize| LaunchConfig {
+            grid_dim: (
+                cols.div_ceil(TC_TILE) as u32,
+                batch.div_ceil(TC_TILE) as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let gemm = backend.prefill_fn(&format!("{}_tc_gemm", self.format))?;
+        let zero_i = 0i32;
+        let placeholder = &self.placeholder;
+        match &self.lora {
+            None => {
+                let mut builder = stream.launch_builder(&gemm);
+                builder
+                    .arg(x)
+                    .arg(&m_i)
+                    .arg(&k_i)
+                    .arg(&self.codes)
+                    .arg(&self.scales)
+                    .arg(&self.global)
+                    .arg(&n_i)
+                    .arg(&self.t)
+                    .arg(placeholder)
+                    .arg(&zero_i)
+                    .arg(y)
+                    .arg(&zero_i);
+                // SAFETY: matches `{format}_tc_gemm`; rank 0 skips the LoRA operands.
+                unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+            }
+            Some(l) => {
+                let rank_i = as_i32(l.rank, "rank")?;
+                // The tensor-core kernel scales the whole tile by the global scale, so the
+                // fused path pre-divides the LoRA intermediate by it.
+                let t_scale = match mode {
+                    GpuMode::Fused => l.scale / self.global,
+                    GpuMode::Unfused => l.scale,
+                };
+                let shrink = backend.prefill_fn("lora_tc_shrink")?;
+                let mut builder = stream.launch_builder(&shrink);
+                builder
+                    .arg(x)
+                    .arg(&m_i)
+                    .arg(&k_i)
+                    .arg(&l.a)
+                    .arg(&rank_i)
+                    .arg(&t_scale)
+                    .arg(&mut self.t);
+                // SAFETY: matches `lora_tc_shrink`; t holds batch * rank floats.
+                unsafe { builder.launch(grid(l.rank)) }.map_err(&launch)?;
+                match mode {
+                    GpuMode::Fused => {
+                        let mut builder = stream.launch_builder(&gemm);
+                        builder
+                            .arg(x)
+                            .arg(&m_i)
+                            .arg(&k_i)
+                            .arg(&self.codes)
+                            .arg(&self.scales)
+                            .arg(&self.global)
+                            .arg(&n_i)
+                            .arg(&self.t)
+                            .arg(&l.b)
+                            .arg(&rank_i)
+                            .arg(y)
+                            .arg(&zero_i);
+                        // SAFETY: matches `{format}_tc_gemm`.
+                        unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+                    }
+                    GpuMode::Unfused => {
+                        let mut builder = stream.launch_builder(&gemm);
+                        builder
+                            .arg(x)
+                            .arg(&m_i)
+                            .arg(&k_i)
+                            .arg(&self.codes)
+                            .arg(&self.scales)
+                            .arg(&self.global)
+                            .arg(&n_i)
+                            .arg(&self.t)
+                            .arg(placeholder)
+                            .arg(&zero_i)
+                            .arg(&mut *y)
+                            .arg(&zero_i);
+                        // SAFETY: matches `{format}_tc_gemm` with rank 0.
+                        unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+                        let expand = backend.prefill_fn("bf16_tc_gemm")?;
+                        let one = 1i32;
+                        let unit = 1.0f32;
+                        let mut builder = stream.launch_builder(&expand);
+                        builder
+                            .arg(x)
+                            .arg(&m_i)
+                            .arg(&zero_i)
+                            .arg(placeholder)
+                            .arg(placeholder)
+                            .arg(&unit)
+                            .arg(&n_i)
+                            .arg(&self.t)
+                            .arg(&l.b)
+                            .arg(&rank_i)
+                            .arg(y)
+                            .arg(&one);
+                        // SAFETY: matches `bf16_tc_gemm` with K = 0 (LoRA segment only),
+                        // accumulating into y.
+                        unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Convenience for tests: uploads f32 activations as bf16, runs, returns f32.
+    pub fn forward_host(
+        &mut self,
+        backend: &CudaBackend,
+        x: &[f32],
+        batch: usize,
+        mode: GpuMode,
+    ) -> Result<Vec<f32>> {
+        let xd = backend.upload_activations(x)?;
+        let mut yd = backend.alloc_output(batch * self.n)?;
+        self.forward(backend, &xd, batch, &mut yd, mode)?;
+        backend.synchronize()?;
+        backend.download(&yd)
+    }
+}

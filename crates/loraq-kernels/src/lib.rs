@@ -1,0 +1,29 @@
+//! Fused "quantized base + LoRA" linear layers.
+//!
+//! `y = dequant(W_q) · act_q(x) + scale · B (A x)` over base weights stored as bf16,
+//! fp8-block128, NVFP4 or MXFP4 (layouts in DESIGN.md), LoRA rank 1..=512, batch from one
+//! token (decode) to thousands (prefill):
+//!
+//! - [`reference`]: element-by-element decode, f64 accumulation: the oracle.
+//! - [`QuantLoraLinear::forward`]: the fast CPU path (rayon + AVX-512/AVX2/scalar chosen at
+//!   run time), dequantizing in registers, LoRA shrink and expand fused (see [`cpu`]).
+//! - [`nvrtc`]: the CUDA kernels in `kernels/*.cu` and a dynamically loaded NVRTC to
+//!   compile them (no CUDA needed to build); [`cuda`] (feature `cuda`) runs them.
+
+pub mod act;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod error;
+pub mod linear;
+pub mod lora;
+pub mod nvrtc;
+pub mod reference;
+pub mod weight;
+
+pub use act::ActivationQuant;
+pub use cpu::{CpuOptions, Isa, Parallelism};
+pub use error::{KernelError, Result};
+pub use linear::QuantLoraLinear;
+pub use lora::{LoraAdapter, MAX_RANK};
+pub use weight::{BaseWeight, Bf16Weight, Fp8Block128Weight, Mxfp4Weight, Nvfp4Weight};

@@ -1,0 +1,193 @@
+//! The quantized-base + LoRA linear layer.
+
+use crate::act::ActivationQuant;
+use crate::cpu::{self, CpuOptions};
+use crate::error::{KernelError, Result};
+use crate::lora::LoraAdapter;
+use crate::weight::BaseWeight;
+
+/// `y = dequant(W_q) · act_q(x) + scale · B (A x)` for a batch of tokens.
+///
+/// The base weight stays in its stored format; the fast path dequantizes it in
+/// registers. The LoRA path sees the unquantized activation (as vLLM does), its
+/// intermediate `A x` is kept in f32.
+#[derive(Clone, Debug)]
+pub struct QuantLoraLinear {
+    base: BaseWeight,
+    lora: Option<LoraAdapter>,
+    activation_quant: ActivationQuant,
+    /// Per-block-scale-code multipliers (NVFP4: E4M3 x global scale, MXFP4: E8M0).
+    scale_table: Box<[f32; 256]>,
+    /// fp8-block128: tile multipliers times 2^120 (`None`: some overflow, two-step decode).
+    fp8_rebiased: Option<Vec<f32>>,
+}
+
+impl QuantLoraLinear {
+    /// Builds a linear from a base weight and an optional adapter; the adapter's shape
+    /// must match the base's.
+    pub fn new(base: BaseWeight, lora: Option<LoraAdapter>) -> Result<Self> {
+        if let Some(l) = &lora {
+            if l.in_dim != base.in_dim() {
+                return Err(KernelError::LoraShape {
+                    factor: "A",
+                    rows: l.rank,
+                    cols: l.in_dim,
+                    expected_rows: l.rank,
+                    expected_cols: base.in_dim(),
+                });
+            }
+            if l.out_dim != base.out_dim() {
+                return Err(KernelError::LoraShape {
+                    factor: "B",
+                    rows: l.out_dim,
+                    cols: l.rank,
+                    expected_rows: base.out_dim(),
+                    expected_cols: l.rank,
+                });
+            }
+        }
+        let scale_table = Box::new(match &base {
+            BaseWeight::Nvfp4(w) => cpu::decode::nvfp4_scale_table(w.global_scale),
+            BaseWeight::Mxfp4(_) => cpu::decode::mxfp4_scale_table(),
+            _ => [0f32; 256],
+        });
+        let fp8_rebiased = match &base {
+            BaseWeight::Fp8Block128(w) => cpu::decode::fp8_rebiased_scales(&w.scales),
+            _ => None,
+        };
+        Ok(Self {
+            base,
+            lora,
+            activation_quant: ActivationQuant::None,
+            scale_table,
+            fp8_rebiased,
+        })
+    }
+
+    /// Sets the activation fake-quant of the base path.
+    pub fn with_activation_quant(mut self, activation_quant: ActivationQuant) -> Self {
+        self.activation_quant = activation_quant;
+        self
+    }
+
+    /// The base weight.
+    pub fn base(&self) -> &BaseWeight {
+        &self.base
+    }
+
+    /// The adapter, if any.
+    pub fn lora(&self) -> Option<&LoraAdapter> {
+        self.lora.as_ref()
+    }
+
+    /// The activation fake-quant of the base path.
+    pub fn activation_quant(&self) -> ActivationQuant {
+        self.activation_quant
+    }
+
+    /// Input features.
+    pub fn in_dim(&self) -> usize {
+        self.base.in_dim()
+    }
+
+    /// Output features.
+    pub fn out_dim(&self) -> usize {
+        self.base.out_dim()
+    }
+
+    /// Bytes one pass reads from the weights (base codes and scales, both LoRA factors):
+    /// the numerator of effective bandwidth.
+    pub fn weight_bytes(&self) -> usize {
+        self.base.stored_bytes() + self.lora.as_ref().map_or(0, LoraAdapter::stored_bytes)
+    }
+
+    /// Multiply-adds of one token (base plus both LoRA products).
+    pub fn macs_per_token(&self) -> usize {
+        let base = self.out_dim() * self.in_dim();
+        base + self
+            .lora
+            .as_ref()
+            .map_or(0, |l| l.rank * (self.in_dim() + self.out_dim()))
+    }
+
+    pub(crate) fn scale_table(&self) -> &[f32; 256] {
+        &self.scale_table
+    }
+
+    pub(crate) fn fp8_rebiased_scales(&self) -> Option<&[f32]> {
+        self.fp8_rebiased.as_deref()
+    }
+
+    fn check_io(&self, x: &[f32], batch: usize, y: &[f32]) -> Result<()> {
+        let (in_dim, out_dim) = (self.in_dim(), self.out_dim());
+        if batch.checked_mul(in_dim) != Some(x.len()) {
+            return Err(KernelError::InputShape {
+                batch,
+                in_dim,
+                actual: x.len(),
+            });
+        }
+        if batch.checked_mul(out_dim) != Some(y.len()) {
+            return Err(KernelError::OutputShape {
+                batch,
+                out_dim,
+                actual: y.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fast CPU forward: `x` is `[batch, in_dim]`, `y` (`[batch, out_dim]`) is
+    /// overwritten.
+    pub fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) -> Result<()> {
+        self.check_io(x, batch, y)?;
+        if batch > 0 {
+            cpu::forward(self, x, batch, y, opts);
+        }
+        Ok(())
+    }
+
+    /// The f64-accumulating reference (see [`crate::reference`]).
+    pub fn forward_reference(&self, x: &[f32], batch: usize) -> Result<Vec<f32>> {
+        let in_dim = self.in_dim();
+        if batch.checked_mul(in_dim) != Some(x.len()) {
+            return Err(KernelError::InputShape {
+                batch,
+                in_dim,
+                actual: x.len(),
+            });
+        }
+        Ok(crate::reference::forward_reference(self, x, batch))
+    }
+
+    /// Dequantizes the whole base weight to f32, row-major `[out_dim, in_dim]`.
+    /// This is what the fused path avoids; it exists for the baseline and debugging.
+    pub fn dequantize_base(&self, opts: CpuOptions) -> Vec<f32> {
+        cpu::dequantize_base(self, opts)
+    }
+
+    /// The unfused baseline: multiplies by `dense`, the output of
+    /// [`Self::dequantize_base`], then adds the LoRA path computed separately.
+    pub fn forward_dense_baseline(
+        &self,
+        dense: &[f32],
+        x: &[f32],
+        batch: usize,
+        y: &mut [f32],
+        opts: CpuOptions,
+    ) -> Result<()> {
+        self.check_io(x, batch, y)?;
+        let expected = self.out_dim() * self.in_dim();
+        if dense.len() != expected {
+            return Err(KernelError::ShapeMismatch {
+                what: "dense baseline weight",
+                expected,
+                actual: dense.len(),
+            });
+        }
+        if batch > 0 {
+            cpu::forward_with_dense(self, dense, x, batch, y, opts);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! Random quantized linears for the tests: codes drawn directly in each storage format,
+//! so every code path (subnormal E4M3, every E2M1 value, partial fp8 tiles) is exercised.
+#![allow(dead_code)]
+
+use half::bf16;
+use loraq_kernels::{
+    BaseWeight, Bf16Weight, Fp8Block128Weight, LoraAdapter, Mxfp4Weight, Nvfp4Weight,
+    QuantLoraLinear,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Base formats the tests draw from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Bf16,
+    Fp8Block128,
+    Nvfp4,
+    Mxfp4,
+}
+
+pub const FORMATS: [Format; 4] = [
+    Format::Bf16,
+    Format::Fp8Block128,
+    Format::Nvfp4,
+    Format::Mxfp4,
+];
+
+/// A non-NaN E4M3 code.
+fn e4m3_code(rng: &mut ChaCha8Rng) -> u8 {
+    loop {
+        let c: u8 = rng.random();
+        if c & 0x7F != 0x7F {
+            return c;
+        }
+    }
+}
+
+pub fn random_base(
+    format: Format,
+    out_dim: usize,
+    in_dim: usize,
+    rng: &mut ChaCha8Rng,
+) -> BaseWeight {
+    match format {
+        Format::Bf16 => BaseWeight::Bf16(
+            Bf16Weight::new(
+                out_dim,
+                in_dim,
+                (0..out_dim * in_dim)
+                    .map(|_| bf16::from_f32(rng.random_range(-0.1..0.1)))
+                    .collect(),
+            )
+            .unwrap(),
+        ),
+        Format::Fp8Block128 => {
+            let tiles = out_dim.div_ceil(128) * in_dim.div_ceil(128);
+            BaseWeight::Fp8Block128(
+                Fp8Block128Weight::new(
+                    out_dim,
+                    in_dim,
+                    (0..out_dim * in_dim).map(|_| e4m3_code(rng)).collect(),
+                    (0..tiles)
+                        .map(|_| rng.random_range(1e-5f32..1e-3))
+                        .collect(),
+                )
+                .unwrap(),
+            )
+        }
+        Format::Nvfp4 => BaseWeight::Nvfp4(
+            Nvfp4Weight::new(
+                out_dim,
+                in_dim,
+                (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
+                // E4M3 codes 0x00..0x5F: zero, subnormals, normals up to 16.
+                (0..out_dim * in_dim / 16)
+                    .map(|_| rng.random_range(0u8..0x60) | (rng.random::<u8>() & 0x80))
+                    .collect(),
+                rng.random_range(1e-4f32..1e-2),
+            )
+            .unwrap(),
+        ),
+        Format::Mxfp4 => BaseWeight::Mxfp4(
+            Mxfp4Weight::new(
+                out_dim,
+                in_dim,
+                (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
+                (0..out_dim * in_dim / 32)
+                    .map(|_| rng.random_range(118u8..130))
+                    .collect(),
+            )
+            .unwrap(),
+        ),
+    }
+}
+
+pub fn random_lora(
+    rank: usize,
+    out_dim: usize,
+    in_dim: usize,
+    rng: &mut ChaCha8Rng,
+) -> LoraAdapter {
+    let a = (0..rank * in_dim)
+        .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
+        .collect();
+    let b = (0..out_dim * rank)
+        .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
+        .collect();
+    LoraAdapter::new(rank, in_dim, out_dim, a, b, rng.random_range(0.25f32..2.0)).unwrap()
+}
+
+pub fn random_linear(
+    format: Format,
+    out_dim: usize,
+    in_dim: usize,
+    rank: usize,
+    seed: u64,
+) -> QuantLoraLinear {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let base = random_base(format, out_dim, in_dim, &mut rng);
+    let lora = (rank > 0).then(|| random_lora(rank, out_dim, in_dim, &mut rng));
+    QuantLoraLinear::new(base, lora).unwrap()
+}
+
+pub fn random_activations(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
+    (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+}
+
+/// Rounds to the nearest multiple of the format's input block.
+pub fn legal_in_dim(format: Format, in_dim: usize) -> usize {
+    match format {
+        Format::Nvfp4 => in_dim.div_ceil(16).max(1) * 16,
+        Format::Mxfp4 => in_dim.div_ceil(32).max(1) * 32,
+        _ => in_dim.max(1),
+    }
+}
+
+/// Asserts |got - want| <= rel * magnitude + tiny for every output.
+pub fn assert_close(got: &[f32], want: &[f32], magnitude: &[f64], rel: f64, context: &str) {
+    assert_eq!(got.len(), want.len(), "{context}: length");
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(magnitude).enumerate() {
+        let tol = rel * m + 1e-30;
+        let err = (f64::from(g) - f64::from(w)).abs();
+        assert!(
+            err <= tol,
+            "{context}: output {i}: got {g}, reference {w}, |diff| {err:e} > tol {tol:e} (magnitude {m:e})"
+        );
+    }
+}

@@ -1,0 +1,139 @@
+//! The fast CPU path equals the f64 reference within rounding tolerance, on random
+//! shapes, every base format, every instruction set this CPU has, decode and prefill
+//! batches, ranks 1..=512, in-dims that are not multiples of 128.
+
+mod common;
+
+use common::{FORMATS, Format, assert_close, legal_in_dim, random_activations, random_linear};
+use loraq_kernels::reference::forward_reference_with_magnitude;
+use loraq_kernels::{ActivationQuant, CpuOptions, Isa, Parallelism};
+use proptest::prelude::*;
+
+/// f32 accumulation over at most a few thousand terms stays far inside this; bf16
+/// tolerance (2^-8 of the magnitude) is 16x looser.
+const REL_TOL: f64 = 1.0 / 4096.0;
+
+fn check(
+    format: Format,
+    out_dim: usize,
+    in_dim: usize,
+    rank: usize,
+    batch: usize,
+    act: ActivationQuant,
+    seed: u64,
+) {
+    let in_dim = legal_in_dim(format, in_dim);
+    let linear = random_linear(format, out_dim, in_dim, rank, seed).with_activation_quant(act);
+    let x = random_activations(batch * in_dim, seed);
+    let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+    for isa in Isa::available() {
+        for parallelism in [Parallelism::Rayon, Parallelism::Sequential] {
+            let opts = CpuOptions {
+                isa: Some(isa),
+                parallelism,
+            };
+            let mut y = vec![f32::NAN; batch * out_dim];
+            linear.forward(&x, batch, &mut y, opts).unwrap();
+            let context = format!(
+                "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {act:?} {} {parallelism:?}",
+                isa.name()
+            );
+            assert_close(&y, &want, &magnitude, REL_TOL, &context);
+        }
+    }
+}
+
+fn format_strategy() -> impl Strategy<Value = Format> {
+    prop::sample::select(FORMATS.to_vec())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    #[test]
+    fn fast_path_matches_reference(
+        format in format_strategy(),
+        out_dim in 1usize..72,
+        in_dim in 1usize..300,
+        rank in prop_oneof![Just(0usize), 1usize..48, Just(512usize), 48usize..512],
+        batch in prop_oneof![1usize..=8, 9usize..30],
+        seed in any::<u64>(),
+    ) {
+        check(format, out_dim, in_dim, rank, batch, ActivationQuant::None, seed);
+    }
+
+    #[test]
+    fn fast_path_matches_reference_with_fp8_activations(
+        format in format_strategy(),
+        out_dim in 1usize..40,
+        in_dim in 1usize..300,
+        rank in 0usize..64,
+        batch in 1usize..20,
+        per_group in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let act = if per_group { ActivationQuant::Fp8PerGroup128 } else { ActivationQuant::Fp8PerToken };
+        check(format, out_dim, in_dim, rank, batch, act, seed);
+    }
+}
+
+/// Shapes at the edges of every tile and block: fp8 tiles of 128 with partial tiles in
+/// both directions, SIMD widths 8/16 plus tails, the GEMM's KC = 128 slices.
+#[test]
+fn fp8_block_edges() {
+    for (out_dim, in_dim) in [
+        (1, 1),
+        (129, 127),
+        (130, 129),
+        (17, 256),
+        (128, 383),
+        (33, 15),
+    ] {
+        for batch in [1, 3, 8, 9, 17] {
+            check(
+                Format::Fp8Block128,
+                out_dim,
+                in_dim,
+                5,
+                batch,
+                ActivationQuant::None,
+                7,
+            );
+        }
+    }
+}
+
+/// Rank 512 (the largest accepted) on both paths.
+#[test]
+fn rank_512() {
+    for batch in [1, 2, 12] {
+        check(Format::Nvfp4, 40, 96, 512, batch, ActivationQuant::None, 11);
+    }
+}
+
+/// The unfused baseline (dequantize the whole weight, then multiply) computes the same
+/// function; the benches compare against it.
+#[test]
+fn dense_baseline_matches_reference() {
+    for format in FORMATS {
+        for batch in [1, 5, 13] {
+            let in_dim = legal_in_dim(format, 160);
+            let linear = random_linear(format, 50, in_dim, 24, 3);
+            let x = random_activations(batch * in_dim, 3);
+            let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+            let opts = CpuOptions::default();
+            let dense = linear.dequantize_base(opts);
+            let mut y = vec![0f32; batch * 50];
+            linear
+                .forward_dense_baseline(&dense, &x, batch, &mut y, opts)
+                .unwrap();
+            assert_close(
+                &y,
+                &want,
+                &magnitude,
+                REL_TOL,
+                &format!("dense baseline {format:?} batch {batch}"),
+            );
+        }
+    }
+}

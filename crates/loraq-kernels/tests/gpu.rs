@@ -1,0 +1,85 @@
+//! GPU kernels against the CPU reference (feature `cuda`). Skipped, with the reason
+//! printed, where no CUDA driver / device or no NVRTC is present; `scripts/gpu-check.sh`
+//! runs them on a GPU machine.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{Format, random_activations, random_linear};
+use loraq_kernels::cuda::{CudaBackend, GpuMode, driver_available};
+use loraq_kernels::reference::forward_reference_with_magnitude;
+
+fn backend_or_skip() -> Option<CudaBackend> {
+    if !driver_available() {
+        eprintln!("skipped: no CUDA driver or device");
+        return None;
+    }
+    let backend = CudaBackend::open_default(0).expect("kernels compile and load");
+    if backend.is_none() {
+        eprintln!(
+            "skipped: no NVRTC and no cubins (set LORAQ_CUDA_WHEELS, CUDA_HOME or LORAQ_CUBIN_DIR)"
+        );
+    }
+    backend
+}
+
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect()
+}
+
+/// Every format x mode x batch (decode and prefill) x rank, against the f64 reference
+/// on the same bf16-rounded activations. Tolerance: bf16 output rounding (2^-8 of |y|)
+/// plus 2^-8 of the magnitude sum (bf16 weights in the tensor-core path).
+#[test]
+fn gpu_matches_cpu_reference() {
+    let Some(backend) = backend_or_skip() else {
+        return;
+    };
+    eprintln!("device: {} ({})", backend.device_name(), backend.arch());
+    let mut checked = 0;
+    for format in [Format::Bf16, Format::Fp8Block128, Format::Nvfp4] {
+        for (out_dim, in_dim) in [(200, 272), (129, 1040)] {
+            for rank in [0usize, 8, 37, 256] {
+                let linear = random_linear(format, out_dim, in_dim, rank, 42 + rank as u64);
+                let mut gpu = backend.upload(&linear).unwrap();
+                for batch in [1usize, 3, 16, 17, 100] {
+                    let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
+                    let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+                    for mode in [GpuMode::Fused, GpuMode::Unfused] {
+                        let got = gpu.forward_host(&backend, &x, batch, mode).unwrap();
+                        for (i, ((&g, &w), &m)) in got.iter().zip(&want).zip(&magnitude).enumerate()
+                        {
+                            let tol = (m + f64::from(w.abs())) / 256.0 + 1e-6;
+                            assert!(
+                                (f64::from(g) - f64::from(w)).abs() <= tol,
+                                "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {mode:?} output {i}: gpu {g}, reference {w}"
+                            );
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{checked} GPU configurations match the reference");
+}
+
+/// The fused decode kernel's release counter keeps working across many launches.
+#[test]
+fn fused_decode_is_repeatable() {
+    let Some(backend) = backend_or_skip() else {
+        return;
+    };
+    let linear = random_linear(Format::Fp8Block128, 300, 512, 64, 1);
+    let mut gpu = backend.upload(&linear).unwrap();
+    let x = round_bf16(&random_activations(2 * 512, 5));
+    let first = gpu.forward_host(&backend, &x, 2, GpuMode::Fused).unwrap();
+    for _ in 0..50 {
+        assert_eq!(
+            gpu.forward_host(&backend, &x, 2, GpuMode::Fused).unwrap(),
+            first
+        );
+    }
+}

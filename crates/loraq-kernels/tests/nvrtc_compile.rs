@@ -1,0 +1,71 @@
+//! Every CUDA kernel compiles with NVRTC to a cubin for every target architecture.
+//!
+//! Runs wherever `LORAQ_CUDA_WHEELS` names the `site-packages/nvidia` directory of the
+//! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` wheels (`.ci/run` sets it);
+//! skipped, with the reason printed, only where the variable is unset. No GPU needed.
+
+use loraq_kernels::nvrtc::{
+    CUDA_WHEELS_ENV, KERNELS, KernelSource, Nvrtc, NvrtcLocation, TARGET_ARCHS,
+};
+
+fn nvrtc_or_skip() -> Option<Nvrtc> {
+    let Some(location) = NvrtcLocation::from_env() else {
+        eprintln!("skipped: {CUDA_WHEELS_ENV} is not set (see .ci/run for the NVRTC wheels)");
+        return None;
+    };
+    // The variable is set: a broken installation is a failure, not a skip.
+    Some(Nvrtc::load(location).expect("NVRTC named by LORAQ_CUDA_WHEELS loads"))
+}
+
+/// Looks for `name` as a NUL-terminated symbol in an ELF image (the cubin's string table).
+fn contains_symbol(cubin: &[u8], name: &str) -> bool {
+    let needle: Vec<u8> = name.bytes().chain(std::iter::once(0)).collect();
+    cubin.windows(needle.len()).any(|w| w == needle.as_slice())
+}
+
+#[test]
+fn every_kernel_compiles_to_cubin_for_sm90a_and_sm120a() {
+    let Some(nvrtc) = nvrtc_or_skip() else { return };
+    eprintln!("NVRTC {:?}", nvrtc.version());
+    for kernel in KERNELS {
+        for arch in TARGET_ARCHS {
+            let compiled = nvrtc
+                .compile(kernel, arch)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                &compiled.cubin[..4],
+                b"\x7fELF",
+                "{} {arch}: not an ELF cubin",
+                kernel.file
+            );
+            for entry in kernel.entry_points {
+                assert!(
+                    contains_symbol(&compiled.cubin, entry),
+                    "{} {arch}: entry point {entry} missing from the cubin",
+                    kernel.file
+                );
+            }
+            if !compiled.log.is_empty() {
+                eprintln!("{} {arch} log:\n{}", kernel.file, compiled.log);
+            }
+        }
+    }
+}
+
+/// The compile check is not vacuous: a kernel with an error is rejected with the
+/// compiler's message.
+#[test]
+fn a_kernel_with_an_error_is_rejected_with_its_log() {
+    let Some(nvrtc) = nvrtc_or_skip() else { return };
+    let broken = KernelSource {
+        file: "broken.cu",
+        source: "#include \"loraq_common.cuh\"\nextern \"C\" __global__ void k(float* y) { y[0] = undefined_name; }\n",
+        entry_points: &["k"],
+    };
+    let err = nvrtc
+        .compile(&broken, TARGET_ARCHS[0])
+        .expect_err("broken kernel must not compile");
+    let message = err.to_string();
+    assert!(message.contains("broken.cu"), "{message}");
+    assert!(message.contains("undefined_name"), "{message}");
+}

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# GPU check of loraq-kernels: builds with `cuda`, runs the GPU kernels against the CPU
+# reference, benchmarks the Qwen3.8-27B layer shapes (5120->17408, 17408->5120,
+# 5120->10240, 5120->6144) at rank 256, batch 1/4/16/128, fp8-block128 and nvfp4 bases,
+# fused vs unfused, and writes a Markdown report to the path given as argument.
+# Budget: well under 8 minutes on an H200 (each step has its own timeout).
+#
+# Usage:
+#   scripts/gpu-check.sh REPORT.md
+#       on a machine with an NVIDIA GPU (sm_90+), a CUDA driver, and either cargo or
+#       prebuilt binaries (below). Kernels are compiled at run time by NVRTC
+#       (LORAQ_CUDA_WHEELS, CUDA_HOME or /usr/local/cuda) or loaded from
+#       precompiled cubins in LORAQ_CUBIN_DIR.
+#   scripts/gpu-check.sh --prepare DIR
+#       on a machine WITHOUT a GPU but with cargo and NVRTC (e.g. the CI wheels):
+#       builds the GPU test and bench binaries and the cubins into DIR, so that
+#       `LORAQ_GPU_PREBUILT=DIR scripts/gpu-check.sh REPORT.md` works on a GPU machine
+#       that has neither cargo nor NVRTC.
+#
+# Environment: LORAQ_GPU_PEAK_GBPS (default 4800, the H200's HBM3e), LORAQ_GPU_PREBUILT.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+
+find_nvrtc() {
+    if [[ -n "${LORAQ_CUDA_WHEELS:-}" || -n "${LORAQ_CUBIN_DIR:-}" ]]; then return 0; fi
+    local py
+    for py in python3 python; do
+        if command -v "$py" >/dev/null 2>&1; then
+            local dir
+            dir=$("$py" -c 'import nvidia.cuda_nvrtc, os; print(os.path.dirname(list(nvidia.cuda_nvrtc.__path__)[0]))' 2>/dev/null || true)
+            if [[ -n "$dir" && -e "$dir/cuda_nvrtc/lib/libnvrtc.so.12" ]]; then
+                export LORAQ_CUDA_WHEELS="$dir"
+                return 0
+            fi
+        fi
+    done
+    # CUDA_HOME / CUDA_PATH / /usr/local/cuda are searched by the binaries themselves.
+}
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    out="${2:?usage: gpu-check.sh --prepare DIR}"
+    mkdir -p "$out"
+    find_nvrtc
+    cargo run --release -p loraq-kernels --example compile_kernels -- "$out/cubins"
+    for kind in "--test gpu" "--bench gpu_linear"; do
+        # shellcheck disable=SC2086
+        bin=$(cargo test --release -p loraq-kernels --features cuda $kind --no-run --message-format=json 2>/dev/null \
+            | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+        [[ -n "$bin" ]] || { echo "gpu-check: building $kind failed" >&2; exit 1; }
+        cp "$bin" "$out/$(basename "${kind#* }")"
+    done
+    echo "gpu-check: prepared $out (gpu, gpu_linear, cubins/)"
+    exit 0
+fi
+
+report="${1:?usage: gpu-check.sh REPORT.md}"
+report="$(cd "$(dirname "$report")" && pwd)/$(basename "$report")"
+log_dir="$(mktemp -d)"
+start=$(date +%s)
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >/dev/null 2>&1; then
+    echo "gpu-check: no working nvidia-smi; a GPU and its driver are required" >&2
+    exit 1
+fi
+gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n 1)
+
+if [[ -n "${LORAQ_GPU_PREBUILT:-}" ]]; then
+    prebuilt="$(cd "$LORAQ_GPU_PREBUILT" && pwd)"
+    export LORAQ_CUBIN_DIR="${LORAQ_CUBIN_DIR:-$prebuilt/cubins}"
+    test_cmd=("$prebuilt/gpu" --nocapture --test-threads=1)
+    bench_cmd=("$prebuilt/gpu_linear" --bench)
+else
+    command -v cargo >/dev/null 2>&1 || { echo "gpu-check: no cargo; use --prepare elsewhere and LORAQ_GPU_PREBUILT" >&2; exit 1; }
+    find_nvrtc
+    echo "== build (feature cuda)"
+    timeout 240 cargo build --release -p loraq-kernels --features cuda --tests --benches
+    test_cmd=(cargo test --release -p loraq-kernels --features cuda --test gpu -- --nocapture --test-threads=1)
+    bench_cmd=(cargo bench -p loraq-kernels --features cuda --bench gpu_linear --)
+fi
+
+echo "== GPU kernels vs CPU reference"
+test_status=passed
+if ! timeout 150 "${test_cmd[@]}" 2>&1 | tee "$log_dir/test.log"; then
+    test_status=FAILED
+fi
+grep -q "skipped" "$log_dir/test.log" && test_status="SKIPPED ($(grep -m1 skipped "$log_dir/test.log"))"
+
+echo "== benchmark"
+table="$log_dir/table.md"
+bench_status=done
+if ! LORAQ_GPU_TABLE="$table" LORAQ_GPU_TABLE_ONLY=1 timeout 180 "${bench_cmd[@]}" 2>&1 | tee "$log_dir/bench.log"; then
+    bench_status=FAILED
+fi
+
+{
+    echo "# loraq-kernels GPU check"
+    echo
+    echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- GPU: $gpu_name"
+    echo "- GPU tests against the CPU reference (bf16 tolerance): $test_status"
+    echo "- benchmark: $bench_status"
+    echo "- wall time: $(( $(date +%s) - start )) s"
+    echo
+    if [[ -s "$table" ]]; then cat "$table"; else echo "(no table: see the bench log below)"; tail -n 30 "$log_dir/bench.log" | sed 's/^/    /'; fi
+    echo
+    echo "## test log (tail)"
+    echo
+    tail -n 20 "$log_dir/test.log" | sed 's/^/    /'
+} > "$report"
+echo "gpu-check: wrote $report"
+[[ "$test_status" == passed && "$bench_status" == done ]]
