@@ -196,6 +196,71 @@ impl<R: BufRead> AnswersReader<R> {
     }
 }
 
+/// Lines read in one go, parsed in parallel by [`LineBatch::parse`].
+#[derive(Debug, Default)]
+pub struct LineBatch {
+    bytes: Vec<u8>,
+    /// (start, end, 1-based line number) of each non-blank line.
+    lines: Vec<(usize, usize, u64)>,
+}
+
+impl LineBatch {
+    /// Parses every line (in parallel); the first failing line, in file order, is
+    /// the error.
+    pub fn parse(&self, path: &Path) -> Result<Vec<AnswerView<'_>>> {
+        use rayon::prelude::*;
+        let parsed: Vec<Result<AnswerView<'_>>> = self
+            .lines
+            .par_iter()
+            .map(|&(start, end, line)| parse_line(&self.bytes[start..end], path, line))
+            .collect();
+        parsed.into_iter().collect()
+    }
+
+    /// Number of (non-blank) lines.
+    pub fn len(&self) -> usize {
+        self.lines.len()
+    }
+
+    /// No lines.
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+}
+
+impl<R: BufRead> AnswersReader<R> {
+    /// Reads up to `max_lines` non-blank lines into `batch` (cleared first); false at
+    /// the end of the file (or after an error).
+    pub fn next_batch(&mut self, batch: &mut LineBatch, max_lines: usize) -> Result<bool> {
+        batch.bytes.clear();
+        batch.lines.clear();
+        if self.failed {
+            return Ok(false);
+        }
+        while batch.lines.len() < max_lines {
+            let start = batch.bytes.len();
+            match self.reader.read_until(b'\n', &mut batch.bytes) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(error) => {
+                    self.failed = true;
+                    return Err(EvalError::Io {
+                        path: self.path.clone(),
+                        error,
+                    });
+                }
+            }
+            self.line += 1;
+            if batch.bytes[start..].iter().all(u8::is_ascii_whitespace) {
+                batch.bytes.truncate(start);
+                continue;
+            }
+            batch.lines.push((start, batch.bytes.len(), self.line));
+        }
+        Ok(!batch.lines.is_empty())
+    }
+}
+
 impl<R: BufRead> Iterator for AnswersReader<R> {
     type Item = Result<Answer>;
 
@@ -348,12 +413,13 @@ fn validate<'a>(
 /// p = softmax(l) as exp(l - max) / sum, and log p = (l - max) - ln(sum).
 pub fn softmax_and_log(logits: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let shifted: Vec<f64> = logits.iter().map(|l| l - max).collect();
-    let exps: Vec<f64> = shifted.iter().map(|s| s.exp()).collect();
-    let sum: f64 = exps.iter().sum();
+    // log_probs holds l - max and probs exp(l - max) until both are normalized.
+    let mut log_probs: Vec<f64> = logits.iter().map(|l| l - max).collect();
+    let mut probs: Vec<f64> = log_probs.iter().map(|s| s.exp()).collect();
+    let sum: f64 = probs.iter().sum();
     let log_sum = sum.ln();
-    let probs = exps.iter().map(|e| e / sum).collect();
-    let log_probs = shifted.iter().map(|s| s - log_sum).collect();
+    probs.iter_mut().for_each(|e| *e /= sum);
+    log_probs.iter_mut().for_each(|s| *s -= log_sum);
     (probs, log_probs)
 }
 

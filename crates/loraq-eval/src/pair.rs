@@ -13,8 +13,11 @@ use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use crate::answers::{AnswerView, AnswersReader};
+use crate::answers::{AnswerView, AnswersReader, LineBatch};
 use crate::error::{EvalError, FieldMismatch, Result};
+
+/// Lines parsed together (in parallel) before they are paired in order.
+const BATCH_LINES: usize = 1 << 14;
 
 /// Name of the group of questions that have no `group` field.
 pub const UNGROUPED: &str = "(ungrouped)";
@@ -170,86 +173,89 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
     let mut groups = Interner::default();
     let mut index_of: FastMap<Box<str>, u32> = FastMap::default();
     let mut store = ReferenceStore::default();
-    while let Some(answer) = reference.next_view() {
-        let entries = &store.entries;
-        let answer = answer?;
-        let index = u32::try_from(entries.len()).expect("fewer than 2^32 questions");
-        match index_of.entry(Box::from(answer.id.as_ref())) {
-            Entry::Occupied(seen) => {
-                return Err(EvalError::DuplicateId {
-                    path: reference_path,
-                    line: answer.line,
-                    id: seen.key().to_string(),
-                    first_line: entries[*seen.get() as usize].line,
-                });
+    let mut batch = LineBatch::default();
+    while reference.next_batch(&mut batch, BATCH_LINES)? {
+        for answer in batch.parse(&reference_path)? {
+            let entries = &store.entries;
+            let index = u32::try_from(entries.len()).expect("fewer than 2^32 questions");
+            match index_of.entry(Box::from(answer.id.as_ref())) {
+                Entry::Occupied(seen) => {
+                    return Err(EvalError::DuplicateId {
+                        path: reference_path,
+                        line: answer.line,
+                        id: seen.key().to_string(),
+                        first_line: entries[*seen.get() as usize].line,
+                    });
+                }
+                Entry::Vacant(slot) => {
+                    slot.insert(index);
+                }
             }
-            Entry::Vacant(slot) => {
-                slot.insert(index);
-            }
+            store.entries.push(ReferenceEntry {
+                line: answer.line,
+                options: option_lists.intern(&answer.options),
+                group: answer.group.map(|g| groups.intern(&g)),
+                gold: answer.gold.map(|g| g as u32),
+                start: store.probs.len(),
+            });
+            store.probs.extend_from_slice(&answer.probs);
+            store.log_probs.extend_from_slice(&answer.log_probs);
         }
-        store.entries.push(ReferenceEntry {
-            line: answer.line,
-            options: option_lists.intern(&answer.options),
-            group: answer.group.map(|g| groups.intern(&g)),
-            gold: answer.gold.map(|g| g as u32),
-            start: store.probs.len(),
-        });
-        store.probs.extend_from_slice(&answer.probs);
-        store.log_probs.extend_from_slice(&answer.log_probs);
     }
     let entries = &store.entries;
 
     let mut slots: Vec<Option<PairStats>> = vec![None; entries.len()];
     let mut candidate_line_of: Vec<u64> = vec![0; entries.len()];
     let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
-    while let Some(answer) = candidate.next_view() {
-        let answer = answer?;
-        let Some(&index) = index_of.get(answer.id.as_ref()) else {
-            if !allow_unpaired {
-                return Err(EvalError::UnpairedCandidate {
+    while candidate.next_batch(&mut batch, BATCH_LINES)? {
+        for answer in batch.parse(&candidate_path)? {
+            let Some(&index) = index_of.get(answer.id.as_ref()) else {
+                if !allow_unpaired {
+                    return Err(EvalError::UnpairedCandidate {
+                        path: candidate_path,
+                        line: answer.line,
+                        id: answer.id.into_owned(),
+                        other_path: reference_path,
+                    });
+                }
+                match candidate_only_ids.entry(answer.id.into_owned()) {
+                    Entry::Occupied(seen) => {
+                        return Err(EvalError::DuplicateId {
+                            path: candidate_path,
+                            line: answer.line,
+                            id: seen.key().clone(),
+                            first_line: *seen.get(),
+                        });
+                    }
+                    Entry::Vacant(slot) => {
+                        slot.insert(answer.line);
+                    }
+                }
+                continue;
+            };
+            let index = index as usize;
+            if candidate_line_of[index] != 0 {
+                return Err(EvalError::DuplicateId {
                     path: candidate_path,
                     line: answer.line,
                     id: answer.id.into_owned(),
-                    other_path: reference_path,
+                    first_line: candidate_line_of[index],
                 });
             }
-            match candidate_only_ids.entry(answer.id.into_owned()) {
-                Entry::Occupied(seen) => {
-                    return Err(EvalError::DuplicateId {
-                        path: candidate_path,
-                        line: answer.line,
-                        id: seen.key().clone(),
-                        first_line: *seen.get(),
-                    });
-                }
-                Entry::Vacant(slot) => {
-                    slot.insert(answer.line);
-                }
-            }
-            continue;
-        };
-        let index = index as usize;
-        if candidate_line_of[index] != 0 {
-            return Err(EvalError::DuplicateId {
-                path: candidate_path,
-                line: answer.line,
-                id: answer.id.into_owned(),
-                first_line: candidate_line_of[index],
-            });
+            candidate_line_of[index] = answer.line;
+            let entry = &entries[index];
+            let options = &option_lists.lists[entry.options as usize];
+            let width = options.len();
+            let context = PairContext {
+                reference_path: &reference_path,
+                candidate_path: &candidate_path,
+                options,
+                probs: &store.probs[entry.start..entry.start + width],
+                log_probs: &store.log_probs[entry.start..entry.start + width],
+            };
+            let group = context.agreed_group(entry, &answer, &mut groups)?;
+            slots[index] = Some(context.reduce(entry, &answer, group)?);
         }
-        candidate_line_of[index] = answer.line;
-        let entry = &entries[index];
-        let options = &option_lists.lists[entry.options as usize];
-        let width = options.len();
-        let context = PairContext {
-            reference_path: &reference_path,
-            candidate_path: &candidate_path,
-            options,
-            probs: &store.probs[entry.start..entry.start + width],
-            log_probs: &store.log_probs[entry.start..entry.start + width],
-        };
-        let group = context.agreed_group(entry, &answer, &mut groups)?;
-        slots[index] = Some(context.reduce(entry, &answer, group)?);
     }
 
     let reference_only = slots.iter().filter(|s| s.is_none()).count();
@@ -310,6 +316,12 @@ struct Interner {
 
 impl Interner {
     fn intern(&mut self, name: &str) -> u32 {
+        // Files often list a group's questions together: try the last one first.
+        if let Some(last) = self.names.last() {
+            if last == name {
+                return (self.names.len() - 1) as u32;
+            }
+        }
         if let Some(&id) = self.ids.get(name) {
             return id;
         }
