@@ -1,13 +1,9 @@
 //! Activation fake-quantization on the base path (the LoRA path sees the unquantized
-//! activation, as vLLM does). DESIGN.md, "Element formats": fp8 dynamic per token
-//! (`s = max(amax_t, eps) / 448`) or per 1x128 group (block checkpoints).
+//! activation, as vLLM does). The formats and their exact formulas live in
+//! `loraq_quant::activation`; this enum picks one per linear.
 
-use float8::F8E4M3;
-
-/// Smallest amax used for a dynamic fp8 activation scale, so an all-zero token
-/// gets a finite scale.
-pub const FP8_ACT_EPS: f32 = 1e-12;
-const E4M3_MAX: f32 = 448.0;
+use crate::error::Result;
+use loraq_quant::activation;
 
 /// How the base path sees the activation.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -15,34 +11,36 @@ pub enum ActivationQuant {
     /// Unquantized (weight-only quantization).
     #[default]
     None,
-    /// FP8 E4M3 with one dynamic scale per token.
+    /// FP8 E4M3, one dynamic scale per token (`max(amax, 2^-9) / 448`, vLLM's floor).
     Fp8PerToken,
-    /// FP8 E4M3 with one dynamic scale per 1x128 group of a token (fp8-block128 serving).
+    /// FP8 E4M3, one dynamic scale per 1x128 group of a token (block-FP8 serving).
     Fp8PerGroup128,
-}
-
-fn fake_quant_fp8_group(x: &[f32], out: &mut [f32]) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = amax.max(FP8_ACT_EPS) / E4M3_MAX;
-    for (o, &v) in out.iter_mut().zip(x) {
-        let q = F8E4M3::from_f32((v / scale).clamp(-E4M3_MAX, E4M3_MAX));
-        *o = q.to_f32() * scale;
-    }
+    /// NVFP4 (W4A4): dynamic E4M3 scale per 16 inputs under a static global scale
+    /// (dequantization direction, e.g. a checkpoint's `input_scale`). The in-dimension
+    /// must be a multiple of 16.
+    Nvfp4 {
+        /// Static global scale.
+        global_scale: f32,
+    },
 }
 
 impl ActivationQuant {
-    /// Writes the fake-quantized token `x` (one row of the activation) into `out`.
-    pub fn apply_row(&self, x: &[f32], out: &mut [f32]) {
-        debug_assert_eq!(x.len(), out.len());
-        match self {
-            Self::None => out.copy_from_slice(x),
-            Self::Fp8PerToken => fake_quant_fp8_group(x, out),
+    /// Fake-quantizes `values` (row-major `[tokens, hidden]`) in place.
+    pub fn apply(&self, values: &mut [f32], hidden: usize) -> Result<()> {
+        const NAME: &str = "activation";
+        match *self {
+            Self::None => {}
+            Self::Fp8PerToken => {
+                activation::fp8_per_token(NAME, values, hidden, activation::PER_TOKEN_EPS)?
+            }
             Self::Fp8PerGroup128 => {
-                for (xg, og) in x.chunks(128).zip(out.chunks_mut(128)) {
-                    fake_quant_fp8_group(xg, og);
-                }
+                activation::fp8_per_group(NAME, values, hidden, activation::PER_GROUP_EPS)?
+            }
+            Self::Nvfp4 { global_scale } => {
+                activation::nvfp4_dynamic(NAME, values, hidden, global_scale)?
             }
         }
+        Ok(())
     }
 
     /// True when the base path sees `x` unchanged.

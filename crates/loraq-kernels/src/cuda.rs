@@ -26,7 +26,8 @@ pub const CUBIN_DIR_ENV: &str = "LORAQ_CUBIN_DIR";
 
 /// Largest batch of the decode kernels; larger batches use the tensor-core kernels.
 pub const DECODE_MAX_BATCH: usize = 16;
-const DECODE_BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
+/// Token counts the decode kernels are instantiated for (`lora_decode.cu`).
+const DECODE_BATCHES: [usize; 3] = [1, 4, 16];
 const WARPS_PER_BLOCK: usize = 8;
 const TC_TILE: usize = 64;
 

@@ -122,6 +122,16 @@ pub enum KernelError {
         /// Driver message.
         message: String,
     },
+    /// A number-format operation of `loraq-quant` (activation fake-quant, conversion of
+    /// a quantized weight) failed.
+    #[error(transparent)]
+    Quant(#[from] loraq_quant::QuantError),
+    /// A quantized weight's scheme has no fused kernel.
+    #[error("no fused kernel for {what}")]
+    UnsupportedScheme {
+        /// Description of the scheme.
+        what: String,
+    },
     /// The requested configuration has no GPU kernel.
     #[error("no CUDA kernel for {what}")]
     UnsupportedOnGpu {

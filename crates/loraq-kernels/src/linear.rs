@@ -142,7 +142,7 @@ impl QuantLoraLinear {
     pub fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) -> Result<()> {
         self.check_io(x, batch, y)?;
         if batch > 0 {
-            cpu::forward(self, x, batch, y, opts);
+            cpu::forward(self, x, batch, y, opts)?;
         }
         Ok(())
     }
@@ -157,7 +157,7 @@ impl QuantLoraLinear {
                 actual: x.len(),
             });
         }
-        Ok(crate::reference::forward_reference(self, x, batch))
+        crate::reference::forward_reference(self, x, batch)
     }
 
     /// Dequantizes the whole base weight to f32, row-major `[out_dim, in_dim]`.
@@ -186,7 +186,7 @@ impl QuantLoraLinear {
             });
         }
         if batch > 0 {
-            cpu::forward_with_dense(self, dense, x, batch, y, opts);
+            cpu::forward_with_dense(self, dense, x, batch, y, opts)?;
         }
         Ok(())
     }

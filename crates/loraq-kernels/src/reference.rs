@@ -1,24 +1,20 @@
-//! Reference implementation: every weight element decoded on its own through the
-//! `float8` crate and a literal E2M1 table (independent of the fast path's bit tricks),
+//! Reference implementation: every weight element decoded on its own by
+//! `loraq_quant::element` (table lookups, independent of the fast path's bit tricks),
 //! every sum accumulated in f64. Slow by design; the oracle for the fast CPU path and
 //! the GPU kernels.
 
+use crate::error::Result;
 use crate::linear::QuantLoraLinear;
 use crate::weight::{BaseWeight, FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK};
-use float8::F8E4M3;
+use loraq_quant::element::{e2m1_decode, e4m3_decode, e8m0_decode};
 
-/// E2M1 values by code (sign in bit 3), from the OCP MX specification's table.
-pub(crate) const E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
-
-fn nibble(packed: &[u8], row_bytes: usize, row: usize, k: usize) -> usize {
+fn nibble(packed: &[u8], row_bytes: usize, row: usize, k: usize) -> u8 {
     let byte = packed[row * row_bytes + k / 2];
-    usize::from(if k.is_multiple_of(2) {
+    if k.is_multiple_of(2) {
         byte & 0x0F
     } else {
         byte >> 4
-    })
+    }
 }
 
 /// Dequantized weight element `W[row, k]` in f64.
@@ -26,29 +22,27 @@ pub fn weight_element(base: &BaseWeight, row: usize, k: usize) -> f64 {
     match base {
         BaseWeight::Bf16(w) => f64::from(w.data[row * w.in_dim + k].to_f32()),
         BaseWeight::Fp8Block128(w) => {
-            let q = F8E4M3::from_bits(w.codes[row * w.in_dim + k]).to_f64();
+            let q = f64::from(e4m3_decode(w.codes[row * w.in_dim + k]));
             let s = w.scales[(row / FP8_BLOCK) * w.scale_cols() + k / FP8_BLOCK];
             q * f64::from(s)
         }
         BaseWeight::Nvfp4(w) => {
-            let q = f64::from(E2M1_VALUES[nibble(&w.packed, w.in_dim / 2, row, k)]);
-            let s =
-                F8E4M3::from_bits(w.block_scales[row * (w.in_dim / NVFP4_BLOCK) + k / NVFP4_BLOCK])
-                    .to_f64();
-            q * s * f64::from(w.global_scale)
+            let q = f64::from(e2m1_decode(nibble(&w.packed, w.in_dim / 2, row, k)));
+            let code = w.block_scales[row * (w.in_dim / NVFP4_BLOCK) + k / NVFP4_BLOCK];
+            q * f64::from(e4m3_decode(code)) * f64::from(w.global_scale)
         }
         BaseWeight::Mxfp4(w) => {
-            let q = f64::from(E2M1_VALUES[nibble(&w.packed, w.in_dim / 2, row, k)]);
+            let q = f64::from(e2m1_decode(nibble(&w.packed, w.in_dim / 2, row, k)));
             let e = w.block_scales[row * (w.in_dim / MXFP4_BLOCK) + k / MXFP4_BLOCK];
-            q * 2f64.powi(i32::from(e) - 127)
+            q * f64::from(e8m0_decode(e))
         }
     }
 }
 
 /// `y = W x_q + scale * B (A x)` for `batch` tokens, f64 accumulation, rounded to f32
 /// at the end. `x` is `[batch, in_dim]`, the result `[batch, out_dim]`.
-pub fn forward_reference(linear: &QuantLoraLinear, x: &[f32], batch: usize) -> Vec<f32> {
-    forward_reference_with_magnitude(linear, x, batch).0
+pub fn forward_reference(linear: &QuantLoraLinear, x: &[f32], batch: usize) -> Result<Vec<f32>> {
+    Ok(forward_reference_with_magnitude(linear, x, batch)?.0)
 }
 
 /// As [`forward_reference`], also returning per output the sum of the magnitudes of
@@ -58,7 +52,7 @@ pub fn forward_reference_with_magnitude(
     linear: &QuantLoraLinear,
     x: &[f32],
     batch: usize,
-) -> (Vec<f32>, Vec<f64>) {
+) -> Result<(Vec<f32>, Vec<f64>)> {
     let base = linear.base();
     let (out_dim, in_dim) = (base.out_dim(), base.in_dim());
     let mut y = vec![0f32; batch * out_dim];
@@ -66,7 +60,8 @@ pub fn forward_reference_with_magnitude(
     let mut xq = vec![0f32; in_dim];
     for t in 0..batch {
         let xt = &x[t * in_dim..(t + 1) * in_dim];
-        linear.activation_quant().apply_row(xt, &mut xq);
+        xq.copy_from_slice(xt);
+        linear.activation_quant().apply(&mut xq, in_dim)?;
         // (A x)_j and sum_k |A_jk x_k| per rank component.
         let shrunk: Vec<(f64, f64)> = match linear.lora() {
             Some(l) => (0..l.rank)
@@ -102,5 +97,5 @@ pub fn forward_reference_with_magnitude(
             magnitude[t * out_dim + o] = mag;
         }
     }
-    (y, magnitude)
+    Ok((y, magnitude))
 }

@@ -340,3 +340,42 @@ impl BaseWeight {
         }
     }
 }
+
+impl TryFrom<loraq_quant::QuantizedWeight> for BaseWeight {
+    type Error = KernelError;
+
+    /// Takes a weight quantized (or loaded) by `loraq-quant`: fp8 with 128x128 tiles,
+    /// NVFP4 and MXFP4 have fused kernels; fp8 per tensor / per channel and int4 do not.
+    /// An NVFP4 global scale stored as a divisor (compressed-tensors) becomes the
+    /// multiplier `1 / d`, one extra rounding of the scale.
+    fn try_from(weight: loraq_quant::QuantizedWeight) -> Result<Self> {
+        use loraq_quant::{Fp8Granularity, Nvfp4GlobalScale, QuantizedWeight};
+        match weight {
+            QuantizedWeight::Fp8(w) if w.granularity == Fp8Granularity::Block128 => Ok(
+                Self::Fp8Block128(Fp8Block128Weight::new(w.rows, w.cols, w.codes, w.scales)?),
+            ),
+            QuantizedWeight::Nvfp4(w) => {
+                let global = match w.global_scale {
+                    Nvfp4GlobalScale::Multiplier(g) => g,
+                    Nvfp4GlobalScale::Divisor(d) => 1.0 / d,
+                };
+                Ok(Self::Nvfp4(Nvfp4Weight::new(
+                    w.rows,
+                    w.cols,
+                    w.packed,
+                    w.block_scales,
+                    global,
+                )?))
+            }
+            QuantizedWeight::Mxfp4(w) => Ok(Self::Mxfp4(Mxfp4Weight::new(
+                w.rows, w.cols, w.packed, w.scales,
+            )?)),
+            QuantizedWeight::Fp8(w) => Err(KernelError::UnsupportedScheme {
+                what: format!("fp8 with {:?} scales (only 128x128 blocks)", w.granularity),
+            }),
+            QuantizedWeight::Int4(_) => Err(KernelError::UnsupportedScheme {
+                what: "int4 group-128".into(),
+            }),
+        }
+    }
+}

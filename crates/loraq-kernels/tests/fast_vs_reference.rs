@@ -25,7 +25,7 @@ fn check(
     let in_dim = legal_in_dim(format, in_dim);
     let linear = random_linear(format, out_dim, in_dim, rank, seed).with_activation_quant(act);
     let x = random_activations(batch * in_dim, seed);
-    let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+    let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
     for isa in Isa::available() {
         for parallelism in [Parallelism::Rayon, Parallelism::Sequential] {
             let opts = CpuOptions {
@@ -63,16 +63,21 @@ proptest! {
     }
 
     #[test]
-    fn fast_path_matches_reference_with_fp8_activations(
+    fn fast_path_matches_reference_with_quantized_activations(
         format in format_strategy(),
         out_dim in 1usize..40,
         in_dim in 1usize..300,
         rank in 0usize..64,
         batch in 1usize..20,
-        per_group in any::<bool>(),
+        act_kind in 0u8..3,
         seed in any::<u64>(),
     ) {
-        let act = if per_group { ActivationQuant::Fp8PerGroup128 } else { ActivationQuant::Fp8PerToken };
+        let (act, in_dim) = match act_kind {
+            0 => (ActivationQuant::Fp8PerToken, in_dim),
+            1 => (ActivationQuant::Fp8PerGroup128, in_dim),
+            // W4A4: the activation's NVFP4 blocks need in-dim % 16 == 0.
+            _ => (ActivationQuant::Nvfp4 { global_scale: 2.0 / 2688.0 }, in_dim.div_ceil(32) * 32),
+        };
         check(format, out_dim, in_dim, rank, batch, act, seed);
     }
 }
@@ -120,7 +125,7 @@ fn dense_baseline_matches_reference() {
             let in_dim = legal_in_dim(format, 160);
             let linear = random_linear(format, 50, in_dim, 24, 3);
             let x = random_activations(batch * in_dim, 3);
-            let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+            let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
             let opts = CpuOptions::default();
             let dense = linear.dequantize_base(opts);
             let mut y = vec![0f32; batch * 50];

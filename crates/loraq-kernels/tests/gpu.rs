@@ -46,7 +46,8 @@ fn gpu_matches_cpu_reference() {
                 let mut gpu = backend.upload(&linear).unwrap();
                 for batch in [1usize, 3, 16, 17, 100] {
                     let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
-                    let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+                    let (want, magnitude) =
+                        forward_reference_with_magnitude(&linear, &x, batch).unwrap();
                     for mode in [GpuMode::Fused, GpuMode::Unfused] {
                         let got = gpu.forward_host(&backend, &x, batch, mode).unwrap();
                         for (i, ((&g, &w), &m)) in got.iter().zip(&want).zip(&magnitude).enumerate()

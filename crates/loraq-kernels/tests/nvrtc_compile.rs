@@ -27,27 +27,38 @@ fn contains_symbol(cubin: &[u8], name: &str) -> bool {
 fn every_kernel_compiles_to_cubin_for_sm90a_and_sm120a() {
     let Some(nvrtc) = nvrtc_or_skip() else { return };
     eprintln!("NVRTC {:?}", nvrtc.version());
-    for kernel in KERNELS {
-        for arch in TARGET_ARCHS {
-            let compiled = nvrtc
-                .compile(kernel, arch)
-                .unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(
-                &compiled.cubin[..4],
-                b"\x7fELF",
-                "{} {arch}: not an ELF cubin",
+    // One thread per (kernel, arch): NVRTC programs are independent, and ptxas dominates.
+    let jobs: Vec<_> = KERNELS
+        .iter()
+        .flat_map(|k| TARGET_ARCHS.map(|arch| (k, arch)))
+        .collect();
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|&(kernel, arch)| {
+                let nvrtc = &nvrtc;
+                scope.spawn(move || (kernel, arch, nvrtc.compile(kernel, arch)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (kernel, arch, result) in results {
+        let compiled = result.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            &compiled.cubin[..4],
+            b"\x7fELF",
+            "{} {arch}: not an ELF cubin",
+            kernel.file
+        );
+        for entry in kernel.entry_points {
+            assert!(
+                contains_symbol(&compiled.cubin, entry),
+                "{} {arch}: entry point {entry} missing from the cubin",
                 kernel.file
             );
-            for entry in kernel.entry_points {
-                assert!(
-                    contains_symbol(&compiled.cubin, entry),
-                    "{} {arch}: entry point {entry} missing from the cubin",
-                    kernel.file
-                );
-            }
-            if !compiled.log.is_empty() {
-                eprintln!("{} {arch} log:\n{}", kernel.file, compiled.log);
-            }
+        }
+        if !compiled.log.is_empty() {
+            eprintln!("{} {arch} log:\n{}", kernel.file, compiled.log);
         }
     }
 }

@@ -101,7 +101,7 @@ fn reference_and_fast_path_match_numpy_ml_dtypes() {
             .iter()
             .map(|e| e.as_f64().unwrap())
             .collect();
-        let (reference, magnitude) = forward_reference_with_magnitude(&linear, &x, batch);
+        let (reference, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
         let name = case["format"].as_str().unwrap();
         for (i, (&r, &w)) in reference.iter().zip(&want).enumerate() {
             // The reference rounds an f64 sum to f32 once.

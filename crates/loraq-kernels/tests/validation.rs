@@ -112,3 +112,32 @@ fn io_shapes_are_checked() {
         "{err}"
     );
 }
+
+/// A weight quantized by loraq-quant converts to a base weight whose reference decode
+/// equals loraq-quant's own dequantization, for every scheme with a fused kernel.
+#[test]
+fn loraq_quant_weights_convert_and_decode_identically() {
+    use loraq_quant::{Scheme, WeightView};
+    let (rows, cols) = (130, 160);
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    for scheme in [Scheme::Fp8Block128, Scheme::Nvfp4, Scheme::Mxfp4] {
+        let quantized = scheme
+            .quantize(WeightView::new("w", rows, cols, &data).unwrap())
+            .unwrap();
+        let expected = quantized.dequantize();
+        let base = BaseWeight::try_from(quantized).unwrap();
+        for (i, &e) in expected.iter().enumerate() {
+            let got = loraq_kernels::reference::weight_element(&base, i / cols, i % cols);
+            assert_eq!(got as f32, e, "{scheme:?} element {i}");
+        }
+    }
+    let int4 = Scheme::Int4G128Sym
+        .quantize(WeightView::new("w", 2, 128, &data[..256]).unwrap())
+        .unwrap();
+    assert!(matches!(
+        BaseWeight::try_from(int4),
+        Err(KernelError::UnsupportedScheme { .. })
+    ));
+}

@@ -6,13 +6,18 @@
 //! the codes and their scale. The GEMV and GEMM kernels are generic over this trait, so a
 //! new format is one impl.
 
-use crate::reference::E2M1_VALUES;
 use crate::weight::{FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK};
-use float8::F8E4M3;
 use half::bf16;
+use loraq_quant::element::{e4m3_decode, e8m0_decode};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
+
+/// E2M1 values by code (sign in bit 3): the permute table of the SIMD decoders
+/// (checked against `loraq_quant::element::e2m1_decode` in the tests).
+pub(crate) const E2M1_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
 
 /// 2^120: moves an E4M3 code, reinterpreted as an f32 with its exponent field shifted
 /// into place, from the f32 bias (127) to the E4M3 bias (7). Subnormal E4M3 codes become
@@ -150,7 +155,7 @@ impl<const TWO_STEP: bool> RowDecode for Fp8Block128Rows<'_, TWO_STEP> {
     }
     #[inline(always)]
     fn get(&self, row: usize, k: usize) -> f32 {
-        F8E4M3::from_bits(self.codes[row * self.cols + k]).to_f32() * self.scales[self.tile(row, k)]
+        e4m3_decode(self.codes[row * self.cols + k]) * self.scales[self.tile(row, k)]
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -213,12 +218,12 @@ pub(crate) type Mxfp4Rows<'a> = PackedFp4Rows<'a, MXFP4_BLOCK>;
 
 /// Scale table for NVFP4: `e4m3(code) * global_scale`.
 pub(crate) fn nvfp4_scale_table(global_scale: f32) -> [f32; 256] {
-    std::array::from_fn(|code| F8E4M3::from_bits(code as u8).to_f32() * global_scale)
+    std::array::from_fn(|code| e4m3_decode(code as u8) * global_scale)
 }
 
 /// Scale table for MXFP4: `2^(code - 127)` (code 255, NaN, is refused at construction).
 pub(crate) fn mxfp4_scale_table() -> [f32; 256] {
-    std::array::from_fn(|code| (2f64.powi(code as i32 - 127)) as f32)
+    std::array::from_fn(|code| e8m0_decode(code as u8))
 }
 
 impl<const BLOCK: usize> PackedFp4Rows<'_, BLOCK> {
@@ -347,7 +352,7 @@ mod tests {
             scale_cols: 2,
         };
         check_all_isas(&d);
-        assert_eq!(d.get(0, 1), F8E4M3::from_bits(1).to_f32() * 3.0e-3);
+        assert_eq!(d.get(0, 1), e4m3_decode(1) * 3.0e-3);
         // A multiplier whose product with 2^120 overflows takes the two-step decoder.
         let big = [3.0e-3, 7.5e2];
         assert!(fp8_rebiased_scales(&big).is_none());
@@ -393,6 +398,16 @@ mod tests {
             cols,
         };
         check_all_isas(&mxfp4);
+    }
+
+    #[test]
+    fn e2m1_table_is_loraq_quants() {
+        for (code, &v) in E2M1_VALUES.iter().enumerate() {
+            assert_eq!(
+                v.to_bits(),
+                loraq_quant::element::e2m1_decode(code as u8).to_bits()
+            );
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub(crate) mod decode;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
 
+use crate::error::Result;
 use crate::linear::QuantLoraLinear;
 use crate::weight::BaseWeight;
 use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
@@ -263,27 +264,21 @@ impl DecoderVisitor for GemvVisitor<'_> {
     }
 }
 
-/// Applies the activation fake-quant to every token (rows beyond `batch` stay zero).
+/// Copies `x` into a zero-padded `[padded, in_dim]` buffer and applies the activation
+/// fake-quant to the `batch` real tokens.
 fn quantize_activations(
     linear: &QuantLoraLinear,
     x: &[f32],
     batch: usize,
     padded: usize,
-    par: Parallelism,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
     let in_dim = linear.in_dim();
     let mut xq = vec![0f32; padded * in_dim];
-    let act = linear.activation_quant();
-    let f = |(t, row): (usize, &mut [f32])| {
-        if t < batch {
-            act.apply_row(&x[t * in_dim..(t + 1) * in_dim], row);
-        }
-    };
-    match par {
-        Parallelism::Sequential => xq.chunks_mut(in_dim).enumerate().for_each(f),
-        Parallelism::Rayon => xq.par_chunks_mut(in_dim).enumerate().for_each(f),
-    }
-    xq
+    xq[..batch * in_dim].copy_from_slice(x);
+    linear
+        .activation_quant()
+        .apply(&mut xq[..batch * in_dim], in_dim)?;
+    Ok(xq)
 }
 
 /// Transposes `src` (`[rows, cols]`) into `dst` (`[cols', rows]` for `cols' <= cols`).
@@ -303,12 +298,12 @@ pub(crate) fn forward(
     batch: usize,
     y: &mut [f32],
     opts: CpuOptions,
-) {
+) -> Result<()> {
     let isa = opts.resolved_isa();
     if batch <= GEMV_MAX_BATCH {
-        forward_gemv(linear, x, batch, y, isa, opts.parallelism);
+        forward_gemv(linear, x, batch, y, isa, opts.parallelism)
     } else {
-        forward_gemm(linear, x, batch, y, isa, opts.parallelism);
+        forward_gemm(linear, x, batch, y, isa, opts.parallelism)
     }
 }
 
@@ -337,13 +332,13 @@ fn forward_gemv(
     y: &mut [f32],
     isa: Isa,
     par: Parallelism,
-) {
+) -> Result<()> {
     let (out_dim, in_dim) = (linear.out_dim(), linear.in_dim());
     let quantized;
     let xq: &[f32] = if linear.activation_quant().is_identity() {
         x
     } else {
-        quantized = quantize_activations(linear, x, batch, batch, par);
+        quantized = quantize_activations(linear, x, batch, batch)?;
         &quantized
     };
     let views = lora_views(linear);
@@ -373,6 +368,7 @@ fn forward_gemv(
         },
     );
     transpose_into(&y_t, out_dim, batch, y, 1.0);
+    Ok(())
 }
 
 /// Runs the tiled product over all output blocks; returns `[out_rows, n_padded]`.
@@ -441,11 +437,11 @@ fn forward_gemm(
     y: &mut [f32],
     isa: Isa,
     par: Parallelism,
-) {
+) -> Result<()> {
     let in_dim = linear.in_dim();
     let (mr, _) = gemm::tile_shape(isa);
     let n_padded = batch.div_ceil(mr) * mr;
-    let xq = quantize_activations(linear, x, batch, n_padded, par);
+    let xq = quantize_activations(linear, x, batch, n_padded)?;
     let views = lora_views(linear);
     let ts = views.as_ref().map(|(a, _, scale)| {
         // The LoRA path sees the unquantized activation.
@@ -493,6 +489,7 @@ fn forward_gemm(
             *v = y_t[o * n_padded + t];
         }
     }
+    Ok(())
 }
 
 struct DequantVisitor<'a> {
@@ -538,9 +535,9 @@ pub(crate) fn forward_with_dense(
     batch: usize,
     y: &mut [f32],
     opts: CpuOptions,
-) {
+) -> Result<()> {
     let dense_linear = DenseView { linear, dense };
-    dense_linear.forward(x, batch, y, opts);
+    dense_linear.forward(x, batch, y, opts)
 }
 
 struct DenseView<'a> {
@@ -549,7 +546,7 @@ struct DenseView<'a> {
 }
 
 impl DenseView<'_> {
-    fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) {
+    fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) -> Result<()> {
         let isa = opts.resolved_isa();
         let par = opts.parallelism;
         let (out_dim, in_dim) = (self.linear.out_dim(), self.linear.in_dim());
@@ -564,7 +561,7 @@ impl DenseView<'_> {
         } else {
             batch.div_ceil(mr) * mr
         };
-        let xq = quantize_activations(self.linear, x, batch, n_padded, par);
+        let xq = quantize_activations(self.linear, x, batch, n_padded)?;
         let views = lora_views(self.linear);
         // LoRA exactly as the fused path computes it, then the base product separately.
         let mut lora_out = vec![0f32; batch * out_dim];
@@ -618,5 +615,6 @@ impl DenseView<'_> {
                 *v = base_t[o * n_padded + t] + lora_out[t * out_dim + o];
             }
         }
+        Ok(())
     }
 }
