@@ -50,6 +50,8 @@ if [[ "${1:-}" == "--prepare" ]]; then
             | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
         [[ -n "$bin" ]] || { echo "gpu-check: building $kind failed" >&2; exit 1; }
         cp "$bin" "$out/$(basename "${kind#* }")"
+        # Debug line tables make up most of the size; the device copy needs none.
+        if command -v strip >/dev/null 2>&1; then strip --strip-debug "$out/$(basename "${kind#* }")"; fi
     done
     echo "gpu-check: prepared $out (gpu, gpu_linear, cubins/)"
     exit 0

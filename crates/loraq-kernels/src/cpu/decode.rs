@@ -46,6 +46,9 @@ pub(crate) trait RowDecode: Sync {
     /// 8 consecutive elements of `row` from `k`, dequantized (AVX2/FMA).
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256;
+    /// Address of the stored codes of element `(row, k)` (a software-prefetch target;
+    /// may point past the end, it is never dereferenced).
+    fn code_address(&self, row: usize, k: usize) -> *const u8;
 }
 
 /// Row-major f32 matrix (the dequantize-then-multiply baseline and tests).
@@ -56,6 +59,13 @@ pub(crate) struct F32Rows<'a> {
 }
 
 impl RowDecode for F32Rows<'_> {
+    #[inline(always)]
+    fn code_address(&self, row: usize, k: usize) -> *const u8 {
+        self.data
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add((row * self.cols + k) * 4)
+    }
     fn rows(&self) -> usize {
         self.rows
     }
@@ -88,6 +98,13 @@ pub(crate) struct Bf16Rows<'a> {
 }
 
 impl RowDecode for Bf16Rows<'_> {
+    #[inline(always)]
+    fn code_address(&self, row: usize, k: usize) -> *const u8 {
+        self.data
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add((row * self.cols + k) * 2)
+    }
     fn rows(&self) -> usize {
         self.rows
     }
@@ -147,6 +164,10 @@ impl<const TWO_STEP: bool> Fp8Block128Rows<'_, TWO_STEP> {
 }
 
 impl<const TWO_STEP: bool> RowDecode for Fp8Block128Rows<'_, TWO_STEP> {
+    #[inline(always)]
+    fn code_address(&self, row: usize, k: usize) -> *const u8 {
+        self.codes.as_ptr().wrapping_add(row * self.cols + k)
+    }
     fn rows(&self) -> usize {
         self.rows
     }
@@ -247,6 +268,12 @@ impl<const BLOCK: usize> PackedFp4Rows<'_, BLOCK> {
 }
 
 impl<const BLOCK: usize> RowDecode for PackedFp4Rows<'_, BLOCK> {
+    #[inline(always)]
+    fn code_address(&self, row: usize, k: usize) -> *const u8 {
+        self.packed
+            .as_ptr()
+            .wrapping_add(row * (self.cols / 2) + k / 2)
+    }
     fn rows(&self) -> usize {
         self.rows
     }
