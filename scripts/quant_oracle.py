@@ -144,10 +144,13 @@ def nvfp4(weight, global_scale=None):
     scale_codes = ratio.astype(E4M3)
     block_scale = scale_codes.astype(F32)
     divisor = (block_scale * g).astype(F32)
-    q = e2m1_sat(blocks / divisor[:, :, None])
+    # "+ 0": ModelOpt encodes an exact -0.0 as code 0 (+0).
+    q = e2m1_sat(blocks / divisor[:, :, None] + F32(0))
     qn = q.view(np.uint8).reshape(rows, cols)
     packed = (qn[:, 0::2] | (qn[:, 1::2] << 4)).astype(np.uint8)
-    dequant = ((q.astype(F32) * block_scale[:, :, None]) * g).astype(F32).reshape(rows, cols)
+    # ModelOpt's dequantize: e2m1 * (f32(s_b) * g), the divisor used above, with
+    # code 8 read as +0 (its value table has no -0): "+ 0" does that.
+    dequant = (q.astype(F32) * divisor[:, :, None] + F32(0)).astype(F32).reshape(rows, cols)
     return {
         "packed": packed,
         "block_scales": scale_codes.view(np.uint8),
@@ -225,6 +228,7 @@ def test_weights(rng):
     a[9, 0:16] = 1e-30  # a block whose NVFP4 scale is floored at 2^-9
     a[11, :] = 0  # an all-zero row (fp8-channel scale 1)
     a[13, 5] = 3.0  # the tensor max sits here
+    a[15, 40:48] = -0.0  # ModelOpt encodes -0.0 as +0
     b = bf16(rng.standard_normal((130, 96)).astype(F32) * F32(0.5))
     b[:, :16] = bf16(rng.standard_normal((130, 16)).astype(F32) * F32(1e-3))
     zero = np.zeros((4, 32), dtype=F32)
@@ -264,6 +268,7 @@ def test_activations(rng):
     x[5, :] = 0  # an all-zero token
     x[6, :] = F32(1e-4) * rng.standard_normal(384).astype(F32)  # below the per-token eps
     x[8, 128:256] = 0  # an all-zero group
+    x[9, 16:32] = -0.0
     return x.astype(ml_dtypes.bfloat16).astype(F32)
 
 

@@ -111,7 +111,9 @@ multiversion! {
             let divisor = E4M3_TABLE[*s as usize] * global;
             let mut codes = [0u8; NVFP4_BLOCK];
             for (c, &x) in codes.iter_mut().zip(block) {
-                *c = e2m1_encode(x / divisor);
+                // `+ 0.0` turns -0.0 into +0.0 (nothing else changes): ModelOpt
+                // encodes an exact -0.0 as code 0.
+                *c = e2m1_encode(x / divisor + 0.0);
             }
             pack_pairs(&codes, p);
         }
@@ -119,22 +121,22 @@ multiversion! {
 }
 
 multiversion! {
-    /// NVFP4 fake-quant of whole 16-blocks: `x <- (e2m1 * f32(s_b)) * g`.
+    /// NVFP4 fake-quant of whole 16-blocks: `x <- e2m1 * (f32(s_b) * g)`.
     pub fn nvfp4_fake_quant_run(values: &[f32], global: f32, out: &mut [f32]) {
         for (block, o) in values.chunks_exact(NVFP4_BLOCK).zip(out.chunks_exact_mut(NVFP4_BLOCK)) {
             let code = nvfp4_block_scale_code(f32::from_bits(block_abs_max_bits(block)), global);
             let block_scale = E4M3_TABLE[code as usize];
             let divisor = block_scale * global;
             for (y, &x) in o.iter_mut().zip(block) {
-                *y = E2M1_TABLE[(e2m1_encode(x / divisor) & 0xF) as usize] * block_scale * global;
+                // ModelOpt reads code 8 (-0) as +0: `+ 0.0` (see Nvfp4GlobalScale).
+                *y = E2M1_TABLE[(e2m1_encode(x / divisor + 0.0) & 0xF) as usize] * divisor + 0.0;
             }
         }
     }
 }
 
 multiversion! {
-    /// NVFP4 dequantization of whole 16-blocks: `(e2m1 * f32(s_b))` then the global
-    /// scale in its stored direction.
+    /// NVFP4 dequantization of whole 16-blocks (see `Nvfp4GlobalScale::dequantize`).
     pub fn nvfp4_dequantize_run(packed: &[u8], scale_codes: &[u8], global: Nvfp4GlobalScale, out: &mut [f32]) {
         for ((o, p), &s) in out
             .chunks_exact_mut(NVFP4_BLOCK)
@@ -143,8 +145,8 @@ multiversion! {
         {
             let block_scale = E4M3_TABLE[s as usize];
             for (pair, &byte) in o.chunks_exact_mut(2).zip(p) {
-                pair[0] = global.apply(E2M1_TABLE[(byte & 0xF) as usize] * block_scale);
-                pair[1] = global.apply(E2M1_TABLE[(byte >> 4) as usize] * block_scale);
+                pair[0] = global.dequantize(E2M1_TABLE[(byte & 0xF) as usize], block_scale);
+                pair[1] = global.dequantize(E2M1_TABLE[(byte >> 4) as usize], block_scale);
             }
         }
     }

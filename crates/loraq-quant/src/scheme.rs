@@ -530,19 +530,23 @@ pub enum Nvfp4GlobalScale {
 }
 
 impl Nvfp4GlobalScale {
-    /// `e2m1 * block_scale` (exact in f32) combined with the global scale, in the
-    /// stored direction: one rounding.
+    /// The value of E2M1 element `element` (a value from the E2M1 table) in a block
+    /// whose E4M3 scale is `block_scale`, in the order each producer's own
+    /// dequantization computes it (checked against both libraries' output):
+    /// ModelOpt `element * (block_scale * g)` (the divisor quantization used), with
+    /// code 8 (-0) read as +0 as ModelOpt's value table has it (the `+ 0.0`);
+    /// compressed-tensors `element * (block_scale / d)`, code 8 giving -0.
     #[inline(always)]
-    pub fn apply(self, scaled_element: f32) -> f32 {
+    pub fn dequantize(self, element: f32, block_scale: f32) -> f32 {
         match self {
-            Self::Multiplier(g) => scaled_element * g,
-            Self::Divisor(d) => scaled_element / d,
+            Self::Multiplier(g) => element * (block_scale * g) + 0.0,
+            Self::Divisor(d) => element * (block_scale / d),
         }
     }
 }
 
 /// An NVFP4 weight: `w[r, c] = e2m1(q[r, c]) * e4m3(block_scales[r, c / 16])`
-/// combined with the global scale (see [`Nvfp4GlobalScale::apply`]).
+/// combined with the global scale (see [`Nvfp4GlobalScale::dequantize`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Nvfp4Weight {
     /// Output features.
@@ -629,10 +633,9 @@ impl Nvfp4Weight {
 
 /// Dequantizes NVFP4 stored anywhere (e.g. zero-copy from a checkpoint):
 /// `packed` holds two E2M1 codes per byte (even element in the low nibble),
-/// `block_scales` one E4M3 code per 16 elements, row-major; each value is
-/// `(e2m1 * f32(e4m3 scale))` (exact) then the global scale applied once in its
-/// stored direction (ModelOpt `weight_scale_2` multiplies, compressed-tensors
-/// `weight_global_scale` divides).
+/// `block_scales` one E4M3 code per 16 elements, row-major; each value is computed
+/// by [`Nvfp4GlobalScale::dequantize`] (ModelOpt `weight_scale_2` multiplies,
+/// compressed-tensors `weight_global_scale` divides).
 ///
 /// # Panics
 /// If `out.len() != 2 * packed.len()` or `block_scales.len() * 16 != out.len()`.

@@ -39,8 +39,12 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
 
 /// Codes 1, 2, ..., 15, 0 packed with the even element in the low nibble.
 const PACKED: [u8; 8] = [0x21, 0x43, 0x65, 0x87, 0xA9, 0xCB, 0xED, 0x0F];
-/// Their E2M1 values times block scale 2.0 times global 0.25 (= times 0.5).
-const NVFP4_EXPECTED: [f32; 16] = [
+/// Their E2M1 values times block scale 2.0 times global 0.25 (= times 0.5); code 8
+/// (-0) is +0 in ModelOpt's value table and -0 in compressed-tensors'.
+const MODELOPT_EXPECTED: [f32; 16] = [
+    0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, 0.0,
+];
+const CT_EXPECTED: [f32; 16] = [
     0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, -0.0, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, 0.0,
 ];
 
@@ -69,7 +73,7 @@ fn modelopt_nvfp4_hand_checked_bytes() {
     assert!(matches!(weight.stored, StoredWeight::Nvfp4ModelOpt { .. }));
     assert_bits(
         &base.read_weight_f32("m.weight").unwrap(),
-        &NVFP4_EXPECTED,
+        &MODELOPT_EXPECTED,
         "modelopt",
     );
 }
@@ -101,7 +105,7 @@ fn compressed_tensors_nvfp4_divides_by_the_global_scale() {
     assert_eq!(base.weights().count(), 1, "scales are not weights");
     assert_bits(
         &base.read_weight_f32("m.weight").unwrap(),
-        &NVFP4_EXPECTED,
+        &CT_EXPECTED,
         "ct",
     );
 }
