@@ -14,7 +14,9 @@
 //! - `gold`, when present and not null, is one of `options`;
 //! - unknown fields are ignored, blank lines are skipped.
 //!
-//! The reader streams: it holds one line at a time.
+//! The reader streams: it holds one line ([`AnswersReader::next_view`], the
+//! iterator) or one batch of lines ([`AnswersReader::next_batch`], parsed in
+//! parallel) at a time.
 
 use std::borrow::Cow;
 use std::fs::File;
