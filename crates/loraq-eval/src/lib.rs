@@ -5,7 +5,7 @@
 //! - [`pair`]: pairing two files by id and reducing each pair;
 //! - [`stats`]: means with standard errors, percentiles, Wilson, McNemar, bootstrap;
 //! - [`calibration`]: ECE, adaptive ECE, reliability tables;
-//! - [`compare`]: the comparison report with its exact JSON keys;
+//! - [`compare`](mod@compare): the comparison report with its exact JSON keys;
 //! - [`render`]: the report for people (text table, Markdown, SVG);
 //! - [`hidden`]: per-tensor cosine, relative L2 and SQNR of two hidden-state files.
 //!
