@@ -22,8 +22,9 @@ pub struct Args {
     /// int4-g128-asym.
     #[arg(long)]
     scheme: Scheme,
-    /// Layout: fp8-block128, fp8-tensor, nvfp4-modelopt or bf16-emulated; default the
-    /// scheme's own (bf16-emulated for fp8-channel, mxfp4 and int4).
+    /// Layout: fp8-block128, fp8-tensor, fp8-channel-ct (compressed-tensors),
+    /// nvfp4-modelopt or bf16-emulated; default the scheme's own (bf16-emulated for
+    /// mxfp4 and int4).
     #[arg(long)]
     layout: Option<Layout>,
     /// Keep tensors whose names match this regex unquantized (repeatable; added to

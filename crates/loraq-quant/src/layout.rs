@@ -15,8 +15,9 @@
 //!   `X.weight_global_scale` F32 (divisor);
 //! * plain BF16 / F16 / F32 weights (bf16-emulated checkpoints are plain).
 //!
-//! Written: fp8-block128, fp8-tensor (vLLM `fp8` per-tensor), NVFP4 ModelOpt and
-//! bf16-emulated, one tensor in memory at a time.
+//! Written: fp8-block128, fp8-tensor (vLLM `fp8` per-tensor), fp8-channel-ct
+//! (compressed-tensors per-channel FP8), NVFP4 ModelOpt and bf16-emulated, one
+//! tensor in memory at a time.
 
 use crate::error::{QuantError, Result};
 use crate::scheme::{
@@ -428,6 +429,9 @@ pub enum Layout {
     Fp8Block128,
     /// vLLM `fp8` per-tensor: `weight` F8_E4M3 + scalar `weight_scale` F32.
     Fp8Tensor,
+    /// compressed-tensors `float-quantized` per output channel (llm-compressor's
+    /// FP8_DYNAMIC): `weight` F8_E4M3 + `weight_scale` F32 `[out, 1]`.
+    Fp8ChannelCompressedTensors,
     /// NVIDIA ModelOpt NVFP4.
     Nvfp4ModelOpt,
     /// Dequantized weights written back as BF16: runs anywhere.
@@ -436,9 +440,10 @@ pub enum Layout {
 
 impl Layout {
     /// Every layout.
-    pub const ALL: [Layout; 4] = [
+    pub const ALL: [Layout; 5] = [
         Self::Fp8Block128,
         Self::Fp8Tensor,
+        Self::Fp8ChannelCompressedTensors,
         Self::Nvfp4ModelOpt,
         Self::Bf16Emulated,
     ];
@@ -448,6 +453,7 @@ impl Layout {
         match self {
             Self::Fp8Block128 => "fp8-block128",
             Self::Fp8Tensor => "fp8-tensor",
+            Self::Fp8ChannelCompressedTensors => "fp8-channel-ct",
             Self::Nvfp4ModelOpt => "nvfp4-modelopt",
             Self::Bf16Emulated => "bf16-emulated",
         }
@@ -458,6 +464,7 @@ impl Layout {
         match scheme {
             Scheme::Fp8Block128 => Self::Fp8Block128,
             Scheme::Fp8Tensor => Self::Fp8Tensor,
+            Scheme::Fp8Channel => Self::Fp8ChannelCompressedTensors,
             Scheme::Nvfp4 => Self::Nvfp4ModelOpt,
             _ => Self::Bf16Emulated,
         }
@@ -640,6 +647,14 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
                     vec![],
                 ));
             }
+            Layout::Fp8ChannelCompressedTensors => {
+                specs.push(TensorSpec::new(&info.name, DType::F8E4M3, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale"),
+                    DType::F32,
+                    vec![rows, 1],
+                ));
+            }
             Layout::Nvfp4ModelOpt => {
                 specs.push(TensorSpec::new(&info.name, DType::U8, vec![rows, cols / 2]));
                 specs.push(TensorSpec::new(
@@ -670,6 +685,28 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "modules_to_not_convert": not_converted,
+        })),
+        Layout::Fp8ChannelCompressedTensors => Some(json!({
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8, "type": "float", "symmetric": true,
+                        "strategy": "channel", "dynamic": false, "group_size": null,
+                        "block_structure": null, "observer": "minmax"
+                    },
+                    "input_activations": {
+                        "num_bits": 8, "type": "float", "symmetric": true,
+                        "strategy": "token", "dynamic": true, "observer": null
+                    },
+                    "output_activations": null
+                }
+            },
+            "ignore": not_converted,
+            "kv_cache_scheme": null,
         })),
         Layout::Nvfp4ModelOpt => Some(json!({
             "quant_method": "modelopt",

@@ -430,6 +430,32 @@ fn fp8_tensor_round_trip() {
 }
 
 #[test]
+fn fp8_channel_compressed_tensors_round_trip_and_config() {
+    let (_source, base) = check_round_trip(
+        Scheme::Fp8Channel,
+        Layout::Fp8ChannelCompressedTensors,
+        1 << 30,
+    );
+    let q = quantization_config(&base);
+    assert_eq!(q["quant_method"], "compressed-tensors");
+    assert_eq!(q["format"], "float-quantized");
+    assert_eq!(
+        q["config_groups"]["group_0"]["weights"]["strategy"],
+        "channel"
+    );
+    let ignored = q["ignore"].as_array().unwrap();
+    assert!(ignored.contains(&"model.layers.0.linear_attn.in_proj_a".into()));
+    let scale = base
+        .checkpoint()
+        .info("model.layers.0.mlp.up_proj.weight_scale")
+        .unwrap();
+    assert_eq!(
+        (scale.dtype, scale.shape.clone()),
+        (DType::F32, vec![40, 1])
+    );
+}
+
+#[test]
 fn nvfp4_modelopt_round_trip_and_config() {
     let (_source, base) = check_round_trip(Scheme::Nvfp4, Layout::Nvfp4ModelOpt, 1 << 30);
     let q = quantization_config(&base);
