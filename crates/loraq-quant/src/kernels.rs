@@ -26,7 +26,13 @@ macro_rules! multiversion {
                 fn avx2($($arg: $ty),*) $(-> $ret)? {
                     generic($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512bw") {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
                     // SAFETY: the CPU supports every feature `avx512` is compiled for.
                     return unsafe { avx512($($arg),*) };
                 }
