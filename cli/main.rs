@@ -9,6 +9,7 @@ mod inspect;
 mod progress;
 mod quant_error;
 mod quantize;
+mod run;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +31,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Write a deterministic synthetic base / merged / true-adapter triple.
     Synth(synth::Args),
+    /// Score records natively (Qwen3.5 / Qwen3 forward pass, adapter applied unmerged).
+    Run(run::Args),
     /// Write a quantized copy of a checkpoint (fp8, nvfp4, mxfp4, int4; native or bf16-emulated).
     Quantize(quantize::Args),
     /// Per-module error of a quantization scheme, alone and under an adapter.
@@ -46,6 +49,7 @@ fn main() {
         Command::Demo(args) => demo::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Run(args) => run::run(args),
         Command::Quantize(args) => quantize::run(args),
         Command::QuantError(args) => quant_error::run(args),
         Command::Compare(args) => compare::run(args),

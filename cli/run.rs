@@ -1,0 +1,121 @@
+//! `loraq run`: the native forward pass over a records file, writing answers
+//! (option logits at the last prompt position) and optionally per-layer hidden states.
+
+use crate::progress;
+use anyhow::{Context, Result, bail};
+use loraq_model::{
+    ActQuantScheme, LoadOptions, Model, ScoreOptions, read_records, score_records_with_hidden,
+    write_answers, write_hidden,
+};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Score option tokens of every record with a Qwen3.5 / Qwen3 model on the CPU, with
+/// an adapter applied unmerged at run time.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model directory (config.json + safetensors; bf16/f32, fp8 or NVFP4 layouts).
+    #[arg(long)]
+    model: PathBuf,
+    /// PEFT LoRA adapter directory, applied unmerged with its per-module scales.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// Activation fake-quant of every linear's base path (the adapter sees the
+    /// unquantized activation): none, fp8 (per token), fp8-group (1x128), nvfp4
+    /// (needs each module's input_scale).
+    #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4"])]
+    act_quant: String,
+    /// Records (JSON Lines: id, group?, tokens, options, option_tokens, gold?).
+    #[arg(long)]
+    records: PathBuf,
+    /// Answers output (JSON Lines), written atomically.
+    #[arg(long)]
+    out: PathBuf,
+    /// Last-position hidden states of every layer (safetensors), for compare-hidden.
+    #[arg(long)]
+    hidden_out: Option<PathBuf>,
+    /// Worker threads (default: the physical cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+/// Runs `loraq run`.
+pub fn run(args: Args) -> Result<()> {
+    if let Some(n) = args.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        // candle's matmul and rayon's global pool (built lazily, on first use) both
+        // read RAYON_NUM_THREADS.
+        // SAFETY: set before this process starts any thread.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+    }
+    let act_quant = ActQuantScheme::parse(&args.act_quant)
+        .with_context(|| format!("--act-quant {:?}", args.act_quant))?;
+    let records = read_records(&args.records)?;
+    let started = Instant::now();
+    let model = Model::load(
+        &args.model,
+        args.adapter.as_deref(),
+        &LoadOptions {
+            act_quant,
+            ..LoadOptions::default()
+        },
+    )
+    .with_context(|| format!("loading {}", args.model.display()))?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    let bar = progress::bar(records.len() as u64, "run");
+    let tick = |done: usize| {
+        bar.set_position(done as u64);
+        let secs = bar.elapsed().as_secs_f64();
+        if secs > 0.0 {
+            bar.set_message(format!("{:.1} records/s", done as f64 / secs));
+        }
+    };
+    let scoring = Instant::now();
+    let (answers, hidden) = score_records_with_hidden_opt(
+        &model,
+        &records,
+        &ScoreOptions {
+            source: args.records.clone(),
+            on_record: Some(&tick),
+        },
+        args.hidden_out.is_some(),
+    )?;
+    bar.finish_and_clear();
+    let seconds = scoring.elapsed().as_secs_f64();
+    write_answers(&args.out, &answers)?;
+    if let (Some(path), Some(hidden)) = (&args.hidden_out, hidden) {
+        write_hidden(path, &hidden)?;
+    }
+    let tokens: usize = records
+        .iter()
+        .map(|r| r.tokens.as_ref().map_or(0, Vec::len))
+        .sum();
+    eprintln!(
+        "loraq run: {} records ({tokens} prompt tokens) in {seconds:.2} s ({:.1} records/s, {:.0} tokens/s); model loaded in {load_seconds:.2} s, {} adapted modules",
+        answers.len(),
+        answers.len() as f64 / seconds.max(1e-9),
+        tokens as f64 / seconds.max(1e-9),
+        model.adapted_modules()
+    );
+    println!("{}", args.out.display());
+    Ok(())
+}
+
+fn score_records_with_hidden_opt(
+    model: &Model,
+    records: &[loraq_model::Record],
+    options: &ScoreOptions<'_>,
+    hidden: bool,
+) -> Result<(
+    Vec<loraq_model::OptionAnswer>,
+    Option<loraq_model::HiddenStates>,
+)> {
+    if hidden {
+        let (answers, states) = score_records_with_hidden(model, records, options)?;
+        Ok((answers, Some(states)))
+    } else {
+        Ok((loraq_model::score_records(model, records, options)?, None))
+    }
+}

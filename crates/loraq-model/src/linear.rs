@@ -1,0 +1,213 @@
+//! Linear projections with an optional LoRA adapter applied unmerged at run time.
+//!
+//! The model calls every projection through [`LinearLayer`], so the dense f32
+//! implementation here can be replaced by loraq-kernels' quantized-base linears
+//! without touching the model.
+
+use crate::error::{ModelError, Result, TensorContext};
+use candle_core::Tensor;
+use loraq_quant::activation;
+
+/// Activation fake-quant of the base path's input, as a W8A8 / W4A4 server applies
+/// it; the LoRA path always sees the unquantized activation (as vLLM does).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum ActQuant {
+    /// Full-precision activations.
+    #[default]
+    None,
+    /// FP8 E4M3, dynamic scale per token (vLLM's floor).
+    Fp8PerToken,
+    /// FP8 E4M3, dynamic scale per token and 128 inputs (block-FP8 checkpoints).
+    Fp8PerGroup,
+    /// NVFP4, dynamic E4M3 scale per 16 inputs under the module's static global
+    /// scale (its checkpoint `input_scale`).
+    Nvfp4 {
+        /// The global scale (dequantization direction).
+        global: f32,
+    },
+}
+
+/// The activation schemes `--act-quant` accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActQuantScheme {
+    /// No activation quantization.
+    #[default]
+    None,
+    /// `fp8` / `fp8-token`: FP8 per token.
+    Fp8PerToken,
+    /// `fp8-group`: FP8 per 1x128 group.
+    Fp8PerGroup,
+    /// `nvfp4`: NVFP4 with each module's checkpoint `input_scale`.
+    Nvfp4,
+}
+
+impl ActQuantScheme {
+    /// Parses `none`, `fp8` (= `fp8-token`), `fp8-token`, `fp8-group`, `nvfp4`.
+    pub fn parse(name: &str) -> Option<ActQuantScheme> {
+        match name {
+            "none" => Some(ActQuantScheme::None),
+            "fp8" | "fp8-token" => Some(ActQuantScheme::Fp8PerToken),
+            "fp8-group" => Some(ActQuantScheme::Fp8PerGroup),
+            "nvfp4" => Some(ActQuantScheme::Nvfp4),
+            _ => None,
+        }
+    }
+}
+
+impl ActQuant {
+    /// Fake-quantizes `x` (`[tokens, in]`) in place; `name` is the module for errors.
+    pub fn apply(self, name: &str, x: &mut [f32], in_features: usize) -> Result<()> {
+        let quant_err = |e: loraq_quant::QuantError| ModelError::Quant {
+            module: name.to_string(),
+            source: e,
+        };
+        match self {
+            ActQuant::None => Ok(()),
+            ActQuant::Fp8PerToken => {
+                activation::fp8_per_token(name, x, in_features, activation::PER_TOKEN_EPS)
+                    .map_err(quant_err)
+            }
+            ActQuant::Fp8PerGroup => {
+                activation::fp8_per_group(name, x, in_features, activation::PER_GROUP_EPS)
+                    .map_err(quant_err)
+            }
+            ActQuant::Nvfp4 { global } => {
+                activation::nvfp4_dynamic(name, x, in_features, global).map_err(quant_err)
+            }
+        }
+    }
+}
+
+/// A projection `y = x W^T (+ adapter)` from `[tokens, in]` to `[tokens, out]`.
+pub trait LinearLayer: Send + Sync + std::fmt::Debug {
+    /// Applies the projection to `x` of shape `[tokens, in_features]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// Input features.
+    fn in_features(&self) -> usize;
+    /// Output features.
+    fn out_features(&self) -> usize;
+}
+
+/// The low-rank factors of one adapted module.
+#[derive(Debug, Clone)]
+pub struct LoraFactorsF32 {
+    /// `lora_A`, `[rank, in]`.
+    pub a: Tensor,
+    /// `lora_B`, `[out, rank]`.
+    pub b: Tensor,
+    /// `alpha / rank` of the module.
+    pub scale: f64,
+}
+
+/// A dense f32 weight with an optional LoRA: `y = act_q(x) W^T + scale (x A^T) B^T`.
+///
+/// The adapter path is applied to the unquantized input and never merged into `W`,
+/// so a quantized or rounded base keeps its own error and the adapter its own.
+#[derive(Debug, Clone)]
+pub struct DenseLinear {
+    /// The module path, for error messages.
+    pub name: String,
+    /// `W^T`, `[in, out]`: stored transposed so the product is one contiguous matmul.
+    weight_t: Tensor,
+    lora: Option<LoraFactorsF32>,
+    act_quant: ActQuant,
+    in_features: usize,
+    out_features: usize,
+}
+
+impl DenseLinear {
+    /// Builds the layer from `weight` `[out, in]` and optional factors.
+    pub fn new(name: String, weight: &Tensor, lora: Option<LoraFactorsF32>) -> Result<DenseLinear> {
+        let (out_features, in_features) = weight.dims2().ctx(&name)?;
+        let lora = lora
+            .map(|f| -> Result<LoraFactorsF32> {
+                Ok(LoraFactorsF32 {
+                    // Transposed once here for the same reason as the weight.
+                    a: f.a.t().ctx(&name)?.contiguous().ctx(&name)?,
+                    b: f.b.t().ctx(&name)?.contiguous().ctx(&name)?,
+                    scale: f.scale,
+                })
+            })
+            .transpose()?;
+        Ok(DenseLinear {
+            weight_t: weight.t().ctx(&name)?.contiguous().ctx(&name)?,
+            name,
+            lora,
+            act_quant: ActQuant::None,
+            in_features,
+            out_features,
+        })
+    }
+
+    /// Sets the activation fake-quant of the base path.
+    pub fn with_act_quant(mut self, act_quant: ActQuant) -> DenseLinear {
+        self.act_quant = act_quant;
+        self
+    }
+
+    /// Whether an adapter is attached.
+    pub fn has_adapter(&self) -> bool {
+        self.lora.is_some()
+    }
+}
+
+impl LinearLayer for DenseLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let ctx = self.name.as_str();
+        let base = match self.act_quant {
+            ActQuant::None => x.matmul(&self.weight_t).ctx(ctx)?,
+            quant => {
+                let mut values: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
+                quant.apply(ctx, &mut values, self.in_features)?;
+                Tensor::from_vec(values, x.shape(), x.device())
+                    .ctx(ctx)?
+                    .matmul(&self.weight_t)
+                    .ctx(ctx)?
+            }
+        };
+        match &self.lora {
+            None => Ok(base),
+            Some(f) => {
+                // f.a holds A^T [in, r], f.b holds B^T [r, out].
+                let low = x.matmul(&f.a).ctx(ctx)?.matmul(&f.b).ctx(ctx)?;
+                (base + (low * f.scale).ctx(ctx)?).ctx(ctx)
+            }
+        }
+    }
+
+    fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    fn out_features(&self) -> usize {
+        self.out_features
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn lora_adds_scaled_low_rank_product() {
+        let dev = Device::Cpu;
+        // W = [[1, 2], [3, 4]], A = [[1, 1]] (rank 1), B = [[1], [-1]], scale 0.5, x = [1, 2].
+        // W x = [5, 11]; A x = 3; B (A x) = [3, -3]; y = [5 + 1.5, 11 - 1.5].
+        let w = Tensor::from_vec(vec![1f32, 2., 3., 4.], (2, 2), &dev).unwrap();
+        let a = Tensor::from_vec(vec![1f32, 1.], (1, 2), &dev).unwrap();
+        let b = Tensor::from_vec(vec![1f32, -1.], (2, 1), &dev).unwrap();
+        let lin =
+            DenseLinear::new("t".into(), &w, Some(LoraFactorsF32 { a, b, scale: 0.5 })).unwrap();
+        let x = Tensor::from_vec(vec![1f32, 2.], (1, 2), &dev).unwrap();
+        let y: Vec<f32> = lin
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(y, vec![6.5, 9.5]);
+        assert_eq!((lin.in_features(), lin.out_features()), (2, 2));
+    }
+}

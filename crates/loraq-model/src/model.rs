@@ -1,0 +1,742 @@
+//! The decoder: weights loaded tensor by tensor, and the forward pass of a prompt
+//! up to the final norm's last-position hidden state.
+
+use crate::config::TextConfig;
+use crate::error::{ModelError, Result, TensorContext};
+use crate::linear::{ActQuant, ActQuantScheme, DenseLinear, LinearLayer, LoraFactorsF32};
+use crate::ops::{self, DeltaRuleDims};
+use candle_core::{D, DType, Device, Tensor};
+use loraq_io::{Checkpoint, LayerType, LoraAdapter};
+use loraq_quant::QuantizedBase;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// A loaded text backbone with its (optional) adapter attached to the linears.
+#[derive(Debug)]
+pub struct Model {
+    /// Hyperparameters.
+    pub config: TextConfig,
+    device: Device,
+    /// `[vocab, hidden]`.
+    embed: Tensor,
+    layers: Vec<DecoderLayer>,
+    /// The final norm's effective scale (offset applied).
+    final_norm: Tensor,
+    /// `[vocab, hidden]`.
+    lm_head: Tensor,
+    /// `1 / theta^(2i / rotary_dim)`, `i < rotary_dim / 2`.
+    inv_freq: Vec<f32>,
+    /// Number of linears that carry an adapter.
+    adapted: usize,
+}
+
+#[derive(Debug)]
+struct DecoderLayer {
+    input_norm: Tensor,
+    post_attention_norm: Tensor,
+    mixer: Mixer,
+    mlp: Mlp,
+}
+
+#[derive(Debug)]
+enum Mixer {
+    Linear(Box<GatedDeltaNet>),
+    Full(Box<Attention>),
+}
+
+type Linear = Box<dyn LinearLayer>;
+
+#[derive(Debug)]
+struct GatedDeltaNet {
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_a: Linear,
+    in_proj_b: Linear,
+    out_proj: Linear,
+    /// `[conv_dim, kernel]`.
+    conv_weight: Vec<f32>,
+    /// `-exp(A_log)` per value head.
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// Gated RMSNorm scale `[value_dim]` (used as is, no offset).
+    norm_weight: Vec<f32>,
+}
+
+#[derive(Debug)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Tensor,
+    k_norm: Tensor,
+}
+
+#[derive(Debug)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+/// Reads tensors from a checkpoint onto a device, checking shapes, and attaches
+/// adapter factors to linears.
+struct Loader<'a> {
+    base: &'a QuantizedBase,
+    checkpoint: &'a Checkpoint,
+    act_quant: ActQuantScheme,
+    adapter: Option<(&'a LoraAdapter, &'a Path)>,
+    used_adapter_modules: BTreeSet<String>,
+    device: &'a Device,
+}
+
+impl Loader<'_> {
+    fn root(&self) -> PathBuf {
+        self.checkpoint.root().to_path_buf()
+    }
+
+    fn vec(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        let info = self.checkpoint.info(name)?;
+        // Squeeze unit dimensions only for comparison: conv1d is stored [C, 1, K].
+        let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        if squeeze(&info.shape) != squeeze(expected) {
+            return Err(ModelError::Shape {
+                root: self.root(),
+                tensor: name.to_string(),
+                found: info.shape.clone(),
+                expected: expected.to_vec(),
+            });
+        }
+        for suffix in ["_scale_inv", "_scale", "_scale_2", "_packed"] {
+            let sibling = format!("{name}{suffix}");
+            if self.checkpoint.contains(&sibling) {
+                return Err(ModelError::Config {
+                    path: self.root(),
+                    reason: format!(
+                        "{name} is stored quantized (found {sibling}); loraq run reads bf16/f32 checkpoints (write a bf16-emulated copy with `loraq quantize`)"
+                    ),
+                });
+            }
+        }
+        Ok(self.checkpoint.read_f32(name)?)
+    }
+
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let v = self.vec(name, shape)?;
+        Tensor::from_vec(v, shape, self.device).ctx(name)
+    }
+
+    /// A norm scale with the family's offset folded in (`1 + w` for Qwen3.5).
+    fn norm(&self, name: &str, dim: usize, offset: f32) -> Result<Tensor> {
+        let mut v = self.vec(name, &[dim])?;
+        for x in &mut v {
+            *x += offset;
+        }
+        Tensor::from_vec(v, dim, self.device).ctx(name)
+    }
+
+    fn linear(&mut self, module_path: &str, out: usize, inp: usize) -> Result<Linear> {
+        let weight_name = format!("{module_path}.weight");
+        let quant_err = |source| ModelError::Quant {
+            module: module_path.to_string(),
+            source,
+        };
+        let stored = self.base.weight(&weight_name).map_err(quant_err)?;
+        if (stored.rows, stored.cols) != (out, inp) {
+            return Err(ModelError::Shape {
+                root: self.root(),
+                tensor: weight_name,
+                found: vec![stored.rows, stored.cols],
+                expected: vec![out, inp],
+            });
+        }
+        // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
+        // on the decoded values, which is what a dequantizing kernel computes.
+        let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
+        let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
+        let act_quant = match self.act_quant {
+            ActQuantScheme::None => ActQuant::None,
+            ActQuantScheme::Fp8PerToken => ActQuant::Fp8PerToken,
+            ActQuantScheme::Fp8PerGroup => ActQuant::Fp8PerGroup,
+            ActQuantScheme::Nvfp4 => {
+                let scale_name = format!("{module_path}.input_scale");
+                if !self.checkpoint.contains(&scale_name) {
+                    return Err(ModelError::Config {
+                        path: self.root(),
+                        reason: format!(
+                            "--act-quant nvfp4 needs the static global scale {scale_name}, which the checkpoint lacks"
+                        ),
+                    });
+                }
+                ActQuant::Nvfp4 {
+                    global: self.checkpoint.read_f32(&scale_name)?[0],
+                }
+            }
+        };
+        let lora = match self.adapter {
+            Some((adapter, dir)) => match adapter.module(module_path) {
+                Some(info) => {
+                    if (info.out_features, info.in_features) != (out, inp) {
+                        return Err(ModelError::Adapter {
+                            path: dir.to_path_buf(),
+                            reason: format!(
+                                "{module_path}: adapter is {}x{}, the weight is {out}x{inp}",
+                                info.out_features, info.in_features
+                            ),
+                        });
+                    }
+                    self.used_adapter_modules.insert(module_path.to_string());
+                    let a = Tensor::from_vec(
+                        adapter.read_a_f32(module_path)?,
+                        (info.rank, inp),
+                        self.device,
+                    )
+                    .ctx(module_path)?;
+                    let b = Tensor::from_vec(
+                        adapter.read_b_f32(module_path)?,
+                        (out, info.rank),
+                        self.device,
+                    )
+                    .ctx(module_path)?;
+                    Some(LoraFactorsF32 {
+                        a,
+                        b,
+                        scale: info.scale,
+                    })
+                }
+                None => None,
+            },
+            None => None,
+        };
+        Ok(Box::new(
+            DenseLinear::new(module_path.to_string(), &weight, lora)?.with_act_quant(act_quant),
+        ))
+    }
+}
+
+/// The tensor-name prefix of the text backbone: `model.language_model.` or `model.`
+/// (whatever precedes `embed_tokens.weight`).
+fn backbone_prefix(checkpoint: &Checkpoint) -> Result<String> {
+    let mut found: Vec<&str> = checkpoint
+        .tensors()
+        .filter_map(|t| t.name.strip_suffix("embed_tokens.weight"))
+        .filter(|p| p.is_empty() || p.ends_with('.'))
+        .collect();
+    found.sort_unstable();
+    match found.as_slice() {
+        [one] => Ok(one.to_string()),
+        [] => Err(ModelError::Config {
+            path: checkpoint.root().to_path_buf(),
+            reason: "no embed_tokens.weight tensor: not a text decoder checkpoint".into(),
+        }),
+        many => Err(ModelError::Config {
+            path: checkpoint.root().to_path_buf(),
+            reason: format!("several embed_tokens.weight tensors: {many:?}"),
+        }),
+    }
+}
+
+/// How [`Model::load`] builds the model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Where the weights live and the forward pass runs.
+    pub device: Device,
+    /// Activation fake-quant of every linear's base path.
+    pub act_quant: ActQuantScheme,
+}
+
+impl Default for LoadOptions {
+    fn default() -> LoadOptions {
+        LoadOptions {
+            device: Device::Cpu,
+            act_quant: ActQuantScheme::None,
+        }
+    }
+}
+
+impl Model {
+    /// Loads a model directory (config.json + safetensors: bf16/f32, or a quantized
+    /// layout loraq-quant reads: fp8 tensor/channel/block128, NVFP4 ModelOpt or
+    /// compressed-tensors) and optionally a PEFT adapter directory whose modules are
+    /// applied unmerged at run time.
+    ///
+    /// Every adapter module must match a linear of the model: an adapter for another
+    /// model is an error, not silently ignored.
+    pub fn load(
+        model_dir: &Path,
+        adapter_dir: Option<&Path>,
+        options: &LoadOptions,
+    ) -> Result<Model> {
+        let device = &options.device;
+        let base = QuantizedBase::open(model_dir).map_err(|source| ModelError::Quant {
+            module: model_dir.display().to_string(),
+            source,
+        })?;
+        let checkpoint = base.checkpoint();
+        let config_path = model_dir.join(loraq_io::CONFIG_FILE);
+        let model_config = checkpoint.config().ok_or_else(|| ModelError::Config {
+            path: config_path.clone(),
+            reason: "missing config.json".into(),
+        })?;
+        let config = TextConfig::from_model_config(model_config, &config_path)?;
+        let adapter = adapter_dir.map(LoraAdapter::open).transpose()?;
+        let prefix = backbone_prefix(checkpoint)?;
+        let mut loader = Loader {
+            base: &base,
+            checkpoint,
+            act_quant: options.act_quant,
+            adapter: adapter.as_ref().zip(adapter_dir),
+            used_adapter_modules: BTreeSet::new(),
+            device,
+        };
+        let c = &config;
+        let (h, offset) = (c.hidden, c.norm_offset());
+        let embed = loader.tensor(&format!("{prefix}embed_tokens.weight"), &[c.vocab, h])?;
+        let mut layers = Vec::with_capacity(c.layer_types.len());
+        for (i, layer_type) in c.layer_types.iter().enumerate() {
+            let p = format!("{prefix}layers.{i}");
+            let mixer = match layer_type {
+                LayerType::LinearAttention => {
+                    let la = format!("{p}.linear_attn");
+                    let (nk, nv) = (c.linear_key_heads, c.linear_value_heads);
+                    let key_dim = nk * c.linear_key_dim;
+                    let value_dim = nv * c.linear_value_dim;
+                    let conv_dim = 2 * key_dim + value_dim;
+                    let a_log = loader.vec(&format!("{la}.A_log"), &[nv])?;
+                    Mixer::Linear(Box::new(GatedDeltaNet {
+                        in_proj_qkv: loader.linear(&format!("{la}.in_proj_qkv"), conv_dim, h)?,
+                        in_proj_z: loader.linear(&format!("{la}.in_proj_z"), value_dim, h)?,
+                        in_proj_a: loader.linear(&format!("{la}.in_proj_a"), nv, h)?,
+                        in_proj_b: loader.linear(&format!("{la}.in_proj_b"), nv, h)?,
+                        out_proj: loader.linear(&format!("{la}.out_proj"), h, value_dim)?,
+                        conv_weight: loader.vec(
+                            &format!("{la}.conv1d.weight"),
+                            &[conv_dim, 1, c.conv_kernel],
+                        )?,
+                        neg_a: a_log.iter().map(|a| -a.exp()).collect(),
+                        dt_bias: loader.vec(&format!("{la}.dt_bias"), &[nv])?,
+                        norm_weight: loader
+                            .vec(&format!("{la}.norm.weight"), &[c.linear_value_dim])?,
+                    }))
+                }
+                LayerType::FullAttention => {
+                    let sa = format!("{p}.self_attn");
+                    let q_out =
+                        c.attention_heads * c.head_dim * if c.attn_output_gate { 2 } else { 1 };
+                    let kv_out = c.kv_heads * c.head_dim;
+                    Mixer::Full(Box::new(Attention {
+                        q_proj: loader.linear(&format!("{sa}.q_proj"), q_out, h)?,
+                        k_proj: loader.linear(&format!("{sa}.k_proj"), kv_out, h)?,
+                        v_proj: loader.linear(&format!("{sa}.v_proj"), kv_out, h)?,
+                        o_proj: loader.linear(
+                            &format!("{sa}.o_proj"),
+                            h,
+                            c.attention_heads * c.head_dim,
+                        )?,
+                        q_norm: loader.norm(&format!("{sa}.q_norm.weight"), c.head_dim, offset)?,
+                        k_norm: loader.norm(&format!("{sa}.k_norm.weight"), c.head_dim, offset)?,
+                    }))
+                }
+            };
+            let m = format!("{p}.mlp");
+            layers.push(DecoderLayer {
+                input_norm: loader.norm(&format!("{p}.input_layernorm.weight"), h, offset)?,
+                post_attention_norm: loader.norm(
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    offset,
+                )?,
+                mixer,
+                mlp: Mlp {
+                    gate_proj: loader.linear(&format!("{m}.gate_proj"), c.intermediate, h)?,
+                    up_proj: loader.linear(&format!("{m}.up_proj"), c.intermediate, h)?,
+                    down_proj: loader.linear(&format!("{m}.down_proj"), h, c.intermediate)?,
+                },
+            });
+        }
+        let final_norm = loader.norm(&format!("{prefix}norm.weight"), h, offset)?;
+        let lm_head = if checkpoint.contains("lm_head.weight") {
+            loader.tensor("lm_head.weight", &[c.vocab, h])?
+        } else if c.tie_word_embeddings {
+            embed.clone()
+        } else {
+            return Err(ModelError::Config {
+                path: checkpoint.root().to_path_buf(),
+                reason: "no lm_head.weight and tie_word_embeddings is false".into(),
+            });
+        };
+        if let (Some(adapter), Some(dir)) = (&adapter, adapter_dir) {
+            let unused: Vec<&str> = adapter
+                .modules
+                .iter()
+                .map(|m| m.module_path.as_str())
+                .filter(|p| !loader.used_adapter_modules.contains(*p))
+                .collect();
+            if !unused.is_empty() {
+                return Err(ModelError::Adapter {
+                    path: dir.to_path_buf(),
+                    reason: format!(
+                        "{} module(s) match no linear of {}: {}",
+                        unused.len(),
+                        model_dir.display(),
+                        unused.join(", ")
+                    ),
+                });
+            }
+        }
+        let adapted = loader.used_adapter_modules.len();
+        let half = c.rotary_dim / 2;
+        // transformers computes inv_freq in f32 from theta ** (arange(0, dim, 2) / dim).
+        let inv_freq = (0..half)
+            .map(|i| 1.0 / c.rope_theta.powf((2 * i) as f64 / c.rotary_dim as f64) as f32)
+            .collect();
+        Ok(Model {
+            config,
+            device: device.clone(),
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            inv_freq,
+            adapted,
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// How many linears carry an adapter.
+    pub fn adapted_modules(&self) -> usize {
+        self.adapted
+    }
+
+    /// Runs the prompt and returns the final-norm hidden state of its last token
+    /// (`[hidden]`). Tokens must be below the vocabulary size (checked by callers
+    /// that know the record; checked again here).
+    pub fn last_hidden(&self, tokens: &[u32]) -> Result<Tensor> {
+        self.forward(tokens, None)
+    }
+
+    /// Like [`Model::last_hidden`], also collecting each decoder layer's output at the
+    /// last position (`[hidden]` each) into `per_layer`.
+    pub fn last_hidden_with_layers(
+        &self,
+        tokens: &[u32],
+        per_layer: &mut Vec<Vec<f32>>,
+    ) -> Result<Tensor> {
+        self.forward(tokens, Some(per_layer))
+    }
+
+    fn forward(&self, tokens: &[u32], mut per_layer: Option<&mut Vec<Vec<f32>>>) -> Result<Tensor> {
+        let t = tokens.len();
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.config.vocab) {
+            return Err(ModelError::Tensor {
+                context: "embedding".into(),
+                source: candle_core::Error::Msg(format!(
+                    "token {bad} outside the vocabulary of {}",
+                    self.config.vocab
+                )),
+            });
+        }
+        let ids = Tensor::from_vec(tokens.to_vec(), t, &self.device).ctx("token ids")?;
+        let mut x = self.embed.index_select(&ids, 0).ctx("embedding")?;
+        let rope = self.rope_tables(t)?;
+        let mask = causal_mask(t, &self.device)?;
+        for layer in &self.layers {
+            let normed = rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
+            let mixed = match &layer.mixer {
+                Mixer::Linear(net) => self.gated_delta_net(net, &normed)?,
+                Mixer::Full(attn) => self.attention(attn, &normed, &rope, &mask)?,
+            };
+            x = (x + mixed).ctx("residual")?;
+            let normed = rms_norm(&x, &layer.post_attention_norm, self.config.rms_norm_eps)?;
+            let mlp = &layer.mlp;
+            let gate = mlp.gate_proj.forward(&normed)?.silu().ctx("mlp")?;
+            let up = mlp.up_proj.forward(&normed)?;
+            let down = mlp.down_proj.forward(&(gate * up).ctx("mlp")?)?;
+            x = (x + down).ctx("residual")?;
+            if let Some(out) = per_layer.as_deref_mut() {
+                out.push(x.get(t - 1).ctx("hidden")?.to_vec1().ctx("hidden")?);
+            }
+        }
+        let last = x.narrow(0, t - 1, 1).ctx("last position")?;
+        rms_norm(&last, &self.final_norm, self.config.rms_norm_eps)?
+            .squeeze(0)
+            .ctx("final norm")
+    }
+
+    /// Logits of the given vocabulary rows for a final hidden state: only those rows
+    /// of lm_head are multiplied.
+    pub fn logits_of(&self, hidden: &Tensor, rows: &[u32]) -> Result<Vec<f32>> {
+        let ids = Tensor::from_vec(rows.to_vec(), rows.len(), &self.device).ctx("option ids")?;
+        let w = self.lm_head.index_select(&ids, 0).ctx("lm_head rows")?;
+        let h = hidden.unsqueeze(1).ctx("lm_head")?;
+        w.matmul(&h)
+            .ctx("lm_head")?
+            .flatten_all()
+            .ctx("lm_head")?
+            .to_vec1()
+            .ctx("lm_head")
+    }
+
+    /// `(cos, sin)` tables `[tokens, rotary_dim]` for positions `0..tokens`, each
+    /// half repeated as transformers' `cat((freqs, freqs))` lays them out. Text
+    /// tokens have the same position on all three mrope sections, so the
+    /// interleaved multimodal layout reduces to this plain table.
+    fn rope_tables(&self, tokens: usize) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(tokens * 2 * half);
+        let mut sin = Vec::with_capacity(tokens * 2 * half);
+        for p in 0..tokens {
+            let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| a.cos()));
+                sin.extend(angles.iter().map(|a| a.sin()));
+            }
+        }
+        let shape = (tokens, 2 * half);
+        Ok((
+            Tensor::from_vec(cos, shape, &self.device).ctx("rope")?,
+            Tensor::from_vec(sin, shape, &self.device).ctx("rope")?,
+        ))
+    }
+
+    fn attention(
+        &self,
+        attn: &Attention,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let (t, hd, heads, kv) = (
+            x.dim(0).ctx("attention")?,
+            c.head_dim,
+            c.attention_heads,
+            c.kv_heads,
+        );
+        let ctx = "attention";
+        let q_full = attn.q_proj.forward(x)?;
+        // transformers: view(T, heads, 2 * head_dim) then chunk(2, -1): per head, the
+        // query comes first and its gate second.
+        let (query, gate) = if c.attn_output_gate {
+            let q3 = q_full.reshape((t, heads, 2 * hd)).ctx(ctx)?;
+            let query = q3.narrow(2, 0, hd).ctx(ctx)?;
+            let gate = q3
+                .narrow(2, hd, hd)
+                .ctx(ctx)?
+                .reshape((t, heads * hd))
+                .ctx(ctx)?;
+            (query, Some(gate))
+        } else {
+            (q_full.reshape((t, heads, hd)).ctx(ctx)?, None)
+        };
+        let query = rms_norm(&query.contiguous().ctx(ctx)?, &attn.q_norm, c.rms_norm_eps)?;
+        let key = attn.k_proj.forward(x)?.reshape((t, kv, hd)).ctx(ctx)?;
+        let key = rms_norm(&key, &attn.k_norm, c.rms_norm_eps)?;
+        let value = attn.v_proj.forward(x)?.reshape((t, kv, hd)).ctx(ctx)?;
+        let query = apply_rope(&query, rope, c.rotary_dim)?;
+        let key = apply_rope(&key, rope, c.rotary_dim)?;
+        // [heads, T, hd]; query head h reads kv head h / (heads / kv) (repeat_kv), so
+        // group the query heads of one kv head into its rows: [kv, group * T, hd].
+        let group = heads / kv;
+        let q = query
+            .transpose(0, 1)
+            .ctx(ctx)?
+            .contiguous()
+            .ctx(ctx)?
+            .reshape((kv, group * t, hd))
+            .ctx(ctx)?;
+        let k = key.transpose(0, 1).ctx(ctx)?.contiguous().ctx(ctx)?;
+        let v = value.transpose(0, 1).ctx(ctx)?.contiguous().ctx(ctx)?;
+        let scores = (q.matmul(&k.t().ctx(ctx)?.contiguous().ctx(ctx)?).ctx(ctx)?
+            * (hd as f64).powf(-0.5))
+        .ctx(ctx)?;
+        let scores = scores
+            .reshape((kv, group, t, t))
+            .ctx(ctx)?
+            .broadcast_add(mask)
+            .ctx(ctx)?;
+        let probs = softmax_last(&scores)?
+            .reshape((kv, group * t, t))
+            .ctx(ctx)?;
+        let out = probs
+            .matmul(&v)
+            .ctx(ctx)?
+            .reshape((heads, t, hd))
+            .ctx(ctx)?
+            .transpose(0, 1)
+            .ctx(ctx)?
+            .contiguous()
+            .ctx(ctx)?
+            .reshape((t, heads * hd))
+            .ctx(ctx)?;
+        let out = match gate {
+            Some(gate) => (out * sigmoid(&gate)?).ctx(ctx)?,
+            None => out,
+        };
+        attn.o_proj.forward(&out)
+    }
+
+    fn gated_delta_net(&self, net: &GatedDeltaNet, x: &Tensor) -> Result<Tensor> {
+        let c = &self.config;
+        let ctx = "linear attention";
+        let t = x.dim(0).ctx(ctx)?;
+        let (nk, nv, dk, dv) = (
+            c.linear_key_heads,
+            c.linear_value_heads,
+            c.linear_key_dim,
+            c.linear_value_dim,
+        );
+        let (key_dim, value_dim) = (nk * dk, nv * dv);
+        let conv_dim = 2 * key_dim + value_dim;
+        let qkv: Vec<f32> = to_vec(&net.in_proj_qkv.forward(x)?, ctx)?;
+        let mixed = ops::causal_conv1d_silu(&qkv, conv_dim, &net.conv_weight, c.conv_kernel);
+        let mut query = Vec::with_capacity(t * key_dim);
+        let mut key = Vec::with_capacity(t * key_dim);
+        let mut value = Vec::with_capacity(t * value_dim);
+        for row in mixed.chunks_exact(conv_dim) {
+            query.extend_from_slice(&row[..key_dim]);
+            key.extend_from_slice(&row[key_dim..2 * key_dim]);
+            value.extend_from_slice(&row[2 * key_dim..]);
+        }
+        let z = to_vec(&net.in_proj_z.forward(x)?, ctx)?;
+        let b = to_vec(&net.in_proj_b.forward(x)?, ctx)?;
+        let a = to_vec(&net.in_proj_a.forward(x)?, ctx)?;
+        let beta: Vec<f32> = b.iter().map(|&v| ops::sigmoid(v)).collect();
+        let decay: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| net.neg_a[i % nv] * ops::softplus(v + net.dt_bias[i % nv]))
+            .collect();
+        let dims = DeltaRuleDims {
+            tokens: t,
+            key_heads: nk,
+            value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+        };
+        let mut core = ops::gated_delta_rule(&query, &key, &value, &decay, &beta, dims);
+        // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
+        let eps = c.rms_norm_eps;
+        for (row, zrow) in core.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
+            let mean = row.iter().map(|v| v * v).sum::<f32>() / dv as f32;
+            let inv = 1.0 / (mean + eps).sqrt();
+            for ((v, &w), &g) in row.iter_mut().zip(&net.norm_weight).zip(zrow) {
+                *v = w * (*v * inv) * ops::silu(g);
+            }
+        }
+        let core = Tensor::from_vec(core, (t, value_dim), &self.device).ctx(ctx)?;
+        net.out_proj.forward(&core)
+    }
+}
+
+fn to_vec(x: &Tensor, ctx: &str) -> Result<Vec<f32>> {
+    x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * scale` over the last dimension (`scale` already
+/// holds the family's offset).
+pub(crate) fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<Tensor> {
+    let ctx = "rms norm";
+    let inv = (x.sqr().ctx(ctx)?.mean_keepdim(D::Minus1).ctx(ctx)? + eps as f64)
+        .ctx(ctx)?
+        .sqrt()
+        .ctx(ctx)?
+        .recip()
+        .ctx(ctx)?;
+    x.broadcast_mul(&inv)
+        .ctx(ctx)?
+        .broadcast_mul(scale)
+        .ctx(ctx)
+}
+
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    let ctx = "sigmoid";
+    (x.neg().ctx(ctx)?.exp().ctx(ctx)? + 1.0)
+        .ctx(ctx)?
+        .recip()
+        .ctx(ctx)
+}
+
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let ctx = "softmax";
+    let max = x.max_keepdim(D::Minus1).ctx(ctx)?;
+    let e = x.broadcast_sub(&max).ctx(ctx)?.exp().ctx(ctx)?;
+    let sum = e.sum_keepdim(D::Minus1).ctx(ctx)?;
+    e.broadcast_div(&sum).ctx(ctx)
+}
+
+/// `[T, T]` additive mask: 0 on and below the diagonal, -inf above.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(v, (t, t), device).ctx("causal mask")
+}
+
+/// Rotary embedding on the first `rotary_dim` dimensions of `x` `[T, heads, head_dim]`:
+/// `x_rot * cos + rotate_half(x_rot) * sin`, the rest passed through.
+pub(crate) fn apply_rope(x: &Tensor, rope: &(Tensor, Tensor), rotary_dim: usize) -> Result<Tensor> {
+    let ctx = "rope";
+    if rotary_dim == 0 {
+        return Ok(x.clone());
+    }
+    let hd = x.dim(2).ctx(ctx)?;
+    let half = rotary_dim / 2;
+    let (cos, sin) = (rope.0.unsqueeze(1).ctx(ctx)?, rope.1.unsqueeze(1).ctx(ctx)?);
+    let rot = x.narrow(2, 0, rotary_dim).ctx(ctx)?;
+    let x1 = rot.narrow(2, 0, half).ctx(ctx)?;
+    let x2 = rot.narrow(2, half, half).ctx(ctx)?;
+    let rotated = Tensor::cat(&[&x2.neg().ctx(ctx)?, &x1], 2).ctx(ctx)?;
+    let embedded =
+        (rot.broadcast_mul(&cos).ctx(ctx)? + rotated.broadcast_mul(&sin).ctx(ctx)?).ctx(ctx)?;
+    if rotary_dim == hd {
+        return Ok(embedded);
+    }
+    let pass = x.narrow(2, rotary_dim, hd - rotary_dim).ctx(ctx)?;
+    Tensor::cat(&[&embedded, &pass], 2).ctx(ctx)
+}
+
+/// The element type every weight is computed in.
+pub const COMPUTE_DTYPE: DType = DType::F32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rope_rotates_pairs_by_known_angles() {
+        // head_dim 4 with rotary_dim 2: the pair (x0, x1) is rotated by angle p * inv_freq,
+        // dims 2..4 pass through. At angle pi/2: (x0, x1) -> (-x1, x0).
+        let dev = Device::Cpu;
+        let cos = Tensor::from_vec(vec![0f32, 0.0], (1, 2), &dev).unwrap();
+        let sin = Tensor::from_vec(vec![1f32, 1.0], (1, 2), &dev).unwrap();
+        let x = Tensor::from_vec(vec![1f32, 2.0, 3.0, 4.0], (1, 1, 4), &dev).unwrap();
+        let y: Vec<f32> = apply_rope(&x, &(cos, sin), 2)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(y, vec![-2.0, 1.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn rms_norm_by_hand() {
+        // x = [3, 4]: mean square 12.5, scale [1, 2] -> [3, 8] / sqrt(12.5).
+        let dev = Device::Cpu;
+        let x = Tensor::from_vec(vec![3f32, 4.0], (1, 2), &dev).unwrap();
+        let w = Tensor::from_vec(vec![1f32, 2.0], 2, &dev).unwrap();
+        let y: Vec<f32> = rms_norm(&x, &w, 0.0)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let r = 12.5f32.sqrt();
+        assert!((y[0] - 3.0 / r).abs() < 1e-6 && (y[1] - 8.0 / r).abs() < 1e-6);
+    }
+}
