@@ -2,15 +2,18 @@
 //! quantized bases. One module per subcommand; results go to stdout, progress and
 //! diagnostics to stderr; errors print as `loraq: <error chain>` with exit status 2.
 
+mod check;
 mod compare;
 mod compare_hidden;
 mod demo;
+mod extract;
 mod inspect;
 mod progress;
 mod quant_error;
 mod quantize;
 mod run;
 mod synth;
+mod verify;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +34,12 @@ enum Command {
     Inspect(inspect::Args),
     /// Write a deterministic synthetic base / merged / true-adapter triple.
     Synth(synth::Args),
+    /// Extract the LoRA adapter from a merged fine-tune, certified at the bf16 rounding floor.
+    Extract(extract::Args),
+    /// Check that base + adapter reproduces the merge, per module, over the floor.
+    Verify(verify::Args),
+    /// Compare two adapter directories: deltas, factor pairs, ranks, shapes, configs.
+    Check(check::Args),
     /// Score records natively (Qwen3.5 / Qwen3 forward pass, adapter applied unmerged).
     Run(run::Args),
     /// Write a quantized copy of a checkpoint (fp8, nvfp4, mxfp4, int4; native or bf16-emulated).
@@ -49,6 +58,9 @@ fn main() {
         Command::Demo(args) => demo::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Extract(args) => extract::run(args),
+        Command::Verify(args) => verify::run(args),
+        Command::Check(args) => check::run(args),
         Command::Run(args) => run::run(args),
         Command::Quantize(args) => quantize::run(args),
         Command::QuantError(args) => quant_error::run(args),

@@ -1,0 +1,170 @@
+//! `loraq extract`: the LoRA adapter inside a merged fine-tune, certified at the bf16
+//! rounding floor, written only when every check passed.
+
+use anyhow::{Result, bail};
+use loraq_extract::extract::{ExtractOptions, Progress, RankChoice, extract};
+use loraq_extract::factor::Method;
+use loraq_extract::split::Split;
+use std::path::PathBuf;
+
+/// Extract the LoRA adapter from a merged fine-tune and its base.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The merged fine-tune (checkpoint directory or .safetensors file).
+    #[arg(long)]
+    merged: PathBuf,
+    /// The base it was merged into.
+    #[arg(long)]
+    base: PathBuf,
+    /// Adapter directory to write (must not exist unless --force).
+    #[arg(long)]
+    out: PathBuf,
+    /// LoRA rank: one vLLM serves (1, 8, 16, 32, 64, 128, 256, 320, 512) or `auto`
+    /// (per module the smallest rank reaching the floor, at most 512).
+    #[arg(long, default_value = "256")]
+    rank: String,
+    /// How S is shared: B = U sqrt(S), A = sqrt(S) V^T, or B = U S, A = V^T.
+    #[arg(long, default_value = "balanced", value_parser = ["balanced", "orthonormal-a"])]
+    split: String,
+    /// Factorization: randomized with a certificate, falling back to exact when it does
+    /// not converge (auto), or one of them only.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "randomized", "exact"])]
+    method: String,
+    /// Refuse the extraction when a module's truncation residual exceeds this times
+    /// the bf16 rounding floor of the merge.
+    #[arg(long, default_value_t = 1.10)]
+    max_residual_ratio: f64,
+    /// Write the adapter even when modules are above --max-residual-ratio.
+    #[arg(long)]
+    allow_residual: bool,
+    /// Worker threads (default: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Revision (commit) of the merge, recorded in manifest.json.
+    #[arg(long, value_name = "SHA")]
+    merged_revision: Option<String>,
+    /// Revision (commit) of the base, recorded in manifest.json and adapter_config.json.
+    #[arg(long, value_name = "SHA")]
+    base_revision: Option<String>,
+    /// Copy files of the merged directory matching GLOB (LICENSE, head files); repeatable.
+    #[arg(long, value_name = "GLOB")]
+    copy: Vec<String>,
+    /// Replace an existing output directory.
+    #[arg(long)]
+    force: bool,
+    /// Print the summary (extraction_report.json) as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_rank(text: &str) -> Result<RankChoice> {
+    if text == "auto" {
+        return Ok(RankChoice::Auto);
+    }
+    match text.parse::<usize>() {
+        Ok(r) => Ok(RankChoice::Fixed(r)),
+        Err(_) => bail!("--rank {text:?}: expected a number or auto"),
+    }
+}
+
+/// Runs `loraq extract`.
+pub fn run(args: Args) -> Result<()> {
+    let options = ExtractOptions {
+        merged: args.merged,
+        base: args.base,
+        out: args.out,
+        rank: parse_rank(&args.rank)?,
+        split: if args.split == "orthonormal-a" {
+            Split::OrthonormalA
+        } else {
+            Split::Balanced
+        },
+        method: match args.method.as_str() {
+            "randomized" => Method::Randomized,
+            "exact" => Method::Exact,
+            _ => Method::Auto,
+        },
+        max_residual_ratio: args.max_residual_ratio,
+        allow_residual: args.allow_residual,
+        threads: args.threads,
+        merged_revision: args.merged_revision,
+        base_revision: args.base_revision,
+        copy: args.copy,
+        force: args.force,
+    };
+    let bar = crate::progress::bar(0, "extract");
+    let report = extract(&options, &mut |event| match event {
+        Progress::Scanned(scan) => {
+            bar.set_length(scan.projections.len() as u64);
+            bar.println(format!(
+                "scan: {} identical, {} differing projections, {} base-only (ignored)",
+                scan.identical,
+                scan.projections.len(),
+                scan.base_only.len()
+            ));
+        }
+        Progress::ModuleStarted {
+            index, projection, ..
+        } => {
+            bar.set_position(index as u64);
+            bar.set_message(format!(
+                "{} [{}x{}]",
+                projection.module_path, projection.out_features, projection.in_features
+            ));
+        }
+        Progress::ModuleDone(m) => {
+            bar.inc(1);
+            bar.println(format!(
+                "{}: rank {}, residual {:.3} x floor ({:.2} s)",
+                m.module, m.rank, m.ratio, m.seconds
+            ));
+        }
+        Progress::Writing => bar.set_message("writing and validating"),
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{:<64} {:>13} {:>5} {:>8} {:>8} {:>8} {:>7}",
+        "module", "shape", "rank", "ratio", "expect", "w/ cast", "s"
+    );
+    for m in &report.modules {
+        println!(
+            "{:<64} {:>13} {:>5} {:>8.4} {:>8.4} {:>8.4} {:>7.2}",
+            m.module,
+            format!("{}x{}", m.shape[0], m.shape[1]),
+            m.rank,
+            m.ratio,
+            m.expected_ratio,
+            m.ratio_after_cast,
+            m.seconds
+        );
+    }
+    for t in &report.zero_delta {
+        println!("{t}: bytes differ but the delta is zero (signed zeros): not in the adapter");
+    }
+    println!(
+        "wrote {}: {} modules, r = {}, {} parameters; worst residual {:.4} x floor ({}); {} identical tensors, {} base-only ignored; {:.1} s",
+        report.out.display(),
+        report.totals.modules,
+        report.r,
+        report.totals.parameters,
+        report.totals.max_ratio,
+        report.totals.max_ratio_module.as_deref().unwrap_or("-"),
+        report.identical_tensors,
+        report.base_only.len(),
+        report.totals.seconds
+    );
+    if !report.totals.above_threshold.is_empty() {
+        eprintln!(
+            "warning: {} modules above {} x floor written because of --allow-residual: {}",
+            report.totals.above_threshold.len(),
+            report.max_residual_ratio,
+            report.totals.above_threshold.join(", ")
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,739 @@
+//! `loraq extract` as a library call: scan, factor every differing projection at the
+//! rounding floor, validate, and write the adapter directory atomically.
+
+use crate::error::{ExtractError, Result};
+use crate::factor::{FactorParams, Factorization, Method, factorize};
+use crate::floor::{FloorFormat, expected_floor_ratio};
+use crate::scan::{Projection, ScanReport, scan};
+use crate::split::{Split, split_and_cast};
+use faer::Par;
+use loraq_io::peft::VLLM_MAX_LORA_RANKS;
+use loraq_io::sha256sums::sha256_file;
+use loraq_io::{
+    AdapterConfig, AtomicDir, Checkpoint, DType, LoraAdapter, LoraFactors, verify_sha256sums,
+    write_adapter, write_sha256sums,
+};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The largest rank `--rank auto` goes to.
+pub const AUTO_RANK_CAP: usize = 512;
+/// `--rank auto` keeps the smallest rank whose residual is within this factor of what a
+/// perfect fit leaves against the floor ($\rho^*(k) F$).
+pub const AUTO_RANK_SLACK: f64 = 1.05;
+
+/// Output file names.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The per-module report.
+pub const REPORT_FILE: &str = "extraction_report.json";
+
+/// How the rank of each module is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankChoice {
+    /// `min(r, out, in, numerical rank)`; r must be a rank vLLM serves.
+    Fixed(usize),
+    /// Per module, the smallest rank that reaches the floor, at most [`AUTO_RANK_CAP`].
+    Auto,
+}
+
+/// Everything `loraq extract` takes.
+#[derive(Debug, Clone)]
+pub struct ExtractOptions {
+    /// The merged fine-tune.
+    pub merged: PathBuf,
+    /// Its base.
+    pub base: PathBuf,
+    /// The adapter directory to write.
+    pub out: PathBuf,
+    /// Rank choice.
+    pub rank: RankChoice,
+    /// Split of the singular values between B and A.
+    pub split: Split,
+    /// Factorization method.
+    pub method: Method,
+    /// Refuse a module whose truncation residual exceeds this times the floor.
+    pub max_residual_ratio: f64,
+    /// Write the adapter even above the threshold (the report still lists them).
+    pub allow_residual: bool,
+    /// Worker threads (0: all cores).
+    pub threads: usize,
+    /// Revision of the merge, recorded in the manifest.
+    pub merged_revision: Option<String>,
+    /// Revision of the base, recorded in the manifest and adapter_config.json.
+    pub base_revision: Option<String>,
+    /// Globs of files in the merged directory to copy (LICENSE, head files).
+    pub copy: Vec<String>,
+    /// Replace an existing output directory.
+    pub force: bool,
+}
+
+impl ExtractOptions {
+    /// Options with the defaults of the command line.
+    pub fn new(
+        merged: impl Into<PathBuf>,
+        base: impl Into<PathBuf>,
+        out: impl Into<PathBuf>,
+    ) -> ExtractOptions {
+        ExtractOptions {
+            merged: merged.into(),
+            base: base.into(),
+            out: out.into(),
+            rank: RankChoice::Fixed(256),
+            split: Split::Balanced,
+            method: Method::Auto,
+            max_residual_ratio: 1.10,
+            allow_residual: false,
+            threads: 0,
+            merged_revision: None,
+            base_revision: None,
+            copy: Vec::new(),
+            force: false,
+        }
+    }
+}
+
+/// Figures of one extracted module (a row of extraction_report.json).
+#[derive(Debug, Clone, Serialize)]
+pub struct ModuleReport {
+    /// Module path.
+    pub module: String,
+    /// `[out, in]`.
+    pub shape: [usize; 2],
+    /// Rank written.
+    pub rank: usize,
+    /// $\|D\|_F$.
+    pub delta_norm: f64,
+    /// The bf16 rounding floor of the merged weight.
+    pub floor: f64,
+    /// $\|D - BA\|_F$ with the f32 factors (the truncation residual).
+    pub residual: f64,
+    /// residual / floor: near 1 means at the floor; the refusal threshold applies to it.
+    pub ratio: f64,
+    /// What a perfect rank-`rank` fit of (low rank + rounding noise) leaves over the
+    /// floor: $\sqrt{1 - r(m+n-r)/(mn)}$.
+    pub expected_ratio: f64,
+    /// $\|B_{bf16}A_{bf16} - BA\|_F$: the error the bf16 cast of the factors adds.
+    pub cast_error: f64,
+    /// The residual after the cast, $\sqrt{residual^2 + cast^2}$ (the cross term has zero
+    /// mean; `loraq verify` measures it exactly).
+    pub residual_after_cast: f64,
+    /// residual_after_cast / floor.
+    pub ratio_after_cast: f64,
+    /// The singular values kept.
+    pub singular_values_kept: Vec<f64>,
+    /// The largest singular value computed and not kept, if any.
+    pub first_dropped: Option<f64>,
+    /// The certificate: the residual evaluated in f64 from the last pass.
+    pub certificate_residual: f64,
+    /// "randomized" or "exact".
+    pub method: &'static str,
+    /// Passes over the delta.
+    pub passes: f64,
+    /// Whether the randomized iteration met its stopping rule.
+    pub converged: bool,
+    /// Wall time of the module (read, factor, cast).
+    pub seconds: f64,
+}
+
+/// The input side of the manifest.
+#[derive(Debug, Clone, Serialize)]
+pub struct InputRecord {
+    /// Path as given.
+    pub path: PathBuf,
+    /// Revision, when given.
+    pub revision: Option<String>,
+    /// SHA-256 of config.json, when the checkpoint has one.
+    pub config_sha256: Option<String>,
+}
+
+/// Totals of an extraction.
+#[derive(Debug, Clone, Serialize)]
+pub struct Totals {
+    /// Modules in the adapter.
+    pub modules: usize,
+    /// Parameters of the adapter (A and B).
+    pub parameters: usize,
+    /// Largest residual / floor.
+    pub max_ratio: f64,
+    /// The module with it.
+    pub max_ratio_module: Option<String>,
+    /// Mean residual / floor over modules whose rank is below their smaller dimension.
+    pub mean_ratio_low_rank: Option<f64>,
+    /// Largest residual-after-cast / floor.
+    pub max_ratio_after_cast: f64,
+    /// Modules above `--max-residual-ratio` (written only with `--allow-residual`).
+    pub above_threshold: Vec<String>,
+    /// Wall time of the whole extraction.
+    pub seconds: f64,
+}
+
+/// extraction_report.json, also the `--json` summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExtractionReport {
+    /// "loraq".
+    pub tool: &'static str,
+    /// The tool's version.
+    pub version: &'static str,
+    /// Output directory.
+    pub out: PathBuf,
+    /// The merge.
+    pub merged: InputRecord,
+    /// The base.
+    pub base: InputRecord,
+    /// Adapter `r` (all module ranks are at most this, and it is a rank vLLM serves).
+    pub r: usize,
+    /// "256" or "auto".
+    pub rank_mode: String,
+    /// "balanced" or "orthonormal-a".
+    pub split: &'static str,
+    /// The method asked for.
+    pub method: &'static str,
+    /// The refusal threshold.
+    pub max_residual_ratio: f64,
+    /// Tensors identical in both checkpoints.
+    pub identical_tensors: usize,
+    /// Tensors only the base has (ignored).
+    pub base_only: Vec<String>,
+    /// Tensors whose bytes differ but whose delta is zero (signed zeros): not factored.
+    pub zero_delta: Vec<String>,
+    /// Files copied by --copy.
+    pub copied: Vec<String>,
+    /// One entry per module.
+    pub modules: Vec<ModuleReport>,
+    /// Totals.
+    pub totals: Totals,
+}
+
+#[derive(Serialize)]
+struct ManifestModule<'a> {
+    module: &'a str,
+    shape: [usize; 2],
+    rank: usize,
+    dtype: &'static str,
+}
+
+#[derive(Serialize)]
+struct Manifest<'a> {
+    tool: &'static str,
+    version: &'static str,
+    merged: &'a InputRecord,
+    base: &'a InputRecord,
+    r: usize,
+    lora_alpha: usize,
+    split: &'static str,
+    modules: Vec<ManifestModule<'a>>,
+    copied: &'a [String],
+}
+
+/// What the progress callback is told.
+#[derive(Debug)]
+pub enum Progress<'a> {
+    /// The scan finished.
+    Scanned(&'a ScanReport),
+    /// Work on a projection started (index from 0).
+    ModuleStarted {
+        /// Index.
+        index: usize,
+        /// Number of projections.
+        total: usize,
+        /// The projection.
+        projection: &'a Projection,
+    },
+    /// A projection finished.
+    ModuleDone(&'a ModuleReport),
+    /// Writing and validating the output.
+    Writing,
+}
+
+fn floor_format(dtype: DType) -> FloorFormat {
+    match dtype {
+        DType::F16 => FloorFormat::F16,
+        DType::F32 => FloorFormat::F32,
+        _ => FloorFormat::Bf16,
+    }
+}
+
+/// $D = f32(merged) - f32(base)$ and the floor of the merged tensor, in one parallel pass
+/// over both mappings; refuses a non-finite value in either input.
+pub fn delta_and_floor(
+    merged: &Checkpoint,
+    base: &Checkpoint,
+    tensor: &str,
+) -> Result<(Vec<f32>, f64)> {
+    let info = merged.info(tensor)?;
+    let dtype = info.dtype;
+    let width = dtype.size_bytes();
+    let (mb, bb) = (merged.bytes(tensor)?, base.bytes(tensor)?);
+    let format = floor_format(dtype);
+    const CHUNK: usize = 1 << 15;
+    let mut delta = vec![0f32; info.element_count()];
+    let (bad_merged, bad_base, floor_sq) = delta
+        .par_chunks_mut(CHUNK)
+        .zip(
+            mb.par_chunks(CHUNK * width)
+                .zip(bb.par_chunks(CHUNK * width)),
+        )
+        .enumerate()
+        .map(|(c, (d, (m_bytes, b_bytes)))| {
+            let mut m = vec![0f32; d.len()];
+            let mut b = vec![0f32; d.len()];
+            loraq_io::convert::decode_to_f32(dtype, m_bytes, &mut m);
+            loraq_io::convert::decode_to_f32(dtype, b_bytes, &mut b);
+            let bad_m = m.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+            let bad_b = b.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+            let mut sq = 0f64;
+            for ((d, &m), &b) in d.iter_mut().zip(&m).zip(&b) {
+                *d = m - b;
+                let u = format.ulp(m);
+                sq += u * u;
+            }
+            (bad_m, bad_b, sq)
+        })
+        .reduce(
+            || (None, None, 0.0),
+            |x, y| (min_index(x.0, y.0), min_index(x.1, y.1), x.2 + y.2),
+        );
+    if let Some(index) = bad_merged {
+        return Err(ExtractError::NonFinite {
+            module: tensor.to_string(),
+            what: "merged",
+            index,
+        });
+    }
+    if let Some(index) = bad_base {
+        return Err(ExtractError::NonFinite {
+            module: tensor.to_string(),
+            what: "base",
+            index,
+        });
+    }
+    Ok((delta, (floor_sq / 12.0).sqrt()))
+}
+
+fn min_index(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+/// The rank `--rank auto` picks: the smallest k whose truncation residual is within
+/// [`AUTO_RANK_SLACK`] of $\rho^*(k) F$, else everything kept.
+pub fn auto_rank(f: &Factorization, floor: f64) -> usize {
+    (1..=f.kept())
+        .find(|&k| {
+            f.truncation_residual(k)
+                <= AUTO_RANK_SLACK * expected_floor_ratio(f.rows, f.cols, k) * floor
+        })
+        .unwrap_or(f.kept())
+}
+
+fn input_record(path: &Path, revision: &Option<String>) -> Result<InputRecord> {
+    let dir = if path.is_dir() {
+        path.to_path_buf()
+    } else {
+        path.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
+    let config = dir.join(loraq_io::CONFIG_FILE);
+    let config_sha256 = if config.is_file() {
+        Some(sha256_file(&config)?)
+    } else {
+        None
+    };
+    Ok(InputRecord {
+        path: path.to_path_buf(),
+        revision: revision.clone(),
+        config_sha256,
+    })
+}
+
+/// Translates a glob (`*`, `?`, `**`) into an anchored regex over `/`-separated paths.
+fn glob_regex(glob: &str) -> regex::Regex {
+    let mut re = String::from("^");
+    let mut chars = glob.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '*' if chars.peek() == Some(&'*') => {
+                chars.next();
+                re.push_str(".*");
+            }
+            '*' => re.push_str("[^/]*"),
+            '?' => re.push_str("[^/]"),
+            c => re.push_str(&regex::escape(&c.to_string())),
+        }
+    }
+    re.push('$');
+    regex::Regex::new(&re).expect("escaped glob is a valid regex")
+}
+
+fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
+    let entries = std::fs::read_dir(dir).map_err(|source| ExtractError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for entry in entries {
+        let entry = entry.map_err(|source| ExtractError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let path = entry.path();
+        if path.is_dir() {
+            list_files(root, &path, out)?;
+        } else if let Ok(rel) = path.strip_prefix(root) {
+            out.push(rel.to_string_lossy().replace('\\', "/"));
+        }
+    }
+    Ok(())
+}
+
+const GENERATED: [&str; 5] = [
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    MANIFEST_FILE,
+    REPORT_FILE,
+    "SHA256SUMS",
+];
+
+/// Copies the files of `merged_dir` matching the globs into `out`; returns their paths.
+fn copy_files(merged_dir: &Path, globs: &[String], out: &Path) -> Result<Vec<String>> {
+    if globs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut files = Vec::new();
+    list_files(merged_dir, merged_dir, &mut files)?;
+    files.sort();
+    let mut copied = Vec::new();
+    for glob in globs {
+        let re = glob_regex(glob);
+        let matched: Vec<&String> = files.iter().filter(|f| re.is_match(f)).collect();
+        if matched.is_empty() {
+            return Err(ExtractError::CopyNoMatch {
+                pattern: glob.clone(),
+                dir: merged_dir.to_path_buf(),
+            });
+        }
+        for rel in matched {
+            if GENERATED.contains(&rel.as_str()) {
+                return Err(ExtractError::InvalidParameter {
+                    name: "--copy",
+                    detail: format!("{rel} would overwrite a file extract writes"),
+                });
+            }
+            let dst = out.join(rel);
+            if let Some(parent) = dst.parent() {
+                std::fs::create_dir_all(parent).map_err(|source| ExtractError::Write {
+                    path: parent.to_path_buf(),
+                    source,
+                })?;
+            }
+            std::fs::copy(merged_dir.join(rel), &dst).map_err(|source| ExtractError::Write {
+                path: dst.clone(),
+                source,
+            })?;
+            if !copied.contains(rel) {
+                copied.push(rel.clone());
+            }
+        }
+    }
+    Ok(copied)
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("report serializes") + "\n";
+    std::fs::write(path, text).map_err(|source| ExtractError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn validate_rank(rank: RankChoice) -> Result<()> {
+    if let RankChoice::Fixed(r) = rank {
+        if !VLLM_MAX_LORA_RANKS.contains(&r) {
+            return Err(ExtractError::InvalidParameter {
+                name: "--rank",
+                detail: format!("{r} is not a rank vLLM serves ({VLLM_MAX_LORA_RANKS:?}) or auto"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Runs the extraction. Nothing appears at `options.out` unless every check passed.
+/// With `threads > 0` everything (scan, conversions, products) runs on a pool that size.
+pub fn extract(
+    options: &ExtractOptions,
+    progress: &mut (dyn FnMut(Progress<'_>) + Send),
+) -> Result<ExtractionReport> {
+    if options.threads == 0 {
+        return extract_on_current_pool(options, progress);
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(options.threads)
+        .build()
+        .map_err(|e| ExtractError::InvalidParameter {
+            name: "--threads",
+            detail: e.to_string(),
+        })?;
+    pool.install(|| extract_on_current_pool(options, progress))
+}
+
+fn extract_on_current_pool(
+    options: &ExtractOptions,
+    progress: &mut (dyn FnMut(Progress<'_>) + Send),
+) -> Result<ExtractionReport> {
+    let started = Instant::now();
+    validate_rank(options.rank)?;
+    if options.max_residual_ratio.is_nan() || options.max_residual_ratio <= 0.0 {
+        return Err(ExtractError::InvalidParameter {
+            name: "--max-residual-ratio",
+            detail: "must be positive".into(),
+        });
+    }
+    // Refuse an existing output before any work.
+    let out = AtomicDir::create(&options.out, options.force)?;
+    let merged = Checkpoint::open(&options.merged)?;
+    let base = Checkpoint::open(&options.base)?;
+    let scanned = scan(&merged, &base)?.into_result()?;
+    progress(Progress::Scanned(&scanned));
+
+    let par = if options.threads == 0 {
+        Par::rayon(0)
+    } else {
+        Par::rayon(options.threads)
+    };
+    let total = scanned.projections.len();
+    let mut factors = Vec::with_capacity(total);
+    let mut modules = Vec::with_capacity(total);
+    let mut zero_delta = Vec::new();
+    for (index, projection) in scanned.projections.iter().enumerate() {
+        progress(Progress::ModuleStarted {
+            index,
+            total,
+            projection,
+        });
+        let module_started = Instant::now();
+        let (rows, cols) = (projection.out_features, projection.in_features);
+        let (delta, floor) = delta_and_floor(&merged, &base, &projection.tensor)?;
+        let max_rank = match options.rank {
+            RankChoice::Fixed(r) => r,
+            RankChoice::Auto => AUTO_RANK_CAP,
+        };
+        let params = FactorParams {
+            max_rank,
+            method: options.method,
+            floor: Some(floor),
+            par,
+            ..FactorParams::default()
+        };
+        let f = match factorize(&projection.module_path, &delta, rows, cols, &params) {
+            Err(ExtractError::AllZeroDelta { .. }) => {
+                zero_delta.push(projection.tensor.clone());
+                continue;
+            }
+            other => other?,
+        };
+        drop(delta);
+        let rank = match options.rank {
+            RankChoice::Fixed(_) => f.kept(),
+            RankChoice::Auto => auto_rank(&f, floor),
+        };
+        let cast = split_and_cast(&projection.module_path, &f, rank, options.split, par)?;
+        let residual = f.truncation_residual(rank);
+        let certificate = f.certificate(rank);
+        let residual_after_cast = residual.hypot(cast.cast_error);
+        let report = ModuleReport {
+            module: projection.module_path.clone(),
+            shape: [rows, cols],
+            rank,
+            delta_norm: f.delta_norm(),
+            floor,
+            residual,
+            ratio: residual / floor,
+            expected_ratio: expected_floor_ratio(rows, cols, rank),
+            cast_error: cast.cast_error,
+            residual_after_cast,
+            ratio_after_cast: residual_after_cast / floor,
+            singular_values_kept: f.s[..rank].to_vec(),
+            first_dropped: if rank < f.kept() {
+                Some(f.s[rank])
+            } else {
+                f.first_dropped
+            },
+            certificate_residual: certificate.residual,
+            method: f.method_used.as_str(),
+            passes: f.passes,
+            converged: f.converged,
+            seconds: module_started.elapsed().as_secs_f64(),
+        };
+        progress(Progress::ModuleDone(&report));
+        modules.push(report);
+        factors.push(LoraFactors {
+            module_path: projection.module_path.clone(),
+            rank,
+            in_features: cols,
+            out_features: rows,
+            a_bf16: cast.a_bf16,
+            b_bf16: cast.b_bf16,
+        });
+    }
+
+    let above: Vec<(String, f64)> = modules
+        .iter()
+        .filter(|m| m.ratio > options.max_residual_ratio)
+        .map(|m| (m.module.clone(), m.ratio))
+        .collect();
+    if !above.is_empty() && !options.allow_residual {
+        return Err(ExtractError::ResidualAboveThreshold {
+            threshold: options.max_residual_ratio,
+            modules: above,
+        });
+    }
+    if factors.is_empty() {
+        return Err(ExtractError::Refused {
+            refusals: vec![crate::error::Refusal {
+                tensor: options.merged.display().to_string(),
+                reason: "no projection differs from the base: there is no adapter to extract"
+                    .into(),
+            }],
+        });
+    }
+
+    progress(Progress::Writing);
+    let max_module_rank = modules.iter().map(|m| m.rank).max().unwrap_or(1);
+    let r = match options.rank {
+        RankChoice::Fixed(r) => r,
+        RankChoice::Auto => *VLLM_MAX_LORA_RANKS
+            .iter()
+            .find(|&&v| v >= max_module_rank)
+            .expect("ranks are capped at 512"),
+    };
+    let ranks: BTreeMap<String, usize> =
+        modules.iter().map(|m| (m.module.clone(), m.rank)).collect();
+    let base_name = options.base.display().to_string();
+    let config =
+        AdapterConfig::for_ranks(r, &ranks, Some(base_name), options.base_revision.clone());
+    write_adapter(out.path(), &config, &factors)?;
+    drop(factors);
+
+    let merged_dir = if options.merged.is_dir() {
+        options.merged.clone()
+    } else {
+        options
+            .merged
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    };
+    let copied = copy_files(&merged_dir, &options.copy, out.path())?;
+    let merged_record = input_record(&options.merged, &options.merged_revision)?;
+    let base_record = input_record(&options.base, &options.base_revision)?;
+    let manifest = Manifest {
+        tool: "loraq",
+        version: env!("CARGO_PKG_VERSION"),
+        merged: &merged_record,
+        base: &base_record,
+        r,
+        lora_alpha: r,
+        split: options.split.as_str(),
+        modules: modules
+            .iter()
+            .map(|m| ManifestModule {
+                module: &m.module,
+                shape: m.shape,
+                rank: m.rank,
+                dtype: "BF16",
+            })
+            .collect(),
+        copied: &copied,
+    };
+    write_json(&out.path().join(MANIFEST_FILE), &manifest)?;
+
+    let low_rank: Vec<f64> = modules
+        .iter()
+        .filter(|m| m.rank < m.shape[0].min(m.shape[1]))
+        .map(|m| m.ratio)
+        .collect();
+    let worst = modules.iter().max_by(|a, b| a.ratio.total_cmp(&b.ratio));
+    let totals = Totals {
+        modules: modules.len(),
+        parameters: modules
+            .iter()
+            .map(|m| m.rank * (m.shape[0] + m.shape[1]))
+            .sum(),
+        max_ratio: worst.map_or(0.0, |m| m.ratio),
+        max_ratio_module: worst.map(|m| m.module.clone()),
+        mean_ratio_low_rank: (!low_rank.is_empty())
+            .then(|| low_rank.iter().sum::<f64>() / low_rank.len() as f64),
+        max_ratio_after_cast: modules
+            .iter()
+            .map(|m| m.ratio_after_cast)
+            .fold(0.0, f64::max),
+        above_threshold: above.into_iter().map(|(m, _)| m).collect(),
+        seconds: 0.0,
+    };
+    let mut report = ExtractionReport {
+        tool: "loraq",
+        version: env!("CARGO_PKG_VERSION"),
+        out: options.out.clone(),
+        merged: merged_record,
+        base: base_record,
+        r,
+        rank_mode: match options.rank {
+            RankChoice::Fixed(r) => r.to_string(),
+            RankChoice::Auto => "auto".into(),
+        },
+        split: options.split.as_str(),
+        method: options.method.as_str(),
+        max_residual_ratio: options.max_residual_ratio,
+        identical_tensors: scanned.identical,
+        base_only: scanned.base_only.clone(),
+        zero_delta,
+        copied,
+        modules,
+        totals,
+    };
+    report.totals.seconds = started.elapsed().as_secs_f64();
+    write_json(&out.path().join(REPORT_FILE), &report)?;
+    write_sha256sums(out.path())?;
+
+    // Validate what was written before it appears: the adapter parses as PEFT does,
+    // every module is there with its shape and rank, and every checksum holds.
+    let written = LoraAdapter::open(out.path())?;
+    for m in &report.modules {
+        let info = written
+            .module(&m.module)
+            .ok_or_else(|| ExtractError::BadShape {
+                module: m.module.clone(),
+                what: "missing from the written adapter".into(),
+            })?;
+        if info.rank != m.rank
+            || [info.out_features, info.in_features] != m.shape
+            || info.scale != 1.0
+        {
+            return Err(ExtractError::BadShape {
+                module: m.module.clone(),
+                what: format!(
+                    "written as rank {} [{}, {}] scale {}",
+                    info.rank, info.out_features, info.in_features, info.scale
+                ),
+            });
+        }
+    }
+    if written.modules.len() != report.modules.len() {
+        return Err(ExtractError::BadShape {
+            module: options.out.display().to_string(),
+            what: format!(
+                "adapter holds {} modules, {} extracted",
+                written.modules.len(),
+                report.modules.len()
+            ),
+        });
+    }
+    verify_sha256sums(out.path())?;
+    out.commit()?;
+    Ok(report)
+}

@@ -1,0 +1,1000 @@
+//! Top-r factorization of a delta with a certificate.
+//!
+//! The delta $D$ ($m \times n$, f32, row-major) is factored as $D \approx U_k S_k V_k^\top$
+//! with $k \le r$. Two methods:
+//!
+//! * **randomized** (default): a row-space estimate from a random sample of the rows of
+//!   the long side (power iteration on the sample costs about a quarter of a pass), then
+//!   two full passes: $W = D V_0$, $Q = \mathrm{orth}(W)$, $Z = D^\top Q$. The result is the
+//!   rank-$k$ truncation of the projection $Q Q^\top D$, whose residual is known exactly
+//!   without another pass: $\|D - Q\tilde Q^\top D\|^2 = \|D\|^2 - \|Z G^{-1/2}\|^2$ with
+//!   $G = Q^\top Q$ formed in f64, so it holds even where $Q$ is orthonormal only to f32
+//!   precision. Further iterations follow when the residual is not at the floor and
+//!   still moving.
+//! * **exact**: eigendecomposition of the f64 Gram matrix of the smaller side, then the
+//!   kept directions are re-projected ($Y = D V_k$, thin SVD of $Y$) so the singular
+//!   values are accurate to f64 precision in absolute terms, not only relative to $s_0$.
+//!
+//! The certificate: $\|D - BA\|_F$ evaluated in f64 from
+//! $\|D\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, A A^\top\rangle$, where
+//! $B^\top D$ comes from the last pass (B lies in the span of Q), compared with
+//! $\sqrt{\|D\|^2 - \sum s_i^2}$ and, by the caller, with the rounding floor.
+//!
+//! Numerical rank: only $s_i > s_0 \cdot 10^{-7}$ are kept. Nothing divides by a singular
+//! value: the factors are built from orthonormal bases and $S^{1/2}$.
+
+use crate::error::{ExtractError, Result};
+use crate::floor::expected_floor_ratio;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatRef, Par, Side};
+use rand::{Rng, SeedableRng, seq::index::sample};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+/// Singular values at or below `s_0 * NUMERICAL_RANK_TOLERANCE` are not kept.
+pub const NUMERICAL_RANK_TOLERANCE: f64 = 1e-7;
+
+/// Which algorithm computes the top singular triplets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// Randomized first; the exact method when it does not converge.
+    Auto,
+    /// Randomized subspace iteration only (more iterations when not converged).
+    Randomized,
+    /// f64 Gram eigendecomposition of the smaller side.
+    Exact,
+}
+
+impl Method {
+    /// The command-line spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Auto => "auto",
+            Method::Randomized => "randomized",
+            Method::Exact => "exact",
+        }
+    }
+}
+
+/// Parameters of [`factorize`], with [`Default`] values that reach the floor at 27B shapes.
+#[derive(Debug, Clone)]
+pub struct FactorParams {
+    /// Largest rank to compute (the rank is `min(max_rank, m, n, numerical rank)`).
+    pub max_rank: usize,
+    /// Extra sketch columns beyond `max_rank`.
+    pub oversample: usize,
+    /// Algorithm.
+    pub method: Method,
+    /// Seed of the sketch (the result is deterministic for a given seed and thread count).
+    pub seed: u64,
+    /// The rounding floor of the merged tensor, when known: the randomized method stops
+    /// as soon as its residual is within `floor_slack` of the floor's expectation.
+    pub floor: Option<f64>,
+    /// Relative slack over `expected_floor_ratio * floor` at which the randomized result
+    /// is accepted without further iterations.
+    pub floor_slack: f64,
+    /// Extra pass pairs the randomized method may spend before giving up.
+    pub max_extra_iterations: usize,
+    /// An extra iteration that lowers the residual by less than this (relative) means
+    /// the subspace has converged.
+    pub convergence_tolerance: f64,
+    /// Parallelism of the dense kernels.
+    pub par: Par,
+}
+
+impl Default for FactorParams {
+    fn default() -> Self {
+        FactorParams {
+            max_rank: 256,
+            oversample: 16,
+            method: Method::Auto,
+            seed: 0x6c6f_7261_7100_0001,
+            floor: None,
+            floor_slack: 0.02,
+            max_extra_iterations: 4,
+            convergence_tolerance: 1e-4,
+            par: Par::rayon(0),
+        }
+    }
+}
+
+/// The singular triplets of a delta up to `max_rank`, in f64.
+#[derive(Debug, Clone)]
+pub struct Factorization {
+    /// Rows of the delta (output features).
+    pub rows: usize,
+    /// Columns of the delta (input features).
+    pub cols: usize,
+    /// Left singular vectors, `rows x kept` column-major.
+    pub u: Mat<f64>,
+    /// Singular values, non-increasing, all above the numerical-rank tolerance.
+    pub s: Vec<f64>,
+    /// Right singular vectors, `cols x kept` column-major.
+    pub v: Mat<f64>,
+    /// The largest singular value computed but not kept (by rank or tolerance), if any.
+    pub first_dropped: Option<f64>,
+    /// $\|D\|_F^2$ in f64.
+    pub delta_norm_sq: f64,
+    /// `(U^T D) ` restricted to the kept directions, `kept x cols` (row-major, f64):
+    /// what the certificate needs, from the last pass.
+    ut_d: Mat<f64>,
+    /// $U^\top U$ (the identity up to rounding), from the small matrices.
+    u_gram: Mat<f64>,
+    /// $V^\top V$.
+    v_gram: Mat<f64>,
+    /// The method that produced the result.
+    pub method_used: Method,
+    /// Full passes over the delta (sample passes counted by their share of the rows).
+    pub passes: f64,
+    /// Whether the randomized iteration met its stopping rule (always true for exact).
+    pub converged: bool,
+}
+
+/// Residual figures of a rank-k truncation.
+#[derive(Debug, Clone, Copy)]
+pub struct Certificate {
+    /// $\|D - BA\|_F$ computed in f64 from the last pass (f32-exact factors).
+    pub residual: f64,
+    /// $\sqrt{\|D\|^2 - \sum_{i \le k} s_i^2}$.
+    pub singular_value_residual: f64,
+}
+
+impl Factorization {
+    /// Number of kept singular triplets.
+    pub fn kept(&self) -> usize {
+        self.s.len()
+    }
+
+    /// $\|D\|_F$.
+    pub fn delta_norm(&self) -> f64 {
+        self.delta_norm_sq.sqrt()
+    }
+
+    /// $\sqrt{\|D\|^2 - \sum_{i \le k} s_i^2}$, clamped at zero.
+    pub fn truncation_residual(&self, k: usize) -> f64 {
+        let captured: f64 = self.s[..k.min(self.s.len())].iter().map(|s| s * s).sum();
+        (self.delta_norm_sq - captured).max(0.0).sqrt()
+    }
+
+    /// The certificate of the rank-k truncation with the balanced split: the residual
+    /// evaluated from $\|D\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, AA^\top\rangle$.
+    pub fn certificate(&self, k: usize) -> Certificate {
+        let k = k.min(self.kept());
+        // B = U_k S^1/2, A = S^1/2 V_k^T. <B^T D, A> = sum_i s_i <u_i^T D, v_i>.
+        let mut cross = 0.0f64;
+        for i in 0..k {
+            let mut dot = 0.0f64;
+            for j in 0..self.cols {
+                dot += self.ut_d[(i, j)] * self.v[(j, i)];
+            }
+            cross += self.s[i] * dot;
+        }
+        // <B^T B, A A^T> = sum_ij sqrt(s_i s_j) (u_i.u_j) sqrt(s_i s_j) (v_i.v_j).
+        let (uu, vv) = (&self.u_gram, &self.v_gram);
+        let mut quad = 0.0f64;
+        for i in 0..k {
+            for j in 0..k {
+                quad += self.s[i].sqrt()
+                    * self.s[j].sqrt()
+                    * uu[(i, j)]
+                    * self.s[i].sqrt()
+                    * self.s[j].sqrt()
+                    * vv[(i, j)];
+            }
+        }
+        let residual_sq = self.delta_norm_sq - 2.0 * cross + quad;
+        Certificate {
+            residual: residual_sq.max(0.0).sqrt(),
+            singular_value_residual: self.truncation_residual(k),
+        }
+    }
+
+    /// Whether the certificate and the singular-value identity agree: they are equal in
+    /// exact arithmetic; a disagreement beyond rounding means the small dense algebra
+    /// lost accuracy.
+    pub fn certificate_consistent(&self, k: usize) -> bool {
+        let cert = self.certificate(k);
+        let diff = (cert.residual.powi(2) - cert.singular_value_residual.powi(2)).abs();
+        diff <= 1e-9 * self.delta_norm_sq + 1e-3 * cert.singular_value_residual.powi(2)
+    }
+}
+
+/// $M_{:,:k}^\top M_{:,:k}$ in f64.
+fn gram(m: MatRef<'_, f64>, k: usize) -> Mat<f64> {
+    let sub = m.subcols(0, k);
+    let mut g = Mat::<f64>::zeros(k, k);
+    matmul(
+        g.as_mut(),
+        Accum::Replace,
+        sub.transpose(),
+        sub,
+        1.0,
+        Par::Seq,
+    );
+    g
+}
+
+/// Checks that `delta` is `rows x cols`, finite and not all zero; returns $\|D\|^2$ (f64).
+pub fn check_delta(module: &str, delta: &[f32], rows: usize, cols: usize) -> Result<f64> {
+    let len = rows
+        .checked_mul(cols)
+        .ok_or_else(|| ExtractError::BadShape {
+            module: module.to_string(),
+            what: format!("{rows} x {cols} overflows"),
+        })?;
+    if len != delta.len() || rows == 0 || cols == 0 {
+        return Err(ExtractError::BadShape {
+            module: module.to_string(),
+            what: format!("delta has {} values, shape {rows} x {cols}", delta.len()),
+        });
+    }
+    // One pass: the first non-finite index per chunk, and the sum of squares.
+    const CHUNK: usize = 1 << 16;
+    let (first_bad, norm_sq) = delta
+        .par_chunks(CHUNK)
+        .enumerate()
+        .map(|(c, chunk)| {
+            let mut sum = 0.0f64;
+            let mut bad = None;
+            for (i, &x) in chunk.iter().enumerate() {
+                if !x.is_finite() && bad.is_none() {
+                    bad = Some(c * CHUNK + i);
+                }
+                sum += (x as f64) * (x as f64);
+            }
+            (bad, sum)
+        })
+        .reduce(
+            || (None, 0.0),
+            |a, b| {
+                (
+                    a.0.or(b.0)
+                        .map(|_| a.0.unwrap_or(usize::MAX).min(b.0.unwrap_or(usize::MAX))),
+                    a.1 + b.1,
+                )
+            },
+        );
+    if let Some(index) = first_bad {
+        return Err(ExtractError::NonFinite {
+            module: module.to_string(),
+            what: "delta",
+            index,
+        });
+    }
+    if norm_sq == 0.0 {
+        return Err(ExtractError::AllZeroDelta {
+            module: module.to_string(),
+        });
+    }
+    Ok(norm_sq)
+}
+
+/// Computes the top singular triplets of the `rows x cols` row-major delta.
+pub fn factorize(
+    module: &str,
+    delta: &[f32],
+    rows: usize,
+    cols: usize,
+    params: &FactorParams,
+) -> Result<Factorization> {
+    let delta_norm_sq = check_delta(module, delta, rows, cols)?;
+    if params.max_rank == 0 {
+        return Err(ExtractError::InvalidParameter {
+            name: "--rank",
+            detail: "rank 0".into(),
+        });
+    }
+    let d = MatRef::from_row_major_slice(delta, rows, cols);
+    // Work on the orientation whose rows are the long side, so the sample is of rows.
+    let transposed = rows < cols;
+    let x = if transposed { d.transpose() } else { d };
+    // A sketch as wide as the smaller side would be the whole space: the exact method
+    // (f64 Gram of that side) is then both cheaper and exact to f64 precision, which
+    // full-width modules (in_proj_a / in_proj_b) need to come out at ratio ~0.
+    let narrow = params.max_rank + params.oversample >= rows.min(cols);
+    let method = if narrow { Method::Exact } else { params.method };
+    let result = match method {
+        Method::Exact => exact(module, x, delta_norm_sq, params)?,
+        Method::Randomized => randomized(module, x, delta_norm_sq, params)?,
+        Method::Auto => {
+            let r = randomized(module, x, delta_norm_sq, params)?;
+            let ok = r.converged && r.certificate_consistent(r.kept());
+            if ok {
+                r
+            } else {
+                exact(module, x, delta_norm_sq, params)?
+            }
+        }
+    };
+    Ok(if transposed {
+        result.transpose()
+    } else {
+        result
+    })
+}
+
+impl Factorization {
+    /// The factorization of $D^\top$.
+    fn transpose(self) -> Factorization {
+        // D^T = V S U^T; U^T D^T = (D U)^T = (V S)^T = S V^T restricted... we keep
+        // ut_d consistent: for D^T the left vectors are V, and V^T D^T = (D V)^T = (U S)^T.
+        let k = self.kept();
+        let ut_d = Mat::from_fn(k, self.rows, |i, j| self.u[(j, i)] * self.s[i]);
+        Factorization {
+            rows: self.cols,
+            cols: self.rows,
+            u: self.v,
+            s: self.s,
+            v: self.u,
+            first_dropped: self.first_dropped,
+            delta_norm_sq: self.delta_norm_sq,
+            ut_d,
+            u_gram: self.v_gram,
+            v_gram: self.u_gram,
+            method_used: self.method_used,
+            passes: self.passes,
+            converged: self.converged,
+        }
+    }
+}
+
+/// Number of triplets to keep out of `s` (non-increasing): at most `max_rank`, only
+/// those above the numerical-rank tolerance.
+fn numerical_rank(s: &[f64], max_rank: usize) -> usize {
+    let Some(&s0) = s.first() else { return 0 };
+    if s0 <= 0.0 {
+        return 0;
+    }
+    s.iter()
+        .take(max_rank)
+        .take_while(|&&v| v > s0 * NUMERICAL_RANK_TOLERANCE)
+        .count()
+}
+
+/// A basis of the significant column space of `w`, orthonormal to f32 precision: one
+/// round of Cholesky-QR with the Gram matrix in f64 (directions whose singular value
+/// is below `1e-6` of the largest are dropped: they carry no energy that matters next
+/// to any rounding floor). Returns `None` when `w` is zero.
+fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
+    let w64 = to_f64(w);
+    let mut g = Mat::<f64>::zeros(w.ncols(), w.ncols());
+    matmul(
+        g.as_mut(),
+        Accum::Replace,
+        w64.transpose(),
+        w64.as_ref(),
+        1.0,
+        par,
+    );
+    drop(w64);
+    let eig = g.self_adjoint_eigen(Side::Lower).ok()?;
+    let lambda = eig.S().column_vector();
+    let n = w.ncols();
+    let lambda_max = (0..n).map(|i| lambda[i]).fold(0.0f64, f64::max);
+    if lambda_max <= 0.0 || !lambda_max.is_finite() {
+        return None;
+    }
+    let keep: Vec<usize> = (0..n)
+        .rev()
+        .filter(|&i| lambda[i] > lambda_max * 1e-12)
+        .collect();
+    let p = eig.U();
+    let m = Mat::<f32>::from_fn(n, keep.len(), |i, j| {
+        (p[(i, keep[j])] / lambda[keep[j]].sqrt()) as f32
+    });
+    Some(f32_product(w, m.as_ref(), par))
+}
+
+/// Widens a matrix to f64, by columns in parallel.
+fn to_f64(m: MatRef<'_, f32>) -> Mat<f64> {
+    let mut out = Mat::<f64>::zeros(m.nrows(), m.ncols());
+    out.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
+        let src = m.col(j);
+        for i in 0..src.nrows() {
+            col[i] = src[i] as f64;
+        }
+    });
+    out
+}
+
+/// A Gaussian test matrix (Box-Muller): unlike random signs, singular with probability 0,
+/// which matters when the sketch is as wide as the matrix.
+fn gaussian(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Mat<f32> {
+    Mat::<f32>::from_fn(rows, cols, |_, _| {
+        let u1: f64 = 1.0 - rng.random::<f64>();
+        let u2: f64 = rng.random::<f64>();
+        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    })
+}
+
+fn f32_product(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, par: Par) -> Mat<f32> {
+    let mut out = Mat::<f32>::zeros(lhs.nrows(), rhs.ncols());
+    matmul(out.as_mut(), Accum::Replace, lhs, rhs, 1.0, par);
+    out
+}
+
+/// Power iteration on a row sample `xs` (or the whole matrix): an orthonormal basis of
+/// its dominant row space, `q` wide at most. `None` when the sample is zero.
+fn row_space_estimate(
+    xs: MatRef<'_, f32>,
+    q: usize,
+    rng: &mut ChaCha8Rng,
+    par: Par,
+) -> Option<Mat<f32>> {
+    let omega = gaussian(xs.ncols(), q, rng);
+    let qs = orthonormalize(f32_product(xs, omega.as_ref(), par).as_ref(), par)?;
+    let vs = orthonormalize(f32_product(xs.transpose(), qs.as_ref(), par).as_ref(), par)?;
+    let qs = orthonormalize(f32_product(xs, vs.as_ref(), par).as_ref(), par)?;
+    orthonormalize(f32_product(xs.transpose(), qs.as_ref(), par).as_ref(), par)
+}
+
+/// $Z = X^\top Q$, computed as $(Q^\top X)^\top$: faer runs the row-major $X$ as the
+/// right-hand side several times faster than its transpose as the left-hand side.
+fn transposed_product(x: MatRef<'_, f32>, q: MatRef<'_, f32>, par: Par) -> Mat<f32> {
+    let zt = f32_product(q.transpose(), x, par);
+    zt.transpose().to_owned()
+}
+
+/// Randomized subspace iteration on `x` (`big x small`, `big >= small`).
+fn randomized(
+    module: &str,
+    x: MatRef<'_, f32>,
+    delta_norm_sq: f64,
+    params: &FactorParams,
+) -> Result<Factorization> {
+    let (big, small) = (x.nrows(), x.ncols());
+    let k_target = params.max_rank.min(small);
+    let q = (k_target + params.oversample).min(small);
+    let par = params.par;
+    let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
+
+    // Row-space estimate from a sample of rows: enough rows (4q) that the sample's row
+    // space carries every direction of the delta's, few enough to cost ~1/4 pass. A
+    // sample that is all zero (a delta confined to a few rows) falls back to a random
+    // basis, which the first full pass turns into the exact range.
+    let sample_rows = (4 * q).max(big / 16);
+    let mut passes;
+    let estimate = if sample_rows * 2 >= big {
+        passes = 4.0;
+        row_space_estimate(x, q, &mut rng, par)
+    } else {
+        let mut picked = sample(&mut rng, big, sample_rows).into_vec();
+        picked.sort_unstable();
+        let mut xs = Mat::<f32>::zeros(sample_rows, small);
+        for (i, &row) in picked.iter().enumerate() {
+            xs.row_mut(i).copy_from(x.row(row));
+        }
+        passes = 4.0 * sample_rows as f64 / big as f64;
+        row_space_estimate(xs.as_ref(), q, &mut rng, par)
+    };
+    let mut v0 = match estimate {
+        Some(v) => v,
+        None => orthonormalize(gaussian(small, q, &mut rng).as_ref(), par)
+            .expect("a random sign matrix has full rank"),
+    };
+
+    let mut best: Option<Factorization> = None;
+    let mut iteration = 0usize;
+    loop {
+        // Two full passes: W = X V0, Q = orth(W), Z = X^T Q.
+        let w = f32_product(x, v0.as_ref(), par);
+        let qw = orthonormalize(w.as_ref(), par).ok_or_else(|| ExtractError::Linalg {
+            module: module.to_string(),
+            what: "range of the sketch",
+            detail: "the sketch of a non-zero delta is zero".into(),
+        })?;
+        drop(w);
+        let z = transposed_product(x, qw.as_ref(), par);
+        passes += 2.0;
+        let current = project(
+            module,
+            qw.as_ref(),
+            z.as_ref(),
+            delta_norm_sq,
+            k_target,
+            passes,
+            par,
+        )?;
+        let k = current.kept();
+        let residual = current.truncation_residual(k);
+        let at_floor = params.floor.is_some_and(|f| {
+            residual <= (1.0 + params.floor_slack) * expected_floor_ratio(big, small, k) * f
+        });
+        let improved_little = best.as_ref().is_some_and(|b| {
+            let previous = b.truncation_residual(b.kept());
+            previous - residual <= params.convergence_tolerance * previous
+        });
+        let better = best
+            .as_ref()
+            .is_none_or(|b| residual < b.truncation_residual(b.kept()));
+        // A basis that spans the whole small side makes the projection exact.
+        let converged = at_floor || improved_little || residual == 0.0 || qw.ncols() == small;
+        if better {
+            best = Some(current);
+        }
+        if converged || iteration >= params.max_extra_iterations {
+            let mut result = best.expect("at least one iteration ran");
+            result.converged = converged;
+            result.passes = passes;
+            return Ok(result);
+        }
+        iteration += 1;
+        v0 = orthonormalize(z.as_ref(), par).ok_or_else(|| ExtractError::Linalg {
+            module: module.to_string(),
+            what: "range of the projected delta",
+            detail: "zero".into(),
+        })?;
+    }
+}
+
+/// The SVD of the projection $\tilde Q \tilde Q^\top X$ from $Q$ (`big x q`, orthonormal to
+/// f32 precision) and $Z = X^\top Q$, with $G = Q^\top Q$ in f64 correcting the basis:
+/// $\tilde Q = Q G^{-1/2}$ is orthonormal in exact arithmetic whatever Q's rounding.
+fn project(
+    module: &str,
+    qw: MatRef<'_, f32>,
+    z: MatRef<'_, f32>,
+    delta_norm_sq: f64,
+    k_target: usize,
+    passes: f64,
+    par: Par,
+) -> Result<Factorization> {
+    let (big, q) = (qw.nrows(), qw.ncols());
+    let small = z.nrows();
+    let q64 = to_f64(qw);
+    let mut g = Mat::<f64>::zeros(q, q);
+    matmul(
+        g.as_mut(),
+        Accum::Replace,
+        q64.transpose(),
+        q64.as_ref(),
+        1.0,
+        par,
+    );
+    drop(q64);
+    let eig = g
+        .self_adjoint_eigen(Side::Lower)
+        .map_err(|e| ExtractError::Linalg {
+            module: module.to_string(),
+            what: "eigendecomposition of the basis Gram matrix",
+            detail: format!("{e:?}"),
+        })?;
+    let lambda = eig.S().column_vector();
+    let min_lambda = (0..q).map(|i| lambda[i]).fold(f64::INFINITY, f64::min);
+    if min_lambda < 0.5 {
+        return Err(ExtractError::Linalg {
+            module: module.to_string(),
+            what: "orthonormal basis of the sketch",
+            detail: format!("Gram matrix has eigenvalue {min_lambda}"),
+        });
+    }
+    let p = eig.U();
+    let p_scaled = Mat::<f64>::from_fn(q, q, |i, l| p[(i, l)] / lambda[l].sqrt());
+    let mut g_inv_sqrt = Mat::<f64>::zeros(q, q);
+    matmul(
+        g_inv_sqrt.as_mut(),
+        Accum::Replace,
+        p_scaled.as_ref(),
+        p.transpose(),
+        1.0,
+        Par::Seq,
+    );
+    let z64 = to_f64(z);
+    let mut zt = Mat::<f64>::zeros(small, q);
+    matmul(
+        zt.as_mut(),
+        Accum::Replace,
+        z64.as_ref(),
+        g_inv_sqrt.as_ref(),
+        1.0,
+        par,
+    );
+    drop(z64);
+    // Z~ = W S X_z^T  =>  Q~ Q~^T X = (Q G^-1/2 X_z) S W^T.
+    let svd = zt.thin_svd().map_err(|e| ExtractError::Linalg {
+        module: module.to_string(),
+        what: "thin SVD of the projected delta",
+        detail: format!("{e:?}"),
+    })?;
+    let s_all: Vec<f64> = (0..q).map(|i| svd.S().column_vector()[i]).collect();
+    let k = numerical_rank(&s_all, k_target);
+    let first_dropped = s_all.get(k).copied();
+    let mut coeff = Mat::<f64>::zeros(q, k);
+    matmul(
+        coeff.as_mut(),
+        Accum::Replace,
+        g_inv_sqrt.as_ref(),
+        svd.V().subcols(0, k),
+        1.0,
+        Par::Seq,
+    );
+    // U = Q coeff, formed in f32 (it becomes an f32 factor); its Gram matrix is known
+    // exactly from the small matrices: U^T U = coeff^T G coeff.
+    let coeff32 = Mat::<f32>::from_fn(q, k, |i, j| coeff[(i, j)] as f32);
+    let u = to_f64(f32_product(qw, coeff32.as_ref(), par).as_ref());
+    let mut g_coeff = Mat::<f64>::zeros(q, k);
+    matmul(
+        g_coeff.as_mut(),
+        Accum::Replace,
+        g.as_ref(),
+        coeff.as_ref(),
+        1.0,
+        Par::Seq,
+    );
+    let mut u_gram = Mat::<f64>::zeros(k, k);
+    matmul(
+        u_gram.as_mut(),
+        Accum::Replace,
+        coeff.transpose(),
+        g_coeff.as_ref(),
+        1.0,
+        Par::Seq,
+    );
+    let v = svd.U().subcols(0, k).to_owned();
+    let v_gram = gram(v.as_ref(), k);
+    // U^T X = X_z^T G^-1/2 Q^T X = X_z^T G^-1/2 Z^T = (Z~ X_z)^T = S W^T.
+    let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
+    Ok(Factorization {
+        rows: big,
+        cols: small,
+        u,
+        s: s_all[..k].to_vec(),
+        v,
+        first_dropped,
+        delta_norm_sq,
+        ut_d,
+        u_gram,
+        v_gram,
+        method_used: Method::Randomized,
+        passes,
+        converged: false,
+    })
+}
+
+/// Exact method: f64 Gram matrix of the small side, eigendecomposition, re-projection.
+fn exact(
+    module: &str,
+    x: MatRef<'_, f32>,
+    delta_norm_sq: f64,
+    params: &FactorParams,
+) -> Result<Factorization> {
+    let (big, small) = (x.nrows(), x.ncols());
+    let k_target = params.max_rank.min(small);
+    // G = X^T X accumulated over blocks of rows widened to f64 (bounded memory).
+    const BLOCK: usize = 512;
+    let mut g = Mat::<f64>::zeros(small, small);
+    let mut start = 0;
+    while start < big {
+        let len = BLOCK.min(big - start);
+        let block = Mat::<f64>::from_fn(len, small, |i, j| x[(start + i, j)] as f64);
+        matmul(
+            g.as_mut(),
+            Accum::Add,
+            block.transpose(),
+            block.as_ref(),
+            1.0,
+            params.par,
+        );
+        start += len;
+    }
+    let eig = g
+        .self_adjoint_eigen(Side::Lower)
+        .map_err(|e| ExtractError::Linalg {
+            module: module.to_string(),
+            what: "Gram eigendecomposition",
+            detail: format!("{e:?}"),
+        })?;
+    // Eigenvalues ascending: take the top ones, largest first.
+    let lambda = eig.S().column_vector();
+    let s_gram: Vec<f64> = (0..small)
+        .rev()
+        .map(|i| lambda[i].max(0.0).sqrt())
+        .collect();
+    // Candidates: a little past the tolerance, since Gram eigenvalues near it are only
+    // accurate relative to s_0^2; the re-projection decides.
+    let candidates = s_gram
+        .iter()
+        .take(k_target)
+        .take_while(|&&v| v > s_gram[0] * NUMERICAL_RANK_TOLERANCE * 1e-2)
+        .count()
+        .max(1);
+    let vk = Mat::<f64>::from_fn(small, candidates, |i, j| eig.U()[(i, small - 1 - j)]);
+    // Y = X V_k in f64, by blocks of rows.
+    let mut y = Mat::<f64>::zeros(big, candidates);
+    let mut start = 0;
+    while start < big {
+        let len = BLOCK.min(big - start);
+        let block = Mat::<f64>::from_fn(len, small, |i, j| x[(start + i, j)] as f64);
+        matmul(
+            y.as_mut().subrows_mut(start, len),
+            Accum::Replace,
+            block.as_ref(),
+            vk.as_ref(),
+            1.0,
+            params.par,
+        );
+        start += len;
+    }
+    let svd = y.thin_svd().map_err(|e| ExtractError::Linalg {
+        module: module.to_string(),
+        what: "thin SVD of the re-projected delta",
+        detail: format!("{e:?}"),
+    })?;
+    let s_all: Vec<f64> = (0..candidates)
+        .map(|i| svd.S().column_vector()[i])
+        .collect();
+    let k = numerical_rank(&s_all, k_target);
+    let first_dropped = s_all
+        .get(k)
+        .copied()
+        .or_else(|| s_gram.get(k_target).copied());
+    let u = svd.U().subcols(0, k).to_owned();
+    let mut v = Mat::<f64>::zeros(small, k);
+    matmul(
+        v.as_mut(),
+        Accum::Replace,
+        vk.as_ref(),
+        svd.V().subcols(0, k),
+        1.0,
+        Par::Seq,
+    );
+    let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
+    let u_gram = gram(u.as_ref(), k);
+    let v_gram = gram(v.as_ref(), k);
+    Ok(Factorization {
+        rows: big,
+        cols: small,
+        u,
+        s: s_all[..k].to_vec(),
+        v,
+        first_dropped,
+        delta_norm_sq,
+        ut_d,
+        u_gram,
+        v_gram,
+        method_used: Method::Exact,
+        passes: 2.0,
+        converged: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::floor::{FloorFormat, rounding_floor};
+    use half::bf16;
+
+    fn round_bf16(x: f32) -> f32 {
+        bf16::from_f32(x).to_f32()
+    }
+
+    /// A bf16 base, a rank-`rank` change with singular values spread over `decay`, the
+    /// merged weight rounded to bf16, and the delta merged - base (exact in f32).
+    fn synthetic(
+        rows: usize,
+        cols: usize,
+        rank: usize,
+        relative: f64,
+        decay: f64,
+        seed: u64,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut gauss = || {
+            // Box-Muller from two uniforms.
+            let u1: f64 = rng.random::<f64>().max(1e-300);
+            let u2: f64 = rng.random::<f64>();
+            (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        };
+        let base: Vec<f32> = (0..rows * cols)
+            .map(|_| round_bf16((gauss() * 0.02) as f32))
+            .collect();
+        let left = Mat::<f64>::from_fn(rows, rank, |_, _| gauss())
+            .qr()
+            .compute_thin_Q();
+        let right = Mat::<f64>::from_fn(cols, rank, |_, _| gauss())
+            .qr()
+            .compute_thin_Q();
+        let s: Vec<f64> = (0..rank)
+            .map(|i| decay.powf(-(i as f64) / (rank.max(2) - 1) as f64))
+            .collect();
+        let mut low = vec![0f64; rows * cols];
+        for i in 0..rows {
+            for l in 0..rank {
+                let a = left[(i, l)] * s[l];
+                for j in 0..cols {
+                    low[i * cols + j] += a * right[(j, l)];
+                }
+            }
+        }
+        let base_norm: f64 = base.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        let low_norm: f64 = low.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let scale = relative * base_norm / low_norm;
+        let merged: Vec<f32> = base
+            .iter()
+            .zip(&low)
+            .map(|(&b, &l)| round_bf16(b + (l * scale) as f32))
+            .collect();
+        let delta: Vec<f32> = merged.iter().zip(&base).map(|(&m, &b)| m - b).collect();
+        (merged, delta)
+    }
+
+    fn params(rank: usize, method: Method, floor: f64) -> FactorParams {
+        FactorParams {
+            max_rank: rank,
+            method,
+            floor: Some(floor),
+            ..FactorParams::default()
+        }
+    }
+
+    #[test]
+    fn low_rank_plus_rounding_noise_is_recovered_at_the_floor() {
+        for &(rows, cols, rank) in &[(640usize, 256usize, 32usize), (192, 576, 24)] {
+            let (merged, delta) = synthetic(rows, cols, rank, 0.1, 30.0, 7);
+            let floor = rounding_floor(&merged, FloorFormat::Bf16);
+            let expected = expected_floor_ratio(rows, cols, rank);
+            for method in [Method::Randomized, Method::Exact, Method::Auto] {
+                let f = factorize("m", &delta, rows, cols, &params(rank, method, floor)).unwrap();
+                assert_eq!(f.kept(), rank);
+                let ratio = f.truncation_residual(rank) / floor;
+                assert!(
+                    (0.9..=1.05).contains(&(ratio / expected)),
+                    "{rows}x{cols} {method:?}: ratio {ratio} expected {expected}"
+                );
+                assert!(f.certificate_consistent(rank));
+            }
+            let exact =
+                factorize("m", &delta, rows, cols, &params(rank, Method::Exact, floor)).unwrap();
+            let randomized = factorize(
+                "m",
+                &delta,
+                rows,
+                cols,
+                &params(rank, Method::Randomized, floor),
+            )
+            .unwrap();
+            let excess = randomized.truncation_residual(rank) / exact.truncation_residual(rank);
+            assert!(
+                (0.9999..1.001).contains(&excess),
+                "randomized / exact residual {excess}"
+            );
+        }
+    }
+
+    /// The certificate must agree with the residual computed the slow way.
+    #[test]
+    fn certificate_matches_a_direct_f64_residual() {
+        let (rows, cols, rank) = (300usize, 200usize, 16usize);
+        let (merged, delta) = synthetic(rows, cols, rank, 0.05, 10.0, 3);
+        let floor = rounding_floor(&merged, FloorFormat::Bf16);
+        for method in [Method::Randomized, Method::Exact] {
+            let f = factorize("m", &delta, rows, cols, &params(rank, method, floor)).unwrap();
+            let mut direct = 0f64;
+            for i in 0..rows {
+                for j in 0..cols {
+                    let approx: f64 = (0..rank).map(|l| f.u[(i, l)] * f.s[l] * f.v[(j, l)]).sum();
+                    direct += (delta[i * cols + j] as f64 - approx).powi(2);
+                }
+            }
+            let direct = direct.sqrt();
+            // Equal up to the f32 accumulation of the passes: a few 1e-8 of ||D||.
+            let cert = f.certificate(rank);
+            let tolerance = 1e-6 * f.delta_norm();
+            assert!(
+                (cert.residual - direct).abs() < tolerance,
+                "{method:?} {} vs {direct}",
+                cert.residual
+            );
+            assert!((cert.singular_value_residual - direct).abs() < tolerance);
+            assert!(
+                direct > 10.0 * tolerance,
+                "the residual must be well above the tolerance"
+            );
+        }
+    }
+
+    /// Regression: a wide delta that changes only 2 of 16 rows used to divide by zero
+    /// singular values. It must keep rank 2, finite factors, and reproduce the delta.
+    #[test]
+    fn rank_deficient_wide_delta_keeps_its_rank() {
+        let (rows, cols) = (16usize, 48usize);
+        let mut delta = vec![0f32; rows * cols];
+        for j in 0..cols {
+            delta[3 * cols + j] = round_bf16(((j * 7 % 11) as f32 - 5.0) * 0.01);
+            delta[11 * cols + j] = round_bf16(((j * 5 % 13) as f32 - 6.0) * 0.02);
+        }
+        for method in [Method::Randomized, Method::Exact, Method::Auto] {
+            let f = factorize("down_proj", &delta, rows, cols, &params(16, method, 1e-6)).unwrap();
+            assert_eq!(f.kept(), 2, "{method:?}");
+            assert!(f.u.col_iter().all(|c| c.iter().all(|x| x.is_finite())));
+            assert!(f.truncation_residual(2) < 1e-6 * f.delta_norm());
+        }
+    }
+
+    #[test]
+    fn all_zero_delta_is_refused() {
+        let err = factorize(
+            "q_proj",
+            &[0.0, -0.0, 0.0, 0.0],
+            2,
+            2,
+            &FactorParams::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, ExtractError::AllZeroDelta { ref module } if module == "q_proj"));
+    }
+
+    #[test]
+    fn nan_delta_is_refused_with_its_index() {
+        let err = factorize(
+            "k_proj",
+            &[0.5, 1.0, f32::NAN, 0.0],
+            2,
+            2,
+            &FactorParams::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, ExtractError::NonFinite { index: 2, .. }),
+            "{err}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod full_width_tests {
+    use super::*;
+
+    /// A delta narrower than the rank (in_proj_a / in_proj_b) is reproduced exactly.
+    #[test]
+    fn a_delta_narrower_than_the_rank_is_reproduced() {
+        for &(rows, cols) in &[(4usize, 64usize), (64, 4), (48, 5120)] {
+            let delta: Vec<f32> = (0..rows * cols)
+                .map(|i| (((i * 7919) % 1009) as f32 - 504.0) * 1e-4)
+                .collect();
+            for method in [Method::Exact, Method::Randomized, Method::Auto] {
+                let params = FactorParams {
+                    max_rank: 256,
+                    method,
+                    floor: Some(1e-6),
+                    ..FactorParams::default()
+                };
+                let f = factorize("in_proj_a", &delta, rows, cols, &params).unwrap();
+                assert_eq!(f.kept(), rows.min(cols), "{rows}x{cols} {method:?}");
+                let relative = f.truncation_residual(f.kept()) / f.delta_norm();
+                assert!(
+                    relative < 1e-5,
+                    "{rows}x{cols} {method:?}: residual {relative}"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod rank_deficient_tests {
+    use super::*;
+
+    /// The randomized path on a tall delta confined to 2 rows: the row sample misses
+    /// them (it is all zero), the random fallback basis still finds the exact range.
+    #[test]
+    fn a_delta_confined_to_two_rows_keeps_rank_two_on_the_randomized_path() {
+        let (rows, cols) = (1200usize, 200usize);
+        let mut delta = vec![0f32; rows * cols];
+        for j in 0..cols {
+            delta[17 * cols + j] = ((j * 7 % 11) as f32 - 5.0) * 0.01;
+            delta[901 * cols + j] = ((j * 5 % 13) as f32 - 6.0) * 0.02;
+        }
+        let params = FactorParams {
+            max_rank: 32,
+            method: Method::Randomized,
+            floor: Some(1e-6),
+            ..FactorParams::default()
+        };
+        let f = factorize("down_proj", &delta, rows, cols, &params).unwrap();
+        assert_eq!(f.method_used, Method::Randomized);
+        assert_eq!(f.kept(), 2);
+        assert!(f.u.col_iter().all(|c| c.iter().all(|x| x.is_finite())));
+        assert!(f.truncation_residual(2) < 1e-3 * f.delta_norm());
+    }
+}

@@ -1,0 +1,133 @@
+//! The rounding floor of a stored tensor and the residual a perfect low-rank fit
+//! leaves against it.
+//!
+//! A merged weight stored in bf16 carries a rounding error of up to half a unit in the
+//! last place per entry; modelled as uniform, its energy is
+//! $F^2 = \sum_{ij} \mathrm{ulp}(m_{ij})^2 / 12$. No factorization of the delta can be
+//! expected to do better than this noise allows, so every residual is reported over $F$.
+
+use rayon::prelude::*;
+
+/// The floating-point format whose rounding floor is measured: the merged tensor's dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloorFormat {
+    /// bfloat16: 8 significand bits (7 stored), smallest normal $2^{-126}$.
+    Bf16,
+    /// IEEE half: 11 significand bits (10 stored), smallest normal $2^{-14}$.
+    F16,
+    /// IEEE single: 24 significand bits (23 stored), smallest normal $2^{-126}$.
+    F32,
+}
+
+impl FloorFormat {
+    /// Number of stored significand bits.
+    fn mantissa_bits(self) -> i32 {
+        match self {
+            FloorFormat::Bf16 => 7,
+            FloorFormat::F16 => 10,
+            FloorFormat::F32 => 23,
+        }
+    }
+
+    /// Exponent of the smallest normal number.
+    fn min_normal_exponent(self) -> i32 {
+        match self {
+            FloorFormat::Bf16 | FloorFormat::F32 => -126,
+            FloorFormat::F16 => -14,
+        }
+    }
+
+    /// Unit in the last place of a value `x` that is representable in this format:
+    /// $2^{\lfloor \log_2 |x| \rfloor - p}$ for normals, $2^{e_{min} - p}$ for subnormals
+    /// and zero (bf16: $2^{-133}$).
+    pub fn ulp(self, x: f32) -> f64 {
+        let p = self.mantissa_bits();
+        let e_min = self.min_normal_exponent();
+        let a = x.abs();
+        let exponent = if a == 0.0 || !a.is_finite() {
+            e_min
+        } else {
+            // The exact binary exponent of an f32 value, subnormals included.
+            let e = exact_log2_floor(a);
+            e.max(e_min)
+        };
+        (2.0f64).powi(exponent - p)
+    }
+}
+
+/// $\lfloor \log_2 a \rfloor$ for a positive finite f32, exact (read from the bits).
+fn exact_log2_floor(a: f32) -> i32 {
+    let bits = a.to_bits();
+    let biased = ((bits >> 23) & 0xff) as i32;
+    if biased == 0 {
+        // f32 subnormal: value = mantissa * 2^-149.
+        let mantissa = bits & 0x7f_ffff;
+        let highest = 31 - mantissa.leading_zeros() as i32;
+        highest - 149
+    } else {
+        biased - 127
+    }
+}
+
+/// The rounding floor $F = \sqrt{\sum \mathrm{ulp}(m_{ij})^2 / 12}$ of a tensor whose
+/// values (already widened to f32) are stored in `format`. Summed in f64.
+pub fn rounding_floor(values: &[f32], format: FloorFormat) -> f64 {
+    let sum: f64 = values
+        .par_chunks(1 << 16)
+        .map(|chunk| {
+            chunk
+                .iter()
+                .map(|&v| {
+                    let u = format.ulp(v);
+                    u * u
+                })
+                .sum::<f64>()
+        })
+        .sum();
+    (sum / 12.0).sqrt()
+}
+
+/// The residual over the floor that a rank-`rank` truncated SVD of an `rows x cols`
+/// delta leaves when the delta is (rank <= `rank`) + independent rounding noise:
+/// $\sqrt{1 - r(m+n-r)/(mn)}$. The fit absorbs the noise in the $r(m+n-r)$ dimensions of
+/// the rank-r manifold's tangent space; zero at full rank.
+pub fn expected_floor_ratio(rows: usize, cols: usize, rank: usize) -> f64 {
+    let (m, n) = (rows as f64, cols as f64);
+    let r = rank.min(rows).min(cols) as f64;
+    if m == 0.0 || n == 0.0 {
+        return 0.0;
+    }
+    (1.0 - r * (m + n - r) / (m * n)).max(0.0).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_ulp_of_normals_subnormals_and_zero() {
+        assert_eq!(FloorFormat::Bf16.ulp(1.0), 2f64.powi(-7));
+        assert_eq!(FloorFormat::Bf16.ulp(1.99), 2f64.powi(-7));
+        assert_eq!(FloorFormat::Bf16.ulp(-2.0), 2f64.powi(-6));
+        assert_eq!(FloorFormat::Bf16.ulp(0.0), 2f64.powi(-133));
+        assert_eq!(FloorFormat::Bf16.ulp(1e-39), 2f64.powi(-133));
+        assert_eq!(FloorFormat::Bf16.ulp(2f32.powi(-126)), 2f64.powi(-133));
+        assert_eq!(FloorFormat::F16.ulp(1.0), 2f64.powi(-10));
+        assert_eq!(FloorFormat::F16.ulp(1e-6), 2f64.powi(-24));
+        assert_eq!(FloorFormat::F32.ulp(3.0), 2f64.powi(-22));
+    }
+
+    #[test]
+    fn floor_of_a_constant_tensor() {
+        let values = vec![1.5f32; 1200];
+        let expected = (1200.0 * 2f64.powi(-14) / 12.0).sqrt();
+        assert!((rounding_floor(&values, FloorFormat::Bf16) - expected).abs() < 1e-15);
+    }
+
+    #[test]
+    fn expected_ratio_is_zero_at_full_rank_and_near_one_for_tiny_rank() {
+        assert_eq!(expected_floor_ratio(48, 16, 16), 0.0);
+        let ratio = expected_floor_ratio(17408, 5120, 256);
+        assert!(ratio > 0.95 && ratio < 0.97, "{ratio}");
+    }
+}

@@ -1,0 +1,22 @@
+//! Extraction of LoRA adapters from merged weights: the delta between a merged
+//! fine-tune and its base, factored at the bf16 rounding floor into LoRA pairs, with a
+//! certificate per module, and the checks that refuse what is not an adapter.
+//!
+//! - [`scan`]: byte-for-byte comparison of every tensor, refusals by name.
+//! - [`floor`]: the bf16 rounding floor and the residual a perfect fit leaves.
+//! - [`factor`]: the top-r factorization (randomized with a certificate, or exact).
+//! - [`split`]: balanced / orthonormal-A split, bf16 cast, cast error.
+//! - [`extract`]: the whole `loraq extract`, written atomically.
+//! - [`verify`] / [`check`]: an adapter against base + merge, and two adapters against
+//!   each other.
+
+pub mod check;
+pub mod error;
+pub mod extract;
+pub mod factor;
+pub mod floor;
+pub mod scan;
+pub mod split;
+pub mod verify;
+
+pub use error::{ExtractError, Refusal, Result};

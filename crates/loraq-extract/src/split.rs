@@ -1,0 +1,214 @@
+//! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
+//! cast (round to nearest even) with finite checks, and the error the cast adds.
+
+use crate::error::{ExtractError, Result};
+use crate::factor::Factorization;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatRef, Par};
+use half::bf16;
+use rayon::prelude::*;
+
+/// How the singular values are shared between B and A.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// $B = U\sqrt{S}$, $A = \sqrt{S}V^\top$: both factors of the same scale, which
+    /// minimises the bf16 cast error.
+    Balanced,
+    /// $B = US$, $A = V^\top$ (orthonormal rows).
+    OrthonormalA,
+}
+
+impl Split {
+    /// The command-line spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Split::Balanced => "balanced",
+            Split::OrthonormalA => "orthonormal-a",
+        }
+    }
+}
+
+/// The bf16 factors of one module.
+#[derive(Debug, Clone)]
+pub struct CastFactors {
+    /// Rank.
+    pub rank: usize,
+    /// lora_B, `[out, rank]` row-major, little-endian bf16 bytes.
+    pub b_bf16: Vec<u8>,
+    /// lora_A, `[rank, in]` row-major, little-endian bf16 bytes.
+    pub a_bf16: Vec<u8>,
+    /// $\|B_{bf16} A_{bf16} - BA\|_F$: what the cast adds to the truncation residual.
+    pub cast_error: f64,
+}
+
+/// Rounds f32 values to bf16 bytes (nearest even); refuses a value that is not finite
+/// after the cast (a finite f32 above bf16's range rounds to infinity).
+fn to_bf16(module: &str, what: &'static str, values: &[f32]) -> Result<(Vec<u8>, Vec<f32>)> {
+    let rounded: Vec<bf16> = values.par_iter().map(|&x| bf16::from_f32(x)).collect();
+    if let Some(index) = rounded.par_iter().position_first(|x| !x.is_finite()) {
+        return Err(ExtractError::NonFinite {
+            module: module.to_string(),
+            what,
+            index,
+        });
+    }
+    let bytes = rounded
+        .iter()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+        .collect();
+    let widened = rounded.iter().map(|x| x.to_f32()).collect();
+    Ok((bytes, widened))
+}
+
+/// The f32 factors of the rank-`k` truncation: B `[rows, k]` and A `[k, cols]`, row-major.
+pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<f32>) {
+    let k = k.min(f.kept());
+    let (wb, wa): (Vec<f64>, Vec<f64>) = f.s[..k]
+        .iter()
+        .map(|&s| match split {
+            Split::Balanced => (s.sqrt(), s.sqrt()),
+            Split::OrthonormalA => (s, 1.0),
+        })
+        .unzip();
+    let mut b = vec![0f32; f.rows * k];
+    b.par_chunks_mut(k.max(1)).enumerate().for_each(|(i, row)| {
+        for (l, x) in row.iter_mut().enumerate() {
+            *x = (f.u[(i, l)] * wb[l]) as f32;
+        }
+    });
+    let mut a = vec![0f32; k * f.cols];
+    a.par_chunks_mut(f.cols).enumerate().for_each(|(l, row)| {
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = (wa[l] * f.v[(j, l)]) as f32;
+        }
+    });
+    (b, a)
+}
+
+/// Splits, casts to bf16 and measures the cast error exactly, without touching the delta:
+/// with $E_B = B_{bf16} - B$ and $E_A = A_{bf16} - A$ (both exact in f32),
+/// $B_{bf16}A_{bf16} - BA = [E_B\ B]\,[A_{bf16};\ E_A]$ and its squared norm is
+/// $\langle P^\top P, Q Q^\top\rangle$ for $P = [E_B\ B]$, $Q = [A_{bf16}; E_A]$.
+pub fn split_and_cast(
+    module: &str,
+    f: &Factorization,
+    k: usize,
+    split: Split,
+    par: Par,
+) -> Result<CastFactors> {
+    let k = k.min(f.kept());
+    let (b, a) = f32_factors(f, k, split);
+    let (b_bf16, b_round) = to_bf16(module, "factor B after the bf16 cast", &b)?;
+    let (a_bf16, a_round) = to_bf16(module, "factor A after the bf16 cast", &a)?;
+    let (rows, cols) = (f.rows, f.cols);
+    // P = [E_B | B]  (rows x 2k), Q = [A_bf16 ; E_A]  (2k x cols).
+    let p = Mat::<f32>::from_fn(rows, 2 * k, |i, l| {
+        if l < k {
+            b_round[i * k + l] - b[i * k + l]
+        } else {
+            b[i * k + l - k]
+        }
+    });
+    let q = Mat::<f32>::from_fn(2 * k, cols, |l, j| {
+        if l < k {
+            a_round[l * cols + j]
+        } else {
+            a_round[(l - k) * cols + j] - a[(l - k) * cols + j]
+        }
+    });
+    let ptp = gram(p.as_ref().transpose(), par);
+    let qqt = gram(q.as_ref(), par);
+    let mut cast_sq = 0f64;
+    for i in 0..2 * k {
+        for j in 0..2 * k {
+            cast_sq += ptp[(i, j)] as f64 * qqt[(i, j)] as f64;
+        }
+    }
+    Ok(CastFactors {
+        rank: k,
+        b_bf16,
+        a_bf16,
+        cast_error: cast_sq.max(0.0).sqrt(),
+    })
+}
+
+/// $M M^\top$ in f32 for a wide `m`.
+fn gram(m: MatRef<'_, f32>, par: Par) -> Mat<f32> {
+    let mut g = Mat::<f32>::zeros(m.nrows(), m.nrows());
+    matmul(g.as_mut(), Accum::Replace, m, m.transpose(), 1.0, par);
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::factor::{FactorParams, Method, factorize};
+
+    /// The cast error from the Gram identity equals the one computed entry by entry.
+    #[test]
+    fn cast_error_matches_the_dense_difference() {
+        let (rows, cols) = (40usize, 24usize);
+        let delta: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3 + ((i / cols) as f32) * 1e-4)
+            .collect();
+        let params = FactorParams {
+            max_rank: 6,
+            method: Method::Exact,
+            ..FactorParams::default()
+        };
+        let f = factorize("m", &delta, rows, cols, &params).unwrap();
+        for split in [Split::Balanced, Split::OrthonormalA] {
+            let cast = split_and_cast("m", &f, 6, split, Par::Seq).unwrap();
+            let (b, a) = f32_factors(&f, 6, split);
+            let widen = |bytes: &[u8]| -> Vec<f64> {
+                bytes
+                    .chunks(2)
+                    .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f64())
+                    .collect()
+            };
+            let (bb, ab) = (widen(&cast.b_bf16), widen(&cast.a_bf16));
+            let mut direct = 0f64;
+            for i in 0..rows {
+                for j in 0..cols {
+                    let exact: f64 = (0..6)
+                        .map(|l| b[i * 6 + l] as f64 * a[l * cols + j] as f64)
+                        .sum();
+                    let rounded: f64 = (0..6).map(|l| bb[i * 6 + l] * ab[l * cols + j]).sum();
+                    direct += (rounded - exact).powi(2);
+                }
+            }
+            let direct = direct.sqrt();
+            assert!(
+                (cast.cast_error / direct - 1.0).abs() < 1e-3,
+                "{split:?}: {} vs {direct}",
+                cast.cast_error
+            );
+        }
+    }
+
+    #[test]
+    fn a_factor_beyond_bf16_range_is_refused() {
+        let delta = vec![1e30f32, 0.0, 0.0, 1e30];
+        let params = FactorParams {
+            max_rank: 2,
+            method: Method::Exact,
+            ..FactorParams::default()
+        };
+        let f = factorize("o_proj", &delta, 2, 2, &params).unwrap();
+        // sqrt(1e30) = 1e15 fits bf16; with orthonormal-a, B = U S carries 1e30 (fits too,
+        // bf16 max is 3.4e38), so scale the singular values to overflow.
+        let mut big = f.clone();
+        big.s.iter_mut().for_each(|s| *s *= 1e9);
+        let err = split_and_cast("o_proj", &big, 2, Split::OrthonormalA, Par::Seq).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ExtractError::NonFinite {
+                    what: "factor B after the bf16 cast",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Reference timings for loraq's factorization bench, on the same matrix.
+
+`cargo bench -p loraq-extract --bench factorize` writes the 17408x5120 rank-256 delta
+(raw little-endian f32, row-major) and a JSON summary of loraq's run to $LORAQ_BENCH_DIR
+(default: the temp dir). This script loads that matrix and times, in this process:
+
+  * torch.svd_lowrank(D, q=272, niter=2)   (the goal: loraq at most 0.5x its time)
+  * torch.linalg.svd(D, full_matrices=False) (f32, exact truncated SVD)
+  * the f64 Gram eigendecomposition of the smaller side (D^T D, 5120x5120)
+
+and for each the rank-256 truncation residual over the bf16 rounding floor, then prints
+the ratios against loraq's figures. Run both on the same machine, one after the other.
+
+Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6.
+Usage: python scripts/bench_svd_reference.py [--dir DIR] [--rows 17408] [--cols 5120] [--skip-full]
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+RANK = 256
+
+
+def residual(d: torch.Tensor, u: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> float:
+    """||D - U_r S_r V_r^T||_F in f64, by blocks of rows."""
+    total = 0.0
+    u, s, v = u[:, :RANK].double(), s[:RANK].double(), v[:, :RANK].double()
+    for start in range(0, d.shape[0], 2048):
+        block = d[start:start + 2048].double()
+        approx = (u[start:start + 2048] * s) @ v.T
+        total += float(((block - approx) ** 2).sum())
+    return total ** 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default=os.environ.get("LORAQ_BENCH_DIR", tempfile.gettempdir()))
+    parser.add_argument("--rows", type=int, default=17408)
+    parser.add_argument("--cols", type=int, default=5120)
+    parser.add_argument("--skip-full", action="store_true", help="skip torch.linalg.svd and the Gram method")
+    args = parser.parse_args()
+    stem = os.path.join(args.dir, f"delta_{args.rows}x{args.cols}")
+    summary = json.load(open(stem + ".json"))
+    d = torch.from_numpy(np.fromfile(stem + ".f32", dtype="<f4").reshape(args.rows, args.cols))
+    floor = summary["floor"]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; delta {args.rows}x{args.cols}, "
+          f"||D|| {summary['delta_norm']:.4e}, floor {floor:.4e}")
+
+    results = {}
+    torch.manual_seed(0)
+    torch.svd_lowrank(d[:1024], q=RANK + 16, niter=2)  # warm-up
+    t = time.perf_counter()
+    u, s, v = torch.svd_lowrank(d, q=RANK + 16, niter=2)
+    results["torch.svd_lowrank(q=272, niter=2)"] = (time.perf_counter() - t, residual(d, u, s, v))
+
+    if not args.skip_full:
+        t = time.perf_counter()
+        u, s, vh = torch.linalg.svd(d, full_matrices=False)
+        results["torch.linalg.svd (f32)"] = (time.perf_counter() - t, residual(d, u, s, vh.T))
+
+        t = time.perf_counter()
+        dd = d.double()
+        gram = dd.T @ dd
+        evals, evecs = torch.linalg.eigh(gram)
+        v = evecs[:, -RANK:].flip(1)
+        s = evals[-RANK:].flip(0).clamp(min=0).sqrt()
+        u = (dd @ v) / s
+        results["f64 Gram eigh"] = (time.perf_counter() - t, residual(d, u.float(), s.float(), v.float()))
+
+    ours_s = summary["randomized_seconds"]
+    ours_res = summary["randomized_residual"]
+    print(f"{'method':<36} {'seconds':>9} {'residual/floor':>15} {'loraq time ratio':>17} {'loraq residual ratio':>21}")
+    print(f"{'loraq randomized':<36} {ours_s:>9.3f} {ours_res / floor:>15.5f} {'1':>17} {'1':>21}")
+    for name, (secs, res) in results.items():
+        print(f"{name:<36} {secs:>9.3f} {res / floor:>15.5f} {ours_s / secs:>17.3f} {ours_res / res:>21.6f}")
+
+
+if __name__ == "__main__":
+    main()
