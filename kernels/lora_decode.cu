@@ -14,7 +14,9 @@
 // and the wait cannot deadlock.
 #include "loraq_common.cuh"
 
-#define WARPS_PER_BLOCK 8
+// Warps per block are chosen by the host (2, 4 or 8) to spread the rows evenly over
+// the SMs; every index below derives from blockDim.
+#define WARPS_PER_BLOCK ((int)(blockDim.x >> 5))
 
 template <int NB>
 struct RowsPerWarp {

@@ -28,7 +28,6 @@ pub const CUBIN_DIR_ENV: &str = "LORAQ_CUBIN_DIR";
 pub const DECODE_MAX_BATCH: usize = 16;
 /// Token counts the decode kernels are instantiated for (`lora_decode.cu`).
 const DECODE_BATCHES: [usize; 3] = [1, 4, 16];
-const WARPS_PER_BLOCK: usize = 8;
 const TC_TILE: usize = 64;
 
 fn driver_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
@@ -76,9 +75,32 @@ pub struct CudaBackend {
     prefill: Arc<CudaModule>,
     arch: String,
     name: String,
+    sm_count: usize,
 }
 
 impl CudaBackend {
+    /// Warps per block (8, 4 or 2) for a decode launch over `warp_tasks` warps of rows:
+    /// all blocks are resident at once, so the slowest SM sets the time; pick the size
+    /// whose block count divides most evenly over the SMs (ties: larger blocks).
+    fn decode_warps_per_block(&self, warp_tasks: usize) -> usize {
+        let sms = self.sm_count.max(1);
+        let balance = |warps: usize| {
+            let blocks = warp_tasks.div_ceil(warps);
+            blocks as f64 / (sms * blocks.div_ceil(sms)) as f64
+        };
+        [8, 4, 2]
+            .into_iter()
+            .fold((8, -1.0), |(best, best_balance), w| {
+                let b = balance(w);
+                if b > best_balance + 0.02 {
+                    (w, b)
+                } else {
+                    (best, best_balance)
+                }
+            })
+            .0
+    }
+
     /// Opens device `ordinal` and compiles the kernels for it with NVRTC.
     pub fn new(ordinal: usize, nvrtc: &Nvrtc) -> Result<Self> {
         Self::with_images(ordinal, |kernel, arch| {
@@ -121,6 +143,11 @@ impl CudaBackend {
             .map_err(driver_err("querying the compute capability"))?;
         let name = ctx.name().map_err(driver_err("querying the device name"))?;
         let arch = arch_for(major, minor);
+        let sm_count = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(driver_err("querying the SM count"))? as usize;
         let mut modules = Vec::new();
         for kernel in KERNELS {
             let cubin = image(kernel, &arch)?;
@@ -141,6 +168,7 @@ impl CudaBackend {
             stream,
             arch,
             name,
+            sm_count,
         })
     }
 
@@ -386,7 +414,9 @@ impl GpuLinear {
             .find(|&b| b >= batch)
             .unwrap_or(DECODE_MAX_BATCH);
         let rows_per_warp = if nb <= 4 { 4 } else { 2 };
-        let rows_per_block = WARPS_PER_BLOCK * rows_per_warp;
+        let warps = backend.decode_warps_per_block(self.n.div_ceil(rows_per_warp));
+        let rows_per_block = warps * rows_per_warp;
+        let threads = (warps * 32) as u32;
         let (batch_i, n_i, k_i) = (
             as_i32(batch, "batch")?,
             as_i32(self.n, "out_dim")?,
@@ -430,7 +460,7 @@ impl GpuLinear {
                     .arg(y);
                 // SAFETY: argument list matches `{format}_fused_b{NB}` in lora_decode.cu;
                 // buffers are sized as checked above.
-                unsafe { builder.launch(grid_1d(shrink_blocks + base_blocks, 256)) }
+                unsafe { builder.launch(grid_1d(shrink_blocks + base_blocks, threads)) }
                     .map_err(&launch)?;
             }
             (GpuMode::Unfused, lora) => {
@@ -446,7 +476,7 @@ impl GpuLinear {
                     .arg(&self.global)
                     .arg(&mut *y);
                 // SAFETY: matches `{format}_base_b{NB}`.
-                unsafe { builder.launch(grid_1d(base_blocks, 256)) }.map_err(&launch)?;
+                unsafe { builder.launch(grid_1d(base_blocks, threads)) }.map_err(&launch)?;
                 if let Some(l) = lora {
                     let rank_i = as_i32(l.rank, "rank")?;
                     let shrink = backend.decode_fn(&format!("lora_shrink_b{nb}"))?;
@@ -460,7 +490,7 @@ impl GpuLinear {
                         .arg(&l.scale)
                         .arg(&mut self.t);
                     // SAFETY: matches `lora_shrink_b{NB}`.
-                    unsafe { builder.launch(grid_1d(l.rank.div_ceil(rows_per_block), 256)) }
+                    unsafe { builder.launch(grid_1d(l.rank.div_ceil(rows_per_block), threads)) }
                         .map_err(&launch)?;
                     let expand = backend.decode_fn(&format!("lora_expand_b{nb}"))?;
                     let mut builder = stream.launch_builder(&expand);
@@ -472,7 +502,7 @@ impl GpuLinear {
                         .arg(&rank_i)
                         .arg(y);
                     // SAFETY: matches `lora_expand_b{NB}`.
-                    unsafe { builder.launch(grid_1d(base_blocks, 256)) }.map_err(&launch)?;
+                    unsafe { builder.launch(grid_1d(base_blocks, threads)) }.map_err(&launch)?;
                 }
             }
         }
