@@ -65,6 +65,15 @@ pub enum ExtractError {
         /// The directory searched.
         dir: std::path::PathBuf,
     },
+    /// Reading a checkpoint file failed.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// Writing an output file failed.
     #[error("{path}: {source}")]
     Write {

@@ -4,6 +4,7 @@
 use crate::error::{ExtractError, Result};
 use crate::factor::{FactorParams, Factorization, Method, factorize};
 use crate::floor::{FloorFormat, expected_floor_ratio};
+use crate::read::ShardFiles;
 use crate::scan::{Projection, ScanReport, scan};
 use crate::split::{Split, split_and_cast};
 use faer::Par;
@@ -266,22 +267,36 @@ pub fn delta_and_floor(
     let info = merged.info(tensor)?;
     let dtype = info.dtype;
     let width = dtype.size_bytes();
-    let (mb, bb) = (merged.bytes(tensor)?, base.bytes(tensor)?);
+    let base_info = base.info(tensor)?;
+    if base_info.dtype != dtype || base_info.shape != info.shape {
+        return Err(ExtractError::BadShape {
+            module: tensor.to_string(),
+            what: format!(
+                "base is {} {:?}, merged {} {:?}",
+                base_info.dtype.as_str(),
+                base_info.shape,
+                dtype.as_str(),
+                info.shape
+            ),
+        });
+    }
+    let (merged_files, base_files) = (ShardFiles::open(merged)?, ShardFiles::open(base)?);
     let format = floor_format(dtype);
-    const CHUNK: usize = 1 << 15;
+    const CHUNK: usize = 1 << 16;
     let mut delta = vec![0f32; info.element_count()];
-    let (bad_merged, bad_base, floor_sq) = delta
+    let partials = delta
         .par_chunks_mut(CHUNK)
-        .zip(
-            mb.par_chunks(CHUNK * width)
-                .zip(bb.par_chunks(CHUNK * width)),
-        )
         .enumerate()
-        .map(|(c, (d, (m_bytes, b_bytes)))| {
+        .map(|(c, d)| {
+            let offset = c * CHUNK * width;
+            let mut m_bytes = vec![0u8; d.len() * width];
+            let mut b_bytes = vec![0u8; d.len() * width];
+            merged_files.read(info, offset, &mut m_bytes)?;
+            base_files.read(base_info, offset, &mut b_bytes)?;
             let mut m = vec![0f32; d.len()];
             let mut b = vec![0f32; d.len()];
-            loraq_io::convert::decode_to_f32(dtype, m_bytes, &mut m);
-            loraq_io::convert::decode_to_f32(dtype, b_bytes, &mut b);
+            loraq_io::convert::decode_to_f32(dtype, &m_bytes, &mut m);
+            loraq_io::convert::decode_to_f32(dtype, &b_bytes, &mut b);
             let bad_m = m.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
             let bad_b = b.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
             let mut sq = 0f64;
@@ -290,12 +305,12 @@ pub fn delta_and_floor(
                 let u = format.ulp(m);
                 sq += u * u;
             }
-            (bad_m, bad_b, sq)
+            Ok((bad_m, bad_b, sq))
         })
-        .reduce(
-            || (None, None, 0.0),
-            |x, y| (min_index(x.0, y.0), min_index(x.1, y.1), x.2 + y.2),
-        );
+        .collect::<Result<Vec<_>>>()?;
+    let (bad_merged, bad_base, floor_sq) = partials.into_iter().fold((None, None, 0.0), |x, y| {
+        (min_index(x.0, y.0), min_index(x.1, y.1), x.2 + y.2)
+    });
     if let Some(index) = bad_merged {
         return Err(ExtractError::NonFinite {
             module: tensor.to_string(),

@@ -15,6 +15,7 @@ pub mod error;
 pub mod extract;
 pub mod factor;
 pub mod floor;
+pub mod read;
 pub mod scan;
 pub mod split;
 pub mod verify;

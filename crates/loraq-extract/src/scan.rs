@@ -1,6 +1,7 @@
 //! The diff scan: every tensor of the merge compared with the base's, in full.
 
 use crate::error::{ExtractError, Refusal, Result};
+use crate::read::ShardFiles;
 use loraq_io::{Checkpoint, DType, ModuleName, TensorInfo};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -31,13 +32,29 @@ pub struct ScanReport {
     pub refusals: Vec<Refusal>,
 }
 
-/// Whether two byte slices are equal, compared in parallel blocks.
-fn bytes_equal(a: &[u8], b: &[u8]) -> bool {
-    const BLOCK: usize = 1 << 20;
-    a.len() == b.len()
-        && a.par_chunks(BLOCK)
-            .zip(b.par_chunks(BLOCK))
-            .all(|(x, y)| x == y)
+/// Whether two tensors' bytes are equal, read and compared in parallel blocks.
+fn bytes_equal(
+    merged: &ShardFiles,
+    m: &TensorInfo,
+    base: &ShardFiles,
+    b: &TensorInfo,
+) -> Result<bool> {
+    const BLOCK: usize = 4 << 20;
+    let len = m.byte_len();
+    if len != b.byte_len() {
+        return Ok(false);
+    }
+    let blocks: Vec<usize> = (0..len).step_by(BLOCK).collect();
+    let differs = blocks.par_iter().map(|&start| {
+        let n = BLOCK.min(len - start);
+        let mut x = vec![0u8; n];
+        let mut y = vec![0u8; n];
+        merged.read(m, start, &mut x)?;
+        base.read(b, start, &mut y)?;
+        Ok(x != y)
+    });
+    let any: Result<bool> = differs.try_reduce(|| false, |a, b| Ok(a || b));
+    Ok(!any?)
 }
 
 enum Verdict {
@@ -47,8 +64,8 @@ enum Verdict {
 }
 
 fn compare(
-    merged: &Checkpoint,
-    base: &Checkpoint,
+    merged: &ShardFiles,
+    base: &ShardFiles,
     m: &TensorInfo,
     b: &TensorInfo,
 ) -> Result<Verdict> {
@@ -71,7 +88,7 @@ fn compare(
             b.shape, m.shape
         ));
     }
-    if bytes_equal(merged.bytes(&m.name)?, base.bytes(&b.name)?) {
+    if bytes_equal(merged, m, base, b)? {
         return Ok(Verdict::Identical);
     }
     let parsed = ModuleName::parse(&m.name);
@@ -103,11 +120,13 @@ fn compare(
 /// Compares every tensor of `merged` with `base`, byte for byte (no sampling), tensors
 /// in parallel and each large tensor in parallel blocks.
 pub fn scan(merged: &Checkpoint, base: &Checkpoint) -> Result<ScanReport> {
+    let merged_files = ShardFiles::open(merged)?;
+    let base_files = ShardFiles::open(base)?;
     let merged_tensors: Vec<&TensorInfo> = merged.tensors().collect();
     let verdicts: Vec<Verdict> = merged_tensors
         .par_iter()
         .map(|m| match base.get(&m.name) {
-            Some(b) => compare(merged, base, m, b),
+            Some(b) => compare(&merged_files, &base_files, m, b),
             None => Ok(Verdict::Refused(Refusal {
                 tensor: m.name.clone(),
                 reason: "only in the merge (an adapter cannot add tensors)".into(),
