@@ -4,8 +4,8 @@
 use crate::progress;
 use anyhow::{Context, Result, bail};
 use loraq_model::{
-    ActQuantScheme, LoadOptions, Model, ScoreOptions, read_records, score_records_with_hidden,
-    write_answers, write_hidden,
+    ActQuantScheme, LinearBackend, LoadOptions, Model, ScoreOptions, read_records,
+    score_records_with_hidden, write_answers, write_hidden,
 };
 use std::path::PathBuf;
 use std::time::Instant;
@@ -25,6 +25,10 @@ pub struct Args {
     /// (needs each module's input_scale).
     #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4"])]
     act_quant: String,
+    /// Linear implementation: dense (weights decoded to f32, candle matmul) or kernels
+    /// (loraq-kernels' fused CPU linear on bf16 / fp8-block128 / NVFP4 weights).
+    #[arg(long, default_value = "dense", value_parser = ["dense", "kernels"])]
+    backend: String,
     /// Records (JSON Lines: id, group?, tokens, options, option_tokens, gold?).
     #[arg(long)]
     records: PathBuf,
@@ -59,6 +63,8 @@ pub fn run(args: Args) -> Result<()> {
         args.adapter.as_deref(),
         &LoadOptions {
             act_quant,
+            backend: LinearBackend::parse(&args.backend)
+                .with_context(|| format!("--backend {:?}", args.backend))?,
             ..LoadOptions::default()
         },
     )

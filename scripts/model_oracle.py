@@ -15,6 +15,11 @@ Writes under tests/data/model/ (run from the repository root):
                   bf16-representable weights.
 
 Versions: scripts/requirements-model.txt. Deterministic (fixed seeds, 1 thread).
+
+Speed reference: `python scripts/model_oracle.py bench --model DIR --records FILE
+--threads N` runs the same records through transformers (float32, eager, one record
+at a time as `loraq run` does) and prints prefill tokens/s, to set beside the figure
+`loraq run --threads N` prints on stderr.
 """
 
 import copy
@@ -219,5 +224,49 @@ def main():
     save(model, "qwen3")
 
 
+def bench(argv):
+    import argparse
+    import time
+
+    from safetensors.torch import load_file
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--records", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    raw = json.load(open(os.path.join(args.model, "config.json")))
+    text = dict(raw.get("text_config", raw))
+    for key in ["model_type", "dtype", "torch_dtype", "full_attention_interval"]:
+        text.pop(key, None)
+    config = Qwen3_5TextConfig(**text)
+    config._attn_implementation = "eager"
+    model = Qwen3_5ForCausalLM(config).eval()
+    state = {}
+    for name in sorted(os.listdir(args.model)):
+        if name.endswith(".safetensors"):
+            for k, v in load_file(os.path.join(args.model, name)).items():
+                if not k.startswith("mtp."):
+                    state[k.replace("model.language_model.", "model.")] = v.to(torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("inv_freq" in m for m in missing), (missing, unexpected)
+    recs = [json.loads(line) for line in open(args.records) if line.strip()]
+    tokens = sum(len(r["tokens"]) for r in recs)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([recs[0]["tokens"]]))  # warm-up
+        start = time.perf_counter()
+        for r in recs:
+            model(input_ids=torch.tensor([r["tokens"]]), use_cache=False)
+        seconds = time.perf_counter() - start
+    print(f"transformers: {len(recs)} records ({tokens} prompt tokens) in {seconds:.2f} s "
+          f"({tokens / seconds:.0f} tokens/s, {args.threads} threads)")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["bench"]:
+        bench(sys.argv[2:])
+    else:
+        main()

@@ -16,6 +16,14 @@ pub enum ModelError {
         /// The loraq-quant error.
         source: loraq_quant::QuantError,
     },
+    /// A loraq-kernels linear refused its inputs.
+    #[error("{module}")]
+    Kernel {
+        /// The module.
+        module: String,
+        /// The loraq-kernels error.
+        source: loraq_kernels::KernelError,
+    },
     /// A tensor operation failed (shape mismatch, device error).
     #[error("tensor operation in {context}")]
     Tensor {

@@ -24,8 +24,10 @@ pub mod records;
 
 pub use config::{Family, TextConfig};
 pub use error::{ModelError, Result};
-pub use linear::{ActQuant, ActQuantScheme, DenseLinear, LinearLayer, LoraFactorsF32};
-pub use model::{LoadOptions, Model};
+pub use linear::{
+    ActQuant, ActQuantScheme, DenseLinear, KernelLinear, LinearLayer, LoraFactorsF32,
+};
+pub use model::{LinearBackend, LoadOptions, Model};
 pub use records::{
     HiddenStates, OptionAnswer, Record, ScoreOptions, read_records, score_records,
     score_records_with_hidden, write_answers, write_hidden,

@@ -211,3 +211,49 @@ mod tests {
         assert_eq!((lin.in_features(), lin.out_features()), (2, 2));
     }
 }
+
+/// A linear computed by loraq-kernels' fused "quantized base + LoRA" CPU path: the
+/// base stays in its stored format (bf16, fp8-block128, NVFP4) and is decoded in
+/// registers; the adapter's bf16 factors are applied unmerged.
+#[derive(Debug, Clone)]
+pub struct KernelLinear {
+    /// The module path, for error messages.
+    pub name: String,
+    inner: loraq_kernels::QuantLoraLinear,
+}
+
+impl KernelLinear {
+    /// Wraps a kernels linear.
+    pub fn new(name: String, inner: loraq_kernels::QuantLoraLinear) -> KernelLinear {
+        KernelLinear { name, inner }
+    }
+}
+
+impl LinearLayer for KernelLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let ctx = self.name.as_str();
+        let (tokens, _) = x.dims2().ctx(ctx)?;
+        let input: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
+        let mut out = vec![0f32; tokens * self.inner.out_dim()];
+        self.inner
+            .forward(
+                &input,
+                tokens,
+                &mut out,
+                loraq_kernels::CpuOptions::default(),
+            )
+            .map_err(|source| ModelError::Kernel {
+                module: self.name.clone(),
+                source,
+            })?;
+        Tensor::from_vec(out, (tokens, self.inner.out_dim()), x.device()).ctx(ctx)
+    }
+
+    fn in_features(&self) -> usize {
+        self.inner.in_dim()
+    }
+
+    fn out_features(&self) -> usize {
+        self.inner.out_dim()
+    }
+}

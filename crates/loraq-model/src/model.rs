@@ -3,11 +3,13 @@
 
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
-use crate::linear::{ActQuant, ActQuantScheme, DenseLinear, LinearLayer, LoraFactorsF32};
+use crate::linear::{
+    ActQuant, ActQuantScheme, DenseLinear, KernelLinear, LinearLayer, LoraFactorsF32,
+};
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{D, DType, Device, Tensor};
 use loraq_io::{Checkpoint, LayerType, LoraAdapter};
-use loraq_quant::QuantizedBase;
+use loraq_quant::{Fp8Granularity, QuantizedBase, StoredWeight};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -85,6 +87,7 @@ struct Loader<'a> {
     base: &'a QuantizedBase,
     checkpoint: &'a Checkpoint,
     act_quant: ActQuantScheme,
+    backend: LinearBackend,
     adapter: Option<(&'a LoraAdapter, &'a Path)>,
     used_adapter_modules: BTreeSet<String>,
     device: &'a Device,
@@ -150,10 +153,6 @@ impl Loader<'_> {
                 expected: vec![out, inp],
             });
         }
-        // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
-        // on the decoded values, which is what a dequantizing kernel computes.
-        let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
-        let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
         let act_quant = match self.act_quant {
             ActQuantScheme::None => ActQuant::None,
             ActQuantScheme::Fp8PerToken => ActQuant::Fp8PerToken,
@@ -173,6 +172,16 @@ impl Loader<'_> {
                 }
             }
         };
+        if self.backend == LinearBackend::Kernels
+            && let Some(linear) =
+                self.kernel_linear(module_path, &stored.stored, out, inp, act_quant)?
+        {
+            return Ok(linear);
+        }
+        // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
+        // on the decoded values, which is what a dequantizing kernel computes.
+        let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
+        let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
         let lora = match self.adapter {
             Some((adapter, dir)) => match adapter.module(module_path) {
                 Some(info) => {
@@ -214,6 +223,111 @@ impl Loader<'_> {
     }
 }
 
+impl Loader<'_> {
+    /// A loraq-kernels linear for the stored formats its CPU path runs natively
+    /// (bf16, fp8-block128, NVFP4 ModelOpt) with bf16 adapter factors; `None` for
+    /// anything else, which then runs as a dense f32 linear.
+    fn kernel_linear(
+        &mut self,
+        module_path: &str,
+        stored: &StoredWeight,
+        out: usize,
+        inp: usize,
+        act_quant: ActQuant,
+    ) -> Result<Option<Linear>> {
+        use half::bf16;
+        use loraq_kernels as k;
+        let weight_name = format!("{module_path}.weight");
+        let ckpt = self.checkpoint;
+        let kernel_err = |source| ModelError::Kernel {
+            module: module_path.to_string(),
+            source,
+        };
+        let base = match stored {
+            StoredWeight::Float {
+                dtype: loraq_io::DType::BF16,
+            } => {
+                let data = ckpt
+                    .bytes(&weight_name)?
+                    .chunks_exact(2)
+                    .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                    .collect();
+                k::BaseWeight::Bf16(k::Bf16Weight::new(out, inp, data).map_err(kernel_err)?)
+            }
+            StoredWeight::Fp8 {
+                granularity: Fp8Granularity::Block128,
+                scale,
+            } => k::BaseWeight::Fp8Block128(
+                k::Fp8Block128Weight::new(
+                    out,
+                    inp,
+                    ckpt.bytes(&weight_name)?.to_vec(),
+                    ckpt.read_f32(scale)?,
+                )
+                .map_err(kernel_err)?,
+            ),
+            StoredWeight::Nvfp4ModelOpt {
+                block_scale,
+                global_scale,
+            } => k::BaseWeight::Nvfp4(
+                k::Nvfp4Weight::new(
+                    out,
+                    inp,
+                    ckpt.bytes(&weight_name)?.to_vec(),
+                    ckpt.bytes(block_scale)?.to_vec(),
+                    ckpt.read_f32(global_scale)?[0],
+                )
+                .map_err(kernel_err)?,
+            ),
+            _ => return Ok(None),
+        };
+        let lora = match self.adapter {
+            Some((adapter, dir)) => match adapter.module(module_path) {
+                Some(info) => {
+                    if adapter.factor_dtype(module_path)? != loraq_io::DType::BF16 {
+                        return Ok(None);
+                    }
+                    if (info.out_features, info.in_features) != (out, inp) {
+                        return Err(ModelError::Adapter {
+                            path: dir.to_path_buf(),
+                            reason: format!(
+                                "{module_path}: adapter is {}x{}, the weight is {out}x{inp}",
+                                info.out_features, info.in_features
+                            ),
+                        });
+                    }
+                    // bf16 -> f32 -> bf16 is exact.
+                    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect();
+                    let a = to_bf16(adapter.read_a_f32(module_path)?);
+                    let b = to_bf16(adapter.read_b_f32(module_path)?);
+                    self.used_adapter_modules.insert(module_path.to_string());
+                    Some(
+                        k::LoraAdapter::new(info.rank, inp, out, a, b, info.scale as f32)
+                            .map_err(kernel_err)?,
+                    )
+                }
+                None => None,
+            },
+            None => None,
+        };
+        let kernel_act = match act_quant {
+            ActQuant::None => k::ActivationQuant::None,
+            ActQuant::Fp8PerToken => k::ActivationQuant::Fp8PerToken,
+            ActQuant::Fp8PerGroup => k::ActivationQuant::Fp8PerGroup128,
+            ActQuant::Nvfp4 { global } => k::ActivationQuant::Nvfp4 {
+                global_scale: global,
+            },
+        };
+        let linear = k::QuantLoraLinear::new(base, lora)
+            .map_err(kernel_err)?
+            .with_activation_quant(kernel_act);
+        Ok(Some(Box::new(KernelLinear::new(
+            module_path.to_string(),
+            linear,
+        ))))
+    }
+}
+
 /// The tensor-name prefix of the text backbone: `model.language_model.` or `model.`
 /// (whatever precedes `embed_tokens.weight`).
 fn backbone_prefix(checkpoint: &Checkpoint) -> Result<String> {
@@ -236,6 +350,28 @@ fn backbone_prefix(checkpoint: &Checkpoint) -> Result<String> {
     }
 }
 
+/// Which implementation runs the linears.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LinearBackend {
+    /// Weights decoded to f32 once, candle matmul (any stored format).
+    #[default]
+    Dense,
+    /// loraq-kernels' fused CPU linear on the stored format (bf16, fp8-block128,
+    /// NVFP4 ModelOpt with bf16 adapter factors); other formats fall back to dense.
+    Kernels,
+}
+
+impl LinearBackend {
+    /// Parses `dense` or `kernels`.
+    pub fn parse(name: &str) -> Option<LinearBackend> {
+        match name {
+            "dense" => Some(LinearBackend::Dense),
+            "kernels" => Some(LinearBackend::Kernels),
+            _ => None,
+        }
+    }
+}
+
 /// How [`Model::load`] builds the model.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -243,6 +379,8 @@ pub struct LoadOptions {
     pub device: Device,
     /// Activation fake-quant of every linear's base path.
     pub act_quant: ActQuantScheme,
+    /// Which implementation runs the linears.
+    pub backend: LinearBackend,
 }
 
 impl Default for LoadOptions {
@@ -250,6 +388,7 @@ impl Default for LoadOptions {
         LoadOptions {
             device: Device::Cpu,
             act_quant: ActQuantScheme::None,
+            backend: LinearBackend::Dense,
         }
     }
 }
@@ -285,6 +424,7 @@ impl Model {
             base: &base,
             checkpoint,
             act_quant: options.act_quant,
+            backend: options.backend,
             adapter: adapter.as_ref().zip(adapter_dir),
             used_adapter_modules: BTreeSet::new(),
             device,

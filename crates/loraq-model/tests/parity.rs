@@ -9,7 +9,7 @@
 //! that moves logits of magnitude ~1 by ~1e-6; we allow 1e-4 relative to the
 //! record's largest |logit| (at least 1), the bound the issue sets.
 
-use loraq_model::{LoadOptions, Model, ScoreOptions, read_records, score_records};
+use loraq_model::{LinearBackend, LoadOptions, Model, ScoreOptions, read_records, score_records};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -24,12 +24,19 @@ fn data() -> PathBuf {
 }
 
 fn check(model_dir: &str, adapter: Option<&str>, expected_file: &str) {
+    check_with(model_dir, adapter, expected_file, LinearBackend::Dense);
+}
+
+fn check_with(model_dir: &str, adapter: Option<&str>, expected_file: &str, backend: LinearBackend) {
     let dir = data();
     let adapter_dir = adapter.map(|a| dir.join(a));
     let model = Model::load(
         &dir.join(model_dir),
         adapter_dir.as_deref(),
-        &LoadOptions::default(),
+        &LoadOptions {
+            backend,
+            ..LoadOptions::default()
+        },
     )
     .unwrap();
     if adapter.is_some() {
@@ -69,7 +76,7 @@ fn check(model_dir: &str, adapter: Option<&str>, expected_file: &str) {
             );
         }
     }
-    eprintln!("{expected_file}: worst relative difference {worst:.2e}");
+    eprintln!("{expected_file} ({backend:?}): worst relative difference {worst:.2e}");
 }
 
 #[test]
@@ -89,4 +96,26 @@ fn qwen3_5_with_peft_lora_matches_peft() {
 #[test]
 fn qwen3_dense_matches_transformers() {
     check("qwen3", None, "expected-qwen3.jsonl");
+}
+
+/// loraq-kernels' fused linear (bf16 base, bf16 factors) in place of the dense one:
+/// the same bound against the same transformers/PEFT logits.
+#[test]
+fn qwen3_5_with_peft_lora_on_kernels_linear_matches_peft() {
+    check_with(
+        "qwen3_5",
+        Some("qwen3_5-lora"),
+        "expected-qwen3_5-lora.jsonl",
+        LinearBackend::Kernels,
+    );
+}
+
+#[test]
+fn qwen3_dense_on_kernels_linear_matches_transformers() {
+    check_with(
+        "qwen3",
+        None,
+        "expected-qwen3.jsonl",
+        LinearBackend::Kernels,
+    );
 }
