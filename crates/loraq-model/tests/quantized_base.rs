@@ -1,0 +1,101 @@
+//! Quantized bases (written by loraq-quant from the tiny synth base): both linear
+//! backends run them — dense on loraq-quant's exact f32 decode, kernels on the stored
+//! codes — and must agree; the quantization must be visible against the bf16 base.
+
+use loraq_io::Checkpoint;
+use loraq_model::{LinearBackend, LoadOptions, Model, Record, ScoreOptions, score_records};
+use loraq_quant::Scheme;
+use loraq_quant::layout::{
+    DEFAULT_SKIP, Layout, QuantizeOptions, compile_skip, plan_quantization, write_quantized,
+};
+use loraq_synth::{Preset, SynthOptions, write_synth};
+use std::path::Path;
+
+fn records() -> Vec<Record> {
+    (0..6u32)
+        .map(|i| Record {
+            id: format!("r{i}"),
+            group: None,
+            prompt: None,
+            tokens: Some((0..5 + i).map(|t| (t * 37 + i * 11) % 256).collect()),
+            options: vec!["A".into(), "B".into(), "C".into()],
+            option_tokens: Some(vec![3 + i, 100 + i, 200 + i]),
+            gold: None,
+            line: 0,
+        })
+        .collect()
+}
+
+fn logits(model: &Path, adapter: &Path, backend: LinearBackend) -> Vec<f64> {
+    let options = LoadOptions {
+        backend,
+        ..LoadOptions::default()
+    };
+    let model = Model::load(model, Some(adapter), &options).unwrap();
+    score_records(&model, &records(), &ScoreOptions::default())
+        .unwrap()
+        .into_iter()
+        .flat_map(|a| a.logits)
+        .collect()
+}
+
+fn quantize(input: &Path, out: &Path, scheme: &str) {
+    let scheme: Scheme = scheme.parse().unwrap();
+    let options = QuantizeOptions {
+        scheme,
+        layout: Layout::default_for(scheme),
+        skip: compile_skip(
+            &DEFAULT_SKIP
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap(),
+        max_shard_bytes: 1 << 30,
+    };
+    let checkpoint = Checkpoint::open(input).unwrap();
+    let plan = plan_quantization(&checkpoint, &options).unwrap();
+    std::fs::create_dir_all(out).unwrap();
+    write_quantized(&checkpoint, &plan, &options, out, &mut |_| {}).unwrap();
+}
+
+#[test]
+fn fp8_and_nvfp4_bases_run_on_both_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = dir.path().join("synth");
+    let options = SynthOptions {
+        preset: Preset::Tiny,
+        seed: 3,
+        rank: None,
+        lora_layers: None,
+    };
+    write_synth(&synth, &options, false, &mut |_, _, _| {}).unwrap();
+    let adapter = synth.join("true-adapter");
+    let reference = logits(&synth.join("base"), &adapter, LinearBackend::Dense);
+    for scheme in ["fp8-block128", "nvfp4"] {
+        let quantized = dir.path().join(scheme);
+        quantize(&synth.join("base"), &quantized, scheme);
+        let dense = logits(&quantized, &adapter, LinearBackend::Dense);
+        let kernels = logits(&quantized, &adapter, LinearBackend::Kernels);
+        let scale = reference.iter().fold(1f64, |m, v| m.max(v.abs()));
+        let backend_gap = dense
+            .iter()
+            .zip(&kernels)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        let quant_effect = dense
+            .iter()
+            .zip(&reference)
+            .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        eprintln!(
+            "{scheme}: backends differ by {backend_gap:.2e}, quantization moves logits by {quant_effect:.2e}"
+        );
+        // Same decoded weights, different summation order: f32 rounding only.
+        assert!(backend_gap < 1e-4, "{scheme}: {backend_gap}");
+        assert!(
+            quant_effect > 100.0 * backend_gap,
+            "{scheme}: {quant_effect}"
+        );
+    }
+}
