@@ -571,6 +571,12 @@ impl Model {
 
     fn forward(&self, tokens: &[u32], mut per_layer: Option<&mut Vec<Vec<f32>>>) -> Result<Tensor> {
         let t = tokens.len();
+        if t == 0 {
+            return Err(ModelError::Tensor {
+                context: "embedding".into(),
+                source: candle_core::Error::Msg("empty prompt".into()),
+            });
+        }
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.config.vocab) {
             return Err(ModelError::Tensor {
                 context: "embedding".into(),
