@@ -14,11 +14,13 @@ the ratios against loraq's figures. Run both on the same machine, one after the 
 
 Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6.
 Usage: python scripts/bench_svd_reference.py [--dir DIR] [--rows 17408] [--cols 5120] [--skip-full]
+       [--repeat N] [--interleave target/release/examples/factor_file]
 """
 
 import argparse
 import json
 import os
+import subprocess
 import tempfile
 import time
 
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=5120)
     parser.add_argument("--skip-full", action="store_true", help="skip torch.linalg.svd and the Gram method")
     parser.add_argument("--repeat", type=int, default=3, help="best of N for torch.svd_lowrank (loraq's bench is best of 3)")
+    parser.add_argument("--interleave", metavar="FACTOR_FILE_BIN", help="alternate N runs of loraq's "
+                        "factor_file example (path to the built binary) with N of torch.svd_lowrank and "
+                        "compare the best of each: fair on a machine shared with other work")
     args = parser.parse_args()
     stem = os.path.join(args.dir, f"delta_{args.rows}x{args.cols}")
     summary = json.load(open(stem + ".json"))
@@ -54,9 +59,25 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; delta {args.rows}x{args.cols}, "
           f"||D|| {summary['delta_norm']:.4e}, floor {floor:.4e}")
 
-    results = {}
     torch.manual_seed(0)
-    torch.svd_lowrank(d[:1024], q=RANK + 16, niter=2)  # warm-up
+    torch.svd_lowrank(d, q=RANK + 16, niter=2)  # warm-up: allocations, thread pool
+    if args.interleave:
+        ours, theirs = [], []
+        for _ in range(args.repeat):
+            out = subprocess.run([args.interleave, stem + ".f32", str(args.rows), str(args.cols), repr(floor)],
+                                 check=True, capture_output=True, text=True).stdout
+            ours.append(json.loads(out)["seconds"])
+            t = time.perf_counter()
+            torch.svd_lowrank(d, q=RANK + 16, niter=2)
+            theirs.append(time.perf_counter() - t)
+        print("interleaved, seconds per run:")
+        print("  loraq randomized:  " + " ".join(f"{x:.3f}" for x in ours))
+        print("  torch.svd_lowrank: " + " ".join(f"{x:.3f}" for x in theirs))
+        print(f"best: loraq {min(ours):.3f} s, torch {min(theirs):.3f} s, ratio {min(ours) / min(theirs):.3f}; "
+              f"median: loraq {sorted(ours)[len(ours) // 2]:.3f} s, torch {sorted(theirs)[len(theirs) // 2]:.3f} s, "
+              f"ratio {sorted(ours)[len(ours) // 2] / sorted(theirs)[len(theirs) // 2]:.3f}", flush=True)
+
+    results = {}
     best = float("inf")
     for _ in range(args.repeat):
         t = time.perf_counter()
