@@ -726,7 +726,7 @@ fn a_killed_run_leaves_no_output_directory() {
 }
 
 /// The 9b-slice (Qwen3.5-9B's real layer shapes, rank 256): every rank-256 module at
-/// 0.9-1.05 x the floor. Slow on 2 cores (minutes).
+/// 0.9-1.05 of the expected ratio over the floor. Slow on 2 cores (minutes).
 #[test]
 #[ignore = "9b-slice: minutes of CPU; run with --ignored"]
 fn nine_b_slice_modules_are_at_the_floor() {
@@ -749,7 +749,14 @@ fn nine_b_slice_modules_are_at_the_floor() {
         assert_eq!(rank, truth.module(module).unwrap().rank, "{module}");
         let ratio = m["ratio"].as_f64().unwrap();
         if rank < rows.min(cols) {
-            assert!((0.9..=1.05).contains(&ratio), "{module}: {ratio}");
+            // 0.93-0.97 for the large projections; k_proj / v_proj (1024 rows) expect
+            // sqrt(1 - r(m+n-r)/(mn)) = 0.84, so the band is taken relative to that.
+            let expected = m["expected_ratio"].as_f64().unwrap();
+            assert!(
+                (0.9..=1.05).contains(&(ratio / expected)),
+                "{module}: {ratio} vs {expected}"
+            );
+            assert!(ratio <= 1.05, "{module}: {ratio}");
         } else {
             assert!(ratio < 1e-3, "{module}: {ratio}");
         }
