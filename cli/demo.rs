@@ -9,7 +9,11 @@
 //! adapter reproduces. The steps' outputs stay under `--out` for a closer look.
 
 use anyhow::{Context, Result, bail};
-use serde_json::Value;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::{Value, json};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -19,6 +23,16 @@ const DEMO_MARKER: &str = ".loraq-demo";
 /// Quantized bases the demo measures: what datacenter (FP8 blocks) and consumer
 /// (NVFP4, 4-bit integer) deployments run.
 const SCHEMES: [&str; 3] = ["fp8-block128", "nvfp4", "int4-g128"];
+
+/// Size of the demo's question set: enough for the paired test to mean something,
+/// small enough for a few seconds per forward run.
+const QUESTIONS: usize = 240;
+/// Prompt length of each question, in tokens.
+const PROMPT_TOKENS: usize = 20;
+/// Option labels.
+const LABELS: [&str; 4] = ["A", "B", "C", "D"];
+/// Benchmarks the questions are grouped into.
+const GROUPS: [&str; 3] = ["arith", "recall", "logic"];
 
 /// Run the main job on the built-in example.
 #[derive(clap::Args)]
@@ -81,17 +95,153 @@ fn pct(x: Option<f64>) -> String {
     x.map_or_else(|| "-".to_string(), |v| format!("{:.3}%", 100.0 * v))
 }
 
+/// Writes the demo's question set: random prompts with four options each, whose gold
+/// answers are drawn from the merged (reference) model's own probabilities with a fixed
+/// seed, so the reference is calibrated by construction. Options are chosen among the
+/// reference's next-token candidates so the set ranges, as real benchmarks do, from
+/// confident questions (the top token against far-down ones) through ordinary ones to
+/// near-ties (neighbours in the ranking).
+fn write_question_set(reference: &Path, out: &Path, seed: u64) -> Result<()> {
+    let model = loraq_model::Model::load(reference, None, &loraq_model::LoadOptions::default())
+        .with_context(|| format!("loading {}", reference.display()))?;
+    let vocab =
+        loraq_io::ModelConfig::from_file(&reference.join(loraq_io::CONFIG_FILE))?.vocab_size;
+    let all_rows: Vec<u32> = (0..vocab as u32).collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_0f_9e57);
+    let mut lines = Vec::with_capacity(QUESTIONS);
+    for i in 0..QUESTIONS {
+        let tokens: Vec<u32> = (0..PROMPT_TOKENS)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        let hidden = model.last_hidden(&tokens)?;
+        let logits = model.logits_of(&hidden, &all_rows)?;
+        let mut ranked: Vec<u32> = all_rows.clone();
+        ranked.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        let kind = rng.random::<f64>();
+        let mut option_tokens: Vec<u32> = if kind < 0.35 {
+            // Confident: the top candidate against three from far down the ranking.
+            let mut o = vec![ranked[0]];
+            while o.len() < 4 {
+                let t = ranked[rng.random_range(64..vocab.min(1024))];
+                if !o.contains(&t) {
+                    o.push(t);
+                }
+            }
+            o
+        } else if kind < 0.9 {
+            // Ordinary: four of the top 48.
+            let mut pool: Vec<u32> = ranked[..48.min(vocab)].to_vec();
+            pool.shuffle(&mut rng);
+            pool[..4].to_vec()
+        } else {
+            // Near-ties: four close neighbours in the ranking (every third candidate).
+            let start = rng.random_range(0..16.min(vocab - 10));
+            (0..4).map(|k| ranked[start + 3 * k]).collect()
+        };
+        option_tokens.shuffle(&mut rng);
+        let option_logits = model.logits_of(&hidden, &option_tokens)?;
+        let max = option_logits
+            .iter()
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f64> = option_logits
+            .iter()
+            .map(|&l| f64::from(l - max).exp())
+            .collect();
+        let mut draw = rng.random::<f64>() * weights.iter().sum::<f64>();
+        let mut gold = LABELS.len() - 1;
+        for (k, w) in weights.iter().enumerate() {
+            if draw < *w {
+                gold = k;
+                break;
+            }
+            draw -= w;
+        }
+        lines.push(json!({
+            "id": format!("q{i:04}"),
+            "group": GROUPS[i % GROUPS.len()],
+            "tokens": tokens,
+            "options": LABELS,
+            "option_tokens": option_tokens,
+            "gold": LABELS[gold],
+        }));
+    }
+    let mut file = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?,
+    );
+    for line in lines {
+        writeln!(file, "{line}").with_context(|| format!("writing {}", out.display()))?;
+    }
+    file.flush()
+        .with_context(|| format!("writing {}", out.display()))?;
+    Ok(())
+}
+
+/// One row of the answers table: a setup compared against the merged reference.
+struct AnswerRow {
+    setup: String,
+    report: Value,
+}
+
+fn f(v: &Value, digits: usize) -> String {
+    v.as_f64()
+        .map_or_else(|| "-".into(), |x| format!("{x:.digits$}"))
+}
+
+fn print_answer_table(rows: &[AnswerRow]) {
+    println!(
+        "{:<34} {:>9} {:>9} {:>9} {:>8} {:>20} {:>15}",
+        "setup (vs merged reference)",
+        "changed",
+        "mean KL",
+        "max KL",
+        "same top",
+        "accuracy change (p)",
+        "ECE ref / cand"
+    );
+    for row in rows {
+        let r = &row.report;
+        let acc = &r["accuracy"];
+        let accuracy = match (acc["delta"].as_f64(), acc["mcnemar_p"].as_f64()) {
+            (Some(d), Some(p)) => format!("{:+.2} pts (p={p:.2})", 100.0 * d),
+            _ => "-".into(),
+        };
+        let cal = &r["calibration"];
+        println!(
+            "{:<34} {:>9} {:>9} {:>9} {:>8} {:>20} {:>15}",
+            row.setup,
+            format!(
+                "{} ({:.1}%)",
+                r["flips"],
+                100.0 * r["flip_rate"].as_f64().unwrap_or(0.0)
+            ),
+            f(&r["kl"]["mean"], 5),
+            f(&r["kl"]["max"], 4),
+            format!("{:.1}%", 100.0 * r["same_top"].as_f64().unwrap_or(0.0)),
+            accuracy,
+            format!(
+                "{} / {}",
+                f(&cal["reference"]["ece"], 3),
+                f(&cal["candidate"]["ece"], 3)
+            ),
+        );
+    }
+}
+
 /// Runs `loraq demo`.
 pub fn run(args: Args) -> Result<()> {
     prepare_out(&args.out)?;
-    let pair = args.out.join("pair");
+    let out = &args.out;
+    let pair = out.join("pair");
     let (base, merged, true_adapter) = (
         pair.join("base"),
         pair.join("merged"),
         pair.join("true-adapter"),
     );
+    let adapter = out.join("adapter");
     let seed = args.seed.to_string();
 
+    // 1. The model pair.
     let synth = json_step(&[
         "synth",
         "--preset",
@@ -102,14 +252,36 @@ pub fn run(args: Args) -> Result<()> {
         &seed,
         "--json",
     ])?;
-    println!(
-        "model pair: Qwen3.5 architecture, {} parameters; a rank-{} LoRA on {} modules merged into bf16",
-        synth["base_parameters"], synth["rank"], synth["adapted_modules"]
-    );
+    let rank = synth["rank"].to_string();
 
-    let mut rows: Vec<[String; 5]> = Vec::new();
+    // 2. Extraction, verification against the merge, and comparison with the truth.
+    let extraction = json_step(&[
+        "extract",
+        "--merged",
+        path_str(&merged)?,
+        "--base",
+        path_str(&base)?,
+        "--out",
+        path_str(&adapter)?,
+        "--rank",
+        &rank,
+        "--json",
+    ])?;
+    let verification = json_step(&[
+        "verify",
+        "--adapter",
+        path_str(&adapter)?,
+        "--base",
+        path_str(&base)?,
+        "--merged",
+        path_str(&merged)?,
+        "--json",
+    ])?;
+
+    // 3. Quantized bases, and the weight error each leaves under the adapter.
+    let mut weight_rows: Vec<[String; 5]> = Vec::new();
     for scheme in SCHEMES {
-        let quantized = args.out.join(format!("base-{scheme}"));
+        let quantized = out.join(format!("base-{scheme}"));
         step(&[
             "quantize",
             "--in",
@@ -126,37 +298,161 @@ pub fn run(args: Args) -> Result<()> {
             "--scheme",
             scheme,
             "--adapter",
-            path_str(&true_adapter)?,
+            path_str(&adapter)?,
             "--merged",
             path_str(&merged)?,
             "--json",
         ])?;
         let totals = &errors["totals"];
-        let adapter = &totals["adapter"];
-        rows.push([
+        let a = &totals["adapter"];
+        weight_rows.push([
             scheme.to_string(),
             pct(totals["quant_rel_error"].as_f64()),
-            pct(adapter["exact_rel_error"].as_f64()),
-            pct(adapter["quantized_rel_error"].as_f64()),
-            pct(adapter["bf16_floor_rel"].as_f64()),
+            pct(a["exact_rel_error"].as_f64()),
+            pct(a["quantized_rel_error"].as_f64()),
+            pct(a["bf16_floor_rel"].as_f64()),
         ]);
     }
 
+    // 4. Answers: the merged reference, then the adapter on each base.
+    let records = out.join("questions.jsonl");
+    eprintln!(
+        "$ (demo) writing {QUESTIONS} questions with gold drawn from the reference's probabilities"
+    );
+    write_question_set(&merged, &records, args.seed)?;
+    let answers = out.join("answers");
+    std::fs::create_dir_all(&answers).with_context(|| format!("creating {}", answers.display()))?;
+    let reference = answers.join("merged.jsonl");
+    step(&[
+        "run",
+        "--model",
+        path_str(&merged)?,
+        "--records",
+        path_str(&records)?,
+        "--out",
+        path_str(&reference)?,
+    ])?;
+    let fp8 = out.join("base-fp8-block128");
+    let nvfp4 = out.join("base-nvfp4");
+    let int4 = out.join("base-int4-g128");
+    let setups: [(&str, &str, &Path, Option<&Path>, Option<&str>); 6] = [
+        ("bf16 base, no adapter", "base-only", &base, None, None),
+        (
+            "bf16 base + true adapter",
+            "true-adapter",
+            &base,
+            Some(&true_adapter),
+            None,
+        ),
+        (
+            "bf16 base + extracted adapter",
+            "bf16",
+            &base,
+            Some(&adapter),
+            None,
+        ),
+        (
+            "fp8-block128 W8A8 + adapter",
+            "fp8",
+            &fp8,
+            Some(&adapter),
+            Some("fp8-group"),
+        ),
+        (
+            "nvfp4 W4A16 + adapter",
+            "nvfp4",
+            &nvfp4,
+            Some(&adapter),
+            None,
+        ),
+        (
+            "int4-g128 W4A16 + adapter",
+            "int4",
+            &int4,
+            Some(&adapter),
+            None,
+        ),
+    ];
+    let mut answer_rows = Vec::new();
+    for (setup, file, model, lora, act) in setups {
+        let answer_file = answers.join(format!("{file}.jsonl"));
+        let mut run_args = vec!["run", "--model", path_str(model)?];
+        if let Some(lora) = lora {
+            run_args.extend(["--adapter", path_str(lora)?]);
+        }
+        if let Some(act) = act {
+            run_args.extend(["--act-quant", act]);
+        }
+        run_args.extend([
+            "--records",
+            path_str(&records)?,
+            "--out",
+            path_str(&answer_file)?,
+        ]);
+        step(&run_args)?;
+        // compare prints its table for people on stdout and the figures to --json.
+        let report_file = answers.join(format!("{file}.compare.json"));
+        step(&[
+            "compare",
+            "--reference",
+            path_str(&reference)?,
+            "--candidate",
+            path_str(&answer_file)?,
+            "--json",
+            path_str(&report_file)?,
+            "--markdown",
+            path_str(&answers.join(format!("{file}.md")))?,
+            "--plot",
+            path_str(&answers.join(format!("{file}.svg")))?,
+        ])?;
+        let report: Value = serde_json::from_str(
+            &std::fs::read_to_string(&report_file)
+                .with_context(|| format!("reading {}", report_file.display()))?,
+        )
+        .with_context(|| format!("parsing {}", report_file.display()))?;
+        answer_rows.push(AnswerRow {
+            setup: setup.to_string(),
+            report,
+        });
+    }
+
+    // 5. The tables.
     println!();
     println!(
-        "The adapter on each base, against the merged weights (relative Frobenius error over all adapted modules):"
+        "Model pair: Qwen3.5 architecture (Gated DeltaNet + gated attention), {} parameters; a rank-{} LoRA on {} modules merged in bf16.",
+        synth["base_parameters"], synth["rank"], synth["adapted_modules"]
+    );
+    let totals = &extraction["totals"];
+    println!(
+        "Extraction: {} modules; truncation residual up to {} x the bf16 rounding floor (mean {} where rank < width); verify: worst {} x floor.",
+        totals["modules"],
+        f(&totals["max_ratio"], 4),
+        f(&totals["mean_ratio_low_rank"], 4),
+        f(&verification["distribution"]["max"], 4),
+    );
+    println!();
+    println!(
+        "Weights the adapter reproduces on each base, against the merge (relative Frobenius error, adapted modules):"
     );
     println!(
         "{:<14} {:>14} {:>16} {:>16} {:>12}",
         "base", "base W error", "bf16 base + BA", "quant base + BA", "bf16 floor"
     );
-    for r in &rows {
+    for r in &weight_rows {
         println!(
             "{:<14} {:>14} {:>16} {:>16} {:>12}",
             r[0], r[1], r[2], r[3], r[4]
         );
     }
     println!();
-    println!("Everything the demo wrote is under {}.", args.out.display());
+    println!(
+        "Answers on {QUESTIONS} four-option questions (gold drawn from the reference's own probabilities):"
+    );
+    print_answer_table(&answer_rows);
+    println!();
+    println!(
+        "Everything the demo wrote (checkpoints, adapter, answers, reliability plots) is under {}.",
+        out.display()
+    );
     Ok(())
 }
