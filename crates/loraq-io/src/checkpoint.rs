@@ -83,19 +83,7 @@ impl std::fmt::Debug for Checkpoint {
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
-    let file = File::open(path).map_err(|source| {
-        if source.kind() == std::io::ErrorKind::NotFound {
-            IoError::Missing {
-                path: path.to_path_buf(),
-                context: String::new(),
-            }
-        } else {
-            IoError::Os {
-                path: path.to_path_buf(),
-                source,
-            }
-        }
-    })?;
+    let file = File::open(path).map_err(|source| IoError::opening(path, source, ""))?;
     // SAFETY: the mapping is read-only; a file truncated by another process while
     // mapped would fault, which is the accepted contract of every mmap-based
     // checkpoint reader (safetensors, candle, transformers).
@@ -106,19 +94,7 @@ impl Checkpoint {
     /// Opens a checkpoint directory (sharded or single-file) or one safetensors file.
     pub fn open(path: impl AsRef<Path>) -> Result<Checkpoint> {
         let path = path.as_ref();
-        let meta = std::fs::metadata(path).map_err(|source| {
-            if source.kind() == std::io::ErrorKind::NotFound {
-                IoError::Missing {
-                    path: path.to_path_buf(),
-                    context: String::new(),
-                }
-            } else {
-                IoError::Os {
-                    path: path.to_path_buf(),
-                    source,
-                }
-            }
-        })?;
+        let meta = std::fs::metadata(path).map_err(|source| IoError::opening(path, source, ""))?;
         if meta.is_file() {
             let mut ckpt = Checkpoint::empty(path.to_path_buf());
             ckpt.add_shard(path, None)?;

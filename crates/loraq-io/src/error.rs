@@ -120,6 +120,28 @@ pub enum IoError {
     Synth(String),
 }
 
+impl IoError {
+    /// The error for a file that could not be opened: [`IoError::Missing`] (with
+    /// `context` saying why it was expected) when it does not exist, else [`IoError::Os`].
+    pub(crate) fn opening(
+        path: &std::path::Path,
+        source: std::io::Error,
+        context: &str,
+    ) -> IoError {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            IoError::Missing {
+                path: path.to_path_buf(),
+                context: context.to_string(),
+            }
+        } else {
+            IoError::Os {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    }
+}
+
 /// Result alias of loraq-io.
 pub type Result<T, E = IoError> = std::result::Result<T, E>;
 

@@ -251,17 +251,7 @@ impl LoraAdapter {
         let dir = dir.as_ref();
         let config_path = dir.join(ADAPTER_CONFIG_FILE);
         let text = std::fs::read_to_string(&config_path).map_err(|source| {
-            if source.kind() == std::io::ErrorKind::NotFound {
-                IoError::Missing {
-                    path: config_path.clone(),
-                    context: " (not a PEFT adapter directory)".into(),
-                }
-            } else {
-                IoError::Os {
-                    path: config_path.clone(),
-                    source,
-                }
-            }
+            IoError::opening(&config_path, source, " (not a PEFT adapter directory)")
         })?;
         let config: AdapterConfig = serde_json::from_str(&text).map_err(|e| IoError::Json {
             path: config_path.clone(),
