@@ -69,14 +69,18 @@ fn merged_is_base_plus_true_adapter_rounded_once_to_bf16() {
         for i in 0..m.out_features {
             for j in 0..m.in_features {
                 // Independent recomputation in f64: the stored merge must be the
-                // nearest bf16 to base + B A (within half an ulp).
+                // nearest bf16 to base + B A (within half an ulp), up to the f32
+                // arithmetic the merge is specified in (a few f32 ulps, which can
+                // decide a value that lands on a bf16 tie).
                 let d: f64 = (0..m.rank)
                     .map(|k| b[i * m.rank + k] as f64 * a[k * m.in_features + j] as f64)
                     .sum();
                 let exact = w[i * m.in_features + j] as f64 + m.scale * d;
                 let got = mw[i * m.in_features + j];
                 assert!(
-                    (got as f64 - exact).abs() <= 0.5 * bf16_ulp(got) * (1.0 + 1e-6),
+                    (got as f64 - exact).abs()
+                        <= 0.5 * bf16_ulp(got)
+                            + 8.0 * f64::from(f32::EPSILON) * (exact.abs() + d.abs()),
                     "{name}[{i},{j}]: {got} vs {exact}"
                 );
             }
@@ -106,7 +110,7 @@ fn deltas_are_a_few_to_tens_of_ulps_so_the_floor_is_a_small_share() {
         let floor: f64 = (mw.iter().map(|&x| bf16_ulp(x).powi(2)).sum::<f64>() / 12.0).sqrt();
         let share = floor / delta;
         assert!(
-            (0.002..=0.06).contains(&share),
+            (0.002..=0.04).contains(&share),
             "{name}: floor / delta = {share}"
         );
     }
