@@ -107,7 +107,7 @@ fn write_question_set(reference: &Path, out: &Path, seed: u64) -> Result<()> {
     let vocab =
         loraq_io::ModelConfig::from_file(&reference.join(loraq_io::CONFIG_FILE))?.vocab_size;
     let all_rows: Vec<u32> = (0..vocab as u32).collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_0f_9e57);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_f00d);
     let mut lines = Vec::with_capacity(QUESTIONS);
     for i in 0..QUESTIONS {
         let tokens: Vec<u32> = (0..PROMPT_TOKENS)
@@ -175,6 +175,15 @@ fn write_question_set(reference: &Path, out: &Path, seed: u64) -> Result<()> {
     file.flush()
         .with_context(|| format!("writing {}", out.display()))?;
     Ok(())
+}
+
+/// One run of the answers table: which base, adapter and activation fake-quant.
+struct Setup<'a> {
+    label: &'static str,
+    file: &'static str,
+    model: &'a Path,
+    adapter: Option<&'a Path>,
+    act_quant: Option<&'static str>,
 }
 
 /// One row of the answers table: a setup compared against the merged reference.
@@ -335,37 +344,44 @@ pub fn run(args: Args) -> Result<()> {
     let fp8 = out.join("base-fp8-block128");
     let nvfp4 = out.join("base-nvfp4");
     let int4 = out.join("base-int4-g128");
-    let setups: [(&str, &str, &Path, Option<&Path>, Option<&str>); 6] = [
-        ("bf16 base, no adapter", "base-only", &base, None, None),
-        (
+    let setup = |label, file, model, adapter, act_quant| Setup {
+        label,
+        file,
+        model,
+        adapter,
+        act_quant,
+    };
+    let setups = [
+        setup("bf16 base, no adapter", "base-only", &base, None, None),
+        setup(
             "bf16 base + true adapter",
             "true-adapter",
             &base,
             Some(&true_adapter),
             None,
         ),
-        (
+        setup(
             "bf16 base + extracted adapter",
             "bf16",
             &base,
             Some(&adapter),
             None,
         ),
-        (
+        setup(
             "fp8-block128 W8A8 + adapter",
             "fp8",
             &fp8,
             Some(&adapter),
             Some("fp8-group"),
         ),
-        (
+        setup(
             "nvfp4 W4A16 + adapter",
             "nvfp4",
             &nvfp4,
             Some(&adapter),
             None,
         ),
-        (
+        setup(
             "int4-g128 W4A16 + adapter",
             "int4",
             &int4,
@@ -374,7 +390,14 @@ pub fn run(args: Args) -> Result<()> {
         ),
     ];
     let mut answer_rows = Vec::new();
-    for (setup, file, model, lora, act) in setups {
+    for Setup {
+        label: setup,
+        file,
+        model,
+        adapter: lora,
+        act_quant: act,
+    } in setups
+    {
         let answer_file = answers.join(format!("{file}.jsonl"));
         let mut run_args = vec!["run", "--model", path_str(model)?];
         if let Some(lora) = lora {
