@@ -28,11 +28,7 @@ pub fn run(args: Args) -> Result<()> {
         &args.other,
         args.tolerance,
         0,
-        &mut |done, total, module| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-            bar.set_message(module.to_string());
-        },
+        &mut |done, total, module| crate::progress::track(&bar, done, total, module),
     );
     bar.finish_and_clear();
     let report = report?;

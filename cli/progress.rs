@@ -22,3 +22,10 @@ fn draw_target() -> ProgressDrawTarget {
         ProgressDrawTarget::hidden()
     }
 }
+
+/// Updates `bar` from a library's `(done, total, item)` progress callback.
+pub fn track(bar: &ProgressBar, done: usize, total: usize, item: &str) {
+    bar.set_length(total as u64);
+    bar.set_position(done as u64);
+    bar.set_message(item.to_string());
+}

@@ -60,9 +60,7 @@ pub fn run(args: Args) -> Result<()> {
     let started = std::time::Instant::now();
     let bar = crate::progress::bar(0, "synth");
     let summary = write_synth(&args.out, &options, args.force, &mut |done, total, name| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-        bar.set_message(name.to_string());
+        crate::progress::track(&bar, done, total, name)
     })?;
     bar.finish_and_clear();
     if args.json {

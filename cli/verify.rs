@@ -36,9 +36,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let bar = crate::progress::bar(0, "verify");
     let report = verify(&options, &mut |done, total, module| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-        bar.set_message(module.to_string());
+        crate::progress::track(&bar, done, total, module)
     });
     bar.finish_and_clear();
     let report = report?;
