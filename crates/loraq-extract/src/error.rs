@@ -43,6 +43,9 @@ pub enum ExtractError {
     /// Reading or writing a checkpoint, adapter or output file failed.
     #[error(transparent)]
     Io(#[from] loraq_io::IoError),
+    /// Decoding a quantized base failed.
+    #[error(transparent)]
+    Quant(#[from] loraq_quant::QuantError),
     /// The merge is not base + adapter: tensors that must not differ do, or do not exist.
     #[error("the merge is not the base plus a LoRA adapter; refused tensors:{}", list_refusals(.refusals))]
     Refused {

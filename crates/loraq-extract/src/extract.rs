@@ -249,7 +249,7 @@ pub enum Progress<'a> {
     Writing,
 }
 
-fn floor_format(dtype: DType) -> FloorFormat {
+pub(crate) fn floor_format(dtype: DType) -> FloorFormat {
     match dtype {
         DType::F16 => FloorFormat::F16,
         DType::F32 => FloorFormat::F32,

@@ -1,7 +1,7 @@
 //! `loraq verify`: how well base + adapter reproduces the merge, per module, over the
 //! bf16 rounding floor, with every differing tensor accounted for.
 
-use crate::error::Result;
+use crate::error::{ExtractError, Result};
 use crate::extract::delta_and_floor;
 use crate::scan::scan;
 use faer::linalg::matmul::matmul;
@@ -65,6 +65,9 @@ pub struct RatioDistribution {
 /// The verification result.
 #[derive(Debug, Clone, Serialize)]
 pub struct VerifyReport {
+    /// The base's quantization scheme when it is a quantized checkpoint (decoded
+    /// exactly; the ratios then include its quantization error).
+    pub base_quantization: Option<String>,
     /// Every adapter module.
     pub modules: Vec<VerifiedModule>,
     /// Distribution of the ratios.
@@ -123,6 +126,29 @@ fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
     sorted[idx]
 }
 
+/// The merge minus a quantized base decoded exactly, and the merge's rounding floor.
+fn quantized_delta_and_floor(
+    merged: &Checkpoint,
+    base: &loraq_quant::QuantizedBase,
+    tensor: &str,
+) -> Result<(Vec<f32>, f64)> {
+    let info = merged.info(tensor)?;
+    let mut delta = merged.read_f32(tensor)?;
+    let floor = crate::floor::rounding_floor(&delta, crate::extract::floor_format(info.dtype));
+    let decoded = base.read_weight_f32(tensor)?;
+    if decoded.len() != delta.len() {
+        return Err(ExtractError::BadShape {
+            module: tensor.to_string(),
+            what: format!("base has {} values, merged {:?}", decoded.len(), info.shape),
+        });
+    }
+    delta
+        .par_iter_mut()
+        .zip(&decoded)
+        .for_each(|(d, &b)| *d -= b);
+    Ok((delta, floor))
+}
+
 /// Runs the verification.
 pub fn verify(
     options: &VerifyOptions,
@@ -131,17 +157,34 @@ pub fn verify(
     let adapter = LoraAdapter::open(&options.adapter)?;
     let merged = Checkpoint::open(&options.merged)?;
     let base = Checkpoint::open(&options.base)?;
-    let scanned = scan(&merged, &base)?;
+    // A quantized base (fp8, NVFP4, ...) is decoded exactly; every projection then
+    // differs from the merge, so the byte scan has nothing to say and is skipped, and
+    // each ratio measures the quantization error the adapter runs on.
+    let base_quantization = base
+        .config()
+        .and_then(|c| c.quantization.as_ref())
+        .map(|q| q.scheme_name());
+    let (quantized_base, scanned) = match base_quantization {
+        Some(_) => (Some(loraq_quant::QuantizedBase::new(base)?), None),
+        None => {
+            let scanned = scan(&merged, &base)?;
+            (None, Some((base, scanned)))
+        }
+    };
     let mut modules = Vec::new();
     for (i, m) in adapter.modules.iter().enumerate() {
         progress(i, adapter.modules.len(), &m.module_path);
         let tensor = format!("{}.weight", m.module_path);
-        let (delta, floor) = delta_and_floor(&merged, &base, &tensor)?;
+        let (delta, floor) = match (&quantized_base, &scanned) {
+            (Some(q), _) => quantized_delta_and_floor(&merged, q, &tensor)?,
+            (None, Some((base, _))) => delta_and_floor(&merged, base, &tensor)?,
+            (None, None) => unreachable!("one of the two bases is set"),
+        };
         let a = adapter.read_a_f32(&m.module_path)?;
         let b = adapter.read_b_f32(&m.module_path)?;
         let (rows, cols) = (m.out_features, m.in_features);
         if delta.len() != rows * cols {
-            return Err(crate::error::ExtractError::BadShape {
+            return Err(ExtractError::BadShape {
                 module: m.module_path.clone(),
                 what: format!(
                     "adapter is [{rows}, {cols}], the weight has {} values",
@@ -179,21 +222,24 @@ pub fn verify(
         .map(|m| m.module_path.as_str())
         .collect();
     let mut unexplained = Vec::new();
-    for p in &scanned.projections {
-        if covered.contains(p.module_path.as_str()) {
-            continue;
+    let mut refused = Vec::new();
+    if let Some((base, scanned)) = &scanned {
+        for p in &scanned.projections {
+            if covered.contains(p.module_path.as_str()) {
+                continue;
+            }
+            // Bytes that differ only by signed zeros need no adapter.
+            let (delta, _) = delta_and_floor(&merged, base, &p.tensor)?;
+            if delta.iter().any(|&x| x != 0.0) {
+                unexplained.push(p.tensor.clone());
+            }
         }
-        // Bytes that differ only by signed zeros need no adapter.
-        let (delta, _) = delta_and_floor(&merged, &base, &p.tensor)?;
-        if delta.iter().any(|&x| x != 0.0) {
-            unexplained.push(p.tensor.clone());
-        }
+        refused = scanned
+            .refusals
+            .iter()
+            .map(|r| format!("{}: {}", r.tensor, r.reason))
+            .collect();
     }
-    let refused: Vec<String> = scanned
-        .refusals
-        .iter()
-        .map(|r| format!("{}: {}", r.tensor, r.reason))
-        .collect();
     let mut ratios: Vec<f64> = modules.iter().map(|m| m.ratio).collect();
     ratios.sort_by(f64::total_cmp);
     let distribution = (!ratios.is_empty()).then(|| {
@@ -224,6 +270,7 @@ pub fn verify(
         .collect();
     let passed = unexplained.is_empty() && refused.is_empty() && above_threshold.is_empty();
     Ok(VerifyReport {
+        base_quantization,
         modules,
         distribution,
         worst_module,
