@@ -26,6 +26,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+import model_oracle  # scripts/model_oracle.py: the same random scales
+
 OUT = "tests/data/peft"
 VOCAB = 128
 torch.set_num_threads(1)
@@ -56,26 +58,9 @@ def config():
 
 
 def randomize(model, gen):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)
-            elif "embed" in name:
-                p.normal_(0.0, 1.0, generator=gen)
-            elif name.endswith("conv1d.weight"):
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-            elif name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=gen).mul(15).add(1).log())
-            elif name.endswith("dt_bias"):
-                p.normal_(1.0, 0.1, generator=gen)
-            elif name.endswith("linear_attn.norm.weight"):
-                p.normal_(1.0, 0.1, generator=gen)
-            elif "norm" in name:
-                p.normal_(0.0, 0.1, generator=gen)
-            else:
-                raise ValueError(f"unexpected parameter {name}")
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    """The parity fixtures' scales (scripts/model_oracle.py), rounded to bf16."""
+    model_oracle.randomize(model, gen)
+    model_oracle.bf16_exact(model)
 
 
 def save_bf16(model, path):
