@@ -56,7 +56,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let act_quant = ActQuantScheme::parse(&args.act_quant)
         .with_context(|| format!("--act-quant {:?}", args.act_quant))?;
-    let records = read_records(&args.records)?;
+    let mut records = read_records(&args.records)?;
+    loraq_model::tokenize_records(&args.model, &mut records, &args.records)?;
     let started = Instant::now();
     let model = Model::load(
         &args.model,

@@ -21,6 +21,7 @@ pub mod linear;
 pub mod model;
 pub mod ops;
 pub mod records;
+pub mod tokenize;
 
 pub use config::{Family, TextConfig};
 pub use error::{ModelError, Result};
@@ -32,3 +33,4 @@ pub use records::{
     HiddenStates, OptionAnswer, Record, ScoreOptions, read_records, score_records,
     score_records_with_hidden, write_answers, write_hidden,
 };
+pub use tokenize::{TOKENIZER_FILE, tokenize_records};

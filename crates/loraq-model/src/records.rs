@@ -101,7 +101,7 @@ fn validate<'r>(
         (Some(t), _) => t.as_slice(),
         (None, Some(_)) => {
             return Err(bad(
-                "has a text prompt but no tokens; give `tokens` (tokenizing prompts is not supported yet)"
+                "has a text prompt but no tokens; tokenize it first (tokenize_records, which `loraq run` calls)"
                     .into(),
             ));
         }
