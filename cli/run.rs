@@ -25,9 +25,10 @@ pub struct Args {
     /// (needs each module's input_scale).
     #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4"])]
     act_quant: String,
-    /// Linear implementation: dense (weights decoded to f32, candle matmul) or kernels
-    /// (loraq-kernels' fused CPU linear on bf16 / fp8-block128 / NVFP4 weights).
-    #[arg(long, default_value = "dense", value_parser = ["dense", "kernels"])]
+    /// Linear implementation: kernels (loraq-kernels' fused quantized-base + LoRA CPU
+    /// linear on the stored bf16 / fp8-block128 / NVFP4 weights, the default) or dense
+    /// (weights decoded to f32 once, candle matmul; faster on this CPU, more memory).
+    #[arg(long, default_value = "kernels", value_parser = ["dense", "kernels"])]
     backend: String,
     /// Records (JSON Lines: id, group?, tokens, options, option_tokens, gold?).
     #[arg(long)]

@@ -354,10 +354,11 @@ fn backbone_prefix(checkpoint: &Checkpoint) -> Result<String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LinearBackend {
     /// Weights decoded to f32 once, candle matmul (any stored format).
-    #[default]
     Dense,
     /// loraq-kernels' fused CPU linear on the stored format (bf16, fp8-block128,
     /// NVFP4 ModelOpt with bf16 adapter factors); other formats fall back to dense.
+    /// The default: every linear is the quantized-base + LoRA linear serving uses.
+    #[default]
     Kernels,
 }
 
@@ -388,7 +389,7 @@ impl Default for LoadOptions {
         LoadOptions {
             device: Device::Cpu,
             act_quant: ActQuantScheme::None,
-            backend: LinearBackend::Dense,
+            backend: LinearBackend::Kernels,
         }
     }
 }
