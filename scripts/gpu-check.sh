@@ -68,6 +68,10 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi >/dev/null 2>&1; then
     exit 1
 fi
 gpu_name=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n 1)
+# The driver library normally sits in the loader's cache; some containers mount it apart.
+for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+    [[ -e "$d/libcuda.so.1" ]] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
 
 if [[ -n "${LORAQ_GPU_PREBUILT:-}" ]]; then
     prebuilt="$(cd "$LORAQ_GPU_PREBUILT" && pwd)"
@@ -113,5 +117,8 @@ fi
     echo
     tail -n 20 "$log_dir/test.log" | sed 's/^/    /'
 } > "$report"
-echo "gpu-check: wrote $report"
+# Full logs beside the report: a failing configuration or a hang is read from them.
+cp "$log_dir/test.log" "${report%.md}-test.log"
+cp "$log_dir/bench.log" "${report%.md}-bench.log"
+echo "gpu-check: wrote $report and its -test.log / -bench.log"
 [[ "$test_status" == passed && "$bench_status" == done ]]
