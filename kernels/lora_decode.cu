@@ -2,8 +2,10 @@
 //
 // One warp owns R consecutive output rows; each lane streams 16 weights of every row
 // per step (16-byte fp8 / 8-byte nvfp4 / 32-byte bf16 loads, a warp covers 512 inputs),
-// dequantizes them in registers and multiplies them into all NB tokens' accumulators.
-// x (bf16) is re-read from L1/L2, the weight exactly once.
+// dequantizes them in registers (fp8 through the hardware E4M3 -> f16 conversion, NVFP4
+// through f16 bit placement) and multiplies them into all NB tokens' accumulators, the
+// chunk's scale applied once per 16 weights. x (bf16) is re-read from L1/L2, the weight
+// exactly once.
 //
 // Fused kernels are ONE launch: the first `shrink_blocks` blocks compute the LoRA
 // intermediate t = s * A x (f32, [batch, rank]) and publish it with a release counter;
@@ -18,43 +20,70 @@
 // the SMs; every index below derives from blockDim.
 #define WARPS_PER_BLOCK ((int)(blockDim.x >> 5))
 
+// Rows per warp: two at batch <= 4 (two 16-byte weight loads in flight per lane, plus
+// the next step's two: enough to keep HBM busy at half occupancy), one at batch 16,
+// whose accumulators need the registers. The host mirrors this (cuda.rs).
 template <int NB>
 struct RowsPerWarp {
-    static constexpr int value = NB <= 4 ? 4 : 2;
+    static constexpr int value = NB <= 4 ? 2 : 1;
 };
 
-// acc[r][b] = sum_k W[row0 + r, k] * x[b, k] (warp-reduced, valid in every lane).
+// Blocks per SM the register allocation must allow (128-thread blocks): 64 registers
+// at batch 1, 85 at 4, 128 at 16.
+template <int NB>
+struct MinBlocks {
+    static constexpr int value = NB == 1 ? 8 : (NB <= 4 ? 6 : 4);
+};
+
+// acc[r][b] = sum_k W[row0 + r, k] * x[b, k] (warp-reduced, valid in every lane), W
+// without its global scale.
+//
+// Aligned path (K % 16 == 0): lane l owns the 16-weight chunks l, l + 32, ... of each row;
+// the next chunk's raw bits are loaded before the current one is decoded (software
+// pipelining: two loads per row in flight), the chunk is decoded in registers and its
+// dot product with each token is scaled once by the chunk's scale (16 weights share it).
 template <class W, class XT, int NB, int R>
 __device__ __forceinline__ void warp_rows_dot(const W& w, int row0, int rows_valid, const XT* x,
                                               int x_stride, int batch, int K, float (&acc)[R][NB]) {
+    typedef typename W::Chunk Chunk;
+    typedef typename Chunk::Raw Raw;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
     if ((K & 15) == 0) {
-        for (int k = lane * 16; k < K; k += 32 * 16) {
+        int k = lane * 16;
+        Raw cur[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) cur[r] = (r < rows_valid && k < K) ? w.raw16(row0 + r, k) : Chunk::zero();
+        for (; k < K; k += 32 * 16) {
+            const int next = k + 32 * 16;
+            Raw nxt[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) nxt[r] = (r < rows_valid && next < K) ? w.raw16(row0 + r, next) : Chunk::zero();
+            float scale[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) scale[r] = r < rows_valid ? w.chunk_scale(row0 + r, k) : 0.0f;
             float wv[R][16];
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                if (r < rows_valid) {
-                    w.load16(row0 + r, k, wv[r]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) wv[r][i] = 0.0f;
-                }
-            }
+            for (int r = 0; r < R; ++r) Chunk::decode(cur[r], wv[r]);
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
                 if (b < batch) {
                     float xv[16];
                     load16_x(x + (size_t)b * x_stride + k, xv);
 #pragma unroll
-                    for (int r = 0; r < R; ++r)
+                    for (int r = 0; r < R; ++r) {
+                        float dot = 0.0f;
 #pragma unroll
-                        for (int i = 0; i < 16; ++i) acc[r][b] = fmaf(wv[r][i], xv[i], acc[r][b]);
+                        for (int i = 0; i < 16; ++i) dot = fmaf(wv[r][i], xv[i], dot);
+                        acc[r][b] = fmaf(dot, scale[r], acc[r][b]);
+                    }
                 }
             }
+#pragma unroll
+            for (int r = 0; r < R; ++r) cur[r] = nxt[r];
         }
     } else {
         // Unaligned reduction length (small LoRA ranks): one element per lane per step.
@@ -96,14 +125,184 @@ __device__ __forceinline__ void shrink_rows(const bf16* lora_a, int rank, int K,
     }
 }
 
+// Benchmark probes (compiled only with -DLORAQ_DECODE_PROBE=N, never for results):
+// 1 replaces the dequantization by a bit reinterpretation, 2 also drops the FMAs, so
+// timing them against 0 separates streaming, decoding and arithmetic.
+#ifndef LORAQ_DECODE_PROBE
+#define LORAQ_DECODE_PROBE 0
+#endif
+
+// Stages of the per-lane shared-memory ring of the base stream: 6 x 16-byte slots per
+// row and lane (bf16 slots are 32 bytes: 3). 24 KB per 4-warp block at two rows per warp.
+template <class W>
+struct Stages {
+    static constexpr int value = sizeof(typename W::Slot) > 16 ? 3 : 6;
+};
+
+// The base stream of one warp: row groups g = warp_id, warp_id + warps_total, ... (R rows
+// each), every row's chunks in order, as ONE software pipeline across group boundaries:
+// each lane keeps S - 1 chunk copies (cp.async) in flight ahead of the chunk it decodes,
+// so HBM stays busy through each group's reduction and LoRA expand. A lane only reads
+// the slots it copied itself (no block barrier). After the last chunk of a group,
+// on_group(g, acc) runs with acc warp-reduced and valid in every lane.
+template <class W, int NB, int R, int S, class OnGroup>
+__device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict__ x, int batch, int N, int K,
+                                              int warp_id, int warps_total, typename W::Slot* ring,
+                                              OnGroup& on_group) {
+    typedef typename W::Slot Slot;
+    const int lane = threadIdx.x & 31;
+    const int groups = (N + R - 1) / R;
+    if (warp_id >= groups) return;
+    const int my_groups = (groups - 1 - warp_id) / warps_total + 1;
+    const int steps_per_group = (K + 511) / 512;
+    const int total = my_groups * steps_per_group;
+    // ring layout: [S][R][32 lanes]
+    auto issue = [&](int s) {
+        if (s < total) {
+            const int g = warp_id + (s / steps_per_group) * warps_total;
+            const int k = (s % steps_per_group) * 512 + lane * 16;
+            Slot* slots = ring + (size_t)((s % S) * R) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = g * R + r;
+                if (row < N && k < K) {
+                    w.issue(slots + r * 32, row, k);
+                } else {
+                    W::clear(slots + r * 32);
+                }
+            }
+        }
+        // Empty groups too: the wait below counts groups.
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) issue(s);
+    float acc[R][NB];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
+    for (int s = 0; s < total; ++s) {
+        cp_async_wait<S - 2>();
+        Slot slot[R];
+        const Slot* slots = ring + (size_t)((s % S) * R) * 32 + lane;
+#pragma unroll
+        for (int r = 0; r < R; ++r) slot[r] = slots[r * 32];
+        // Refills the slot consumed one step ago.
+        issue(s + S - 1);
+        const int c = s % steps_per_group;
+        const int g = warp_id + (s / steps_per_group) * warps_total;
+        const int k = c * 512 + lane * 16;
+        if (k < K) {
+            float scale[R];
+            float wv[R][16];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                scale[r] = g * R + r < N ? w.slot_scale(slot[r], g * R + r, k) : 0.0f;
+#if LORAQ_DECODE_PROBE == 0
+                W::Chunk::decode(slot[r].raw, wv[r]);
+#else
+                const unsigned int* words = reinterpret_cast<const unsigned int*>(&slot[r].raw);
+                constexpr int n_words = sizeof(slot[r].raw) / 4;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) wv[r][i] = __uint_as_float(words[i % n_words] & 0x3FFFFFFFu);
+#endif
+            }
+#if LORAQ_DECODE_PROBE == 2
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][0] += wv[r][0] * scale[r];
+#else
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                if (b < batch) {
+                    float xv[16];
+                    load16_bf16(x + (size_t)b * K + k, xv);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float dot = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) dot = fmaf(wv[r][i], xv[i], dot);
+                        acc[r][b] = fmaf(dot, scale[r], acc[r][b]);
+                    }
+                }
+            }
+#endif
+        }
+        if (c == steps_per_group - 1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    acc[r][b] = warp_sum(acc[r][b]);
+                }
+            on_group(g, acc);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// Decode blocks are 4 warps; the ring is sized for them.
+#define DECODE_WARPS 4
+
+// Writes a finished group: y = g * acc (+ the LoRA expand B t, when t is given).
+template <class W, int NB, int R>
+struct StoreGroup {
+    const W& w;
+    int batch, N, rank;
+    const bf16* lora_b;
+    const float* t;
+    const unsigned int* counter;
+    unsigned int target;
+    bf16* y;
+    bool waited;
+    __device__ __forceinline__ void operator()(int g, float (&acc)[R][NB]) {
+        const int lane = threadIdx.x & 31;
+        const int row0 = g * R;
+        float lora[R][NB];
+        if (rank > 0) {
+            if (!waited) {
+                // Acquire: every shrink block of this launch has published t.
+                if (lane == 0) {
+                    while ((int)(*reinterpret_cast<const volatile unsigned int*>(counter) - target) < 0)
+                        __nanosleep(100);
+                    __threadfence();
+                }
+                __syncwarp();
+                waited = true;
+            }
+            Bf16Weight b{lora_b, rank, 1.0f};
+            warp_rows_dot<Bf16Weight, float, NB, R>(b, row0, N - row0, t, rank, batch, rank, lora);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+                    if (row0 + r < N && b < batch) {
+                        float v = acc[r][b] * w.global + (rank > 0 ? lora[r][b] : 0.0f);
+                        y[(size_t)b * N + row0 + r] = __float2bfloat16_rn(v);
+                    }
+        }
+    }
+};
+
+// Fused: blocks [0, shrink_blocks) compute t = s * A x and publish it (release counter);
+// the other blocks are persistent base streams that fold the expand into each group's
+// output write. The host sizes the grid to what is co-resident, so the wait cannot
+// deadlock whatever order the blocks start in.
 template <class W, int NB>
 __device__ void fused_kernel(const bf16* __restrict__ x, int batch, int N, int K, W w,
                              const bf16* __restrict__ lora_a, const bf16* __restrict__ lora_b, int rank,
                              float t_scale, float* t, unsigned int* counter, unsigned int target,
                              int shrink_blocks, bf16* __restrict__ y) {
     constexpr int R = RowsPerWarp<NB>::value;
+    constexpr int S = Stages<W>::value;
+    __shared__ typename W::Slot ring[DECODE_WARPS][S * R * 32];
     const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
     if ((int)blockIdx.x < shrink_blocks) {
         shrink_rows<NB, R>(lora_a, rank, K, x, batch, t_scale, t, blockIdx.x * WARPS_PER_BLOCK + warp);
         __threadfence();
@@ -111,58 +310,25 @@ __device__ void fused_kernel(const bf16* __restrict__ x, int batch, int N, int K
         if (threadIdx.x == 0) atomicAdd(counter, 1u);
         return;
     }
-    const int row0 = ((blockIdx.x - shrink_blocks) * WARPS_PER_BLOCK + warp) * R;
-    const int rows_valid = N - row0;
-    float acc[R][NB];
-    if (rows_valid > 0) {
-        warp_rows_dot<W, bf16, NB, R>(w, row0, rows_valid, x, K, batch, K, acc);
-    }
-    if (rank > 0) {
-        // Wait for every shrink block of this launch (acquire).
-        if (threadIdx.x == 0) {
-            while ((int)(atomicAdd(counter, 0u) - target) < 0) __nanosleep(64);
-            __threadfence();
-        }
-        __syncthreads();
-    }
-    if (rows_valid <= 0) return;
-    float lora[R][NB];
-    if (rank > 0) {
-        Bf16Weight b{lora_b, rank, 1.0f};
-        warp_rows_dot<Bf16Weight, float, NB, R>(b, row0, rows_valid, t, rank, batch, rank, lora);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-                if (r < rows_valid && b < batch) {
-                    float v = acc[r][b] * w.global + (rank > 0 ? lora[r][b] : 0.0f);
-                    y[(size_t)b * N + row0 + r] = __float2bfloat16_rn(v);
-                }
-    }
+    StoreGroup<W, NB, R> store{w, batch, N, rank, lora_b, t, counter, target, y, false};
+    stream_groups<W, NB, R, S>(w, x, batch, N, K, (blockIdx.x - shrink_blocks) * DECODE_WARPS + warp,
+                               (gridDim.x - shrink_blocks) * DECODE_WARPS, ring[warp], store);
 }
 
-// Unfused baseline, step 1: y = g * W x.
+// Unfused baseline, step 1: y = g * W x (the same persistent stream, no LoRA).
 template <class W, int NB>
 __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K, W w, bf16* __restrict__ y) {
     constexpr int R = RowsPerWarp<NB>::value;
-    const int row0 = (blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5)) * R;
-    if (row0 >= N) return;
-    float acc[R][NB];
-    warp_rows_dot<W, bf16, NB, R>(w, row0, N - row0, x, K, batch, K, acc);
-    if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int b = 0; b < NB; ++b)
-                if (row0 + r < N && b < batch)
-                    y[(size_t)b * N + row0 + r] = __float2bfloat16_rn(acc[r][b] * w.global);
-    }
+    constexpr int S = Stages<W>::value;
+    __shared__ typename W::Slot ring[DECODE_WARPS][S * R * 32];
+    const int warp = threadIdx.x >> 5;
+    StoreGroup<W, NB, R> store{w, batch, N, 0, nullptr, nullptr, nullptr, 0, y, true};
+    stream_groups<W, NB, R, S>(w, x, batch, N, K, blockIdx.x * DECODE_WARPS + warp, gridDim.x * DECODE_WARPS,
+                               ring[warp], store);
 }
 
 #define FORMAT_ENTRIES(NAME, WTYPE, MAKE_W, NB)                                                        \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_fused_b##NB(                              \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_fused_b##NB(                              \
         const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
         float w_global, const bf16* lora_a, const bf16* lora_b, int rank, float t_scale, float* t,     \
         unsigned int* counter, unsigned int target, int shrink_blocks, bf16* y) {                      \
@@ -170,7 +336,7 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
         fused_kernel<WTYPE, NB>(x, batch, N, K, w, lora_a, lora_b, rank, t_scale, t, counter, target, \
                                 shrink_blocks, y);                                                     \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_base_b##NB(                               \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_base_b##NB(                               \
         const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
         float w_global, bf16* y) {                                                                     \
         WTYPE w = MAKE_W;                                                                              \
@@ -191,12 +357,12 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
 // Unfused baseline, step 2: t = s * A x (grid: ceil(rank / rows per block)).
 // Step 3: y += B t (grid: ceil(N / rows per block)).
 #define LORA_ENTRIES(NB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) lora_shrink_b##NB(                                \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) lora_shrink_b##NB(                                \
         const bf16* x, int batch, int K, const bf16* lora_a, int rank, float t_scale, float* t) {       \
         shrink_rows<NB, RowsPerWarp<NB>::value>(lora_a, rank, K, x, batch, t_scale, t,                   \
                                                 blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5));      \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) lora_expand_b##NB(                                \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) lora_expand_b##NB(                                \
         const float* t, int batch, int N, const bf16* lora_b, int rank, bf16* y) {                       \
         constexpr int R = RowsPerWarp<NB>::value;                                                        \
         const int row0 = (blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5)) * R;                        \

@@ -3,6 +3,7 @@
 // columns input features, row-major.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 typedef __nv_bfloat16 bf16;
@@ -60,13 +61,120 @@ __device__ __forceinline__ void load16_x(const float* p, float* out) { load16_f3
 __device__ __forceinline__ float load1_x(const bf16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float load1_x(const float* p) { return __ldcg(p); }
 
+// ---- Decode-side chunk decoders: 16 consecutive weights of one row (k % 16 == 0) as
+// raw bits (one load), then f32 values WITHOUT the chunk's scale, which the caller
+// applies once to the chunk's dot product (16 weights share one scale in every format).
+
+// Two E4M3 codes -> two f32 through the hardware conversion (cvt.rn.f16x2.e4m3x2 on
+// sm_89+: exact, every E4M3 value is an f16 value).
+__device__ __forceinline__ float2 e4m3x2_to_float2(unsigned int pair) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// Two E2M1 codes (one byte, even element in the low nibble) -> two f32 equal to
+// 2^-14 times their values: the code's exponent+mantissa bits go under f16's (subnormal
+// E2M1 0.5 lands on the f16 subnormal 2^-15, exactly), so no multiply is needed; the
+// caller folds 2^14 into the block scale.
+__device__ __forceinline__ float2 e2m1x2_to_float2_scaled(unsigned int byte) {
+    unsigned int bits = ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) | ((byte & 0x80u) << 24);
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+struct Fp8Chunk {
+    typedef uint4 Raw;
+    static __device__ __forceinline__ Raw zero() { return make_uint4(0, 0, 0, 0); }
+    static __device__ __forceinline__ void decode(const Raw& v, float* out) {
+        const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 lo = e4m3x2_to_float2(words[i]);
+            float2 hi = e4m3x2_to_float2(words[i] >> 16);
+            out[4 * i + 0] = lo.x;
+            out[4 * i + 1] = lo.y;
+            out[4 * i + 2] = hi.x;
+            out[4 * i + 3] = hi.y;
+        }
+    }
+};
+
+struct Nvfp4Chunk {
+    typedef uint2 Raw;
+    static __device__ __forceinline__ Raw zero() { return make_uint2(0, 0); }
+    static __device__ __forceinline__ void decode(const Raw& v, float* out) {
+        const unsigned int words[2] = {v.x, v.y};
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float2 pair = e2m1x2_to_float2_scaled(words[i] >> (8 * j));
+                out[8 * i + 2 * j] = pair.x;
+                out[8 * i + 2 * j + 1] = pair.y;
+            }
+    }
+};
+
+struct Bf16Chunk {
+    struct Raw {
+        uint4 a, b;
+    };
+    static __device__ __forceinline__ Raw zero() { return Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)}; }
+    static __device__ __forceinline__ void decode(const Raw& v, float* out) {
+        unpack_bf16x2(v.a.x, out + 0);
+        unpack_bf16x2(v.a.y, out + 2);
+        unpack_bf16x2(v.a.z, out + 4);
+        unpack_bf16x2(v.a.w, out + 6);
+        unpack_bf16x2(v.b.x, out + 8);
+        unpack_bf16x2(v.b.y, out + 10);
+        unpack_bf16x2(v.b.z, out + 12);
+        unpack_bf16x2(v.b.w, out + 14);
+    }
+};
+
 // ---- Weight formats. Each has load16(row, k, out) for k % 16 == 0 (and K % 16 == 0),
 // get(row, k) for any element, and `global` (a multiplier applied to the finished sum).
 
+// ---- Asynchronous copies (sm_80+): global -> shared without passing through registers,
+// so a lane can keep several chunks in flight while it computes on earlier ones.
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 struct Bf16Weight {
+    typedef Bf16Chunk Chunk;
+    // One lane's 16 weights in the decode pipeline's shared-memory ring.
+    struct __align__(16) Slot {
+        Bf16Chunk::Raw raw;
+    };
+    __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
+        const bf16* src = w + (size_t)row * K + k;
+        cp_async16(&dst->raw.a, src);
+        cp_async16(&dst->raw.b, src + 8);
+    }
+    static __device__ __forceinline__ void clear(Slot* dst) { dst->raw = Bf16Chunk::zero(); }
+    __device__ __forceinline__ float slot_scale(const Slot&, int, int) const { return 1.0f; }
     const bf16* w;
     int K;
     float global;
+    __device__ __forceinline__ Bf16Chunk::Raw raw16(int row, int k) const {
+        const uint4* v = reinterpret_cast<const uint4*>(w + (size_t)row * K + k);
+        return Bf16Chunk::Raw{__ldg(v), __ldg(v + 1)};
+    }
+    __device__ __forceinline__ float chunk_scale(int, int) const { return 1.0f; }
     __device__ __forceinline__ void load16(int row, int k, float* out) const {
         load16_bf16(w + (size_t)row * K + k, out);
     }
@@ -77,11 +185,25 @@ struct Bf16Weight {
 
 // fp8-block128: E4M3 codes [N, K], f32 multipliers [ceil(N/128), ceil(K/128)].
 struct Fp8Block128Weight {
+    typedef Fp8Chunk Chunk;
+    struct __align__(16) Slot {
+        uint4 raw;
+    };
+    __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
+        cp_async16(&dst->raw, q + (size_t)row * K + k);
+    }
+    static __device__ __forceinline__ void clear(Slot* dst) { dst->raw = make_uint4(0, 0, 0, 0); }
+    // The 128x128 tile multipliers are few and stay in L1.
+    __device__ __forceinline__ float slot_scale(const Slot&, int row, int k) const { return scale(row, k); }
     const unsigned char* q;
     const float* scales;
     int K;
     int scale_cols;
     float global;
+    __device__ __forceinline__ uint4 raw16(int row, int k) const {
+        return __ldg(reinterpret_cast<const uint4*>(q + (size_t)row * K + k));
+    }
+    __device__ __forceinline__ float chunk_scale(int row, int k) const { return scale(row, k); }
     __device__ __forceinline__ float scale(int row, int k) const {
         return __ldg(scales + (size_t)(row >> 7) * scale_cols + (k >> 7));
     }
@@ -105,10 +227,43 @@ struct Fp8Block128Weight {
 // NVFP4 (ModelOpt): packed E2M1 [N, K/2] (even element in the low nibble), E4M3 block
 // scales [N, K/16]; `global` is weight_scale_2.
 struct Nvfp4Weight {
+    typedef Nvfp4Chunk Chunk;
+    // The block scales stream from HBM like the codes (1 byte per 16 weights), so they
+    // travel through the pipeline too: each lane copies the aligned 4-byte word holding
+    // its scale (possible when a row's scales start 4-byte aligned, K % 64 == 0; else the
+    // scale is read when the chunk is consumed).
+    struct __align__(16) Slot {
+        uint2 raw;
+        unsigned int scale_word;
+    };
+    __device__ __forceinline__ bool scale_words_aligned() const { return ((K >> 4) & 3) == 0; }
+    __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
+        cp_async8(&dst->raw, q + (size_t)row * (K >> 1) + (k >> 1));
+        if (scale_words_aligned()) {
+            const size_t index = (size_t)row * (K >> 4) + (k >> 4);
+            cp_async4(&dst->scale_word, scales + (index & ~(size_t)3));
+        }
+    }
+    static __device__ __forceinline__ void clear(Slot* dst) {
+        dst->raw = make_uint2(0, 0);
+        dst->scale_word = 0;
+    }
+    __device__ __forceinline__ float slot_scale(const Slot& slot, int row, int k) const {
+        if (scale_words_aligned()) {
+            const unsigned int byte = (slot.scale_word >> (8 * ((k >> 4) & 3))) & 0xFFu;
+            return e4m3_to_f32(byte) * 0x1p14f;
+        }
+        return chunk_scale(row, k);
+    }
     const unsigned char* q;
     const unsigned char* scales;
     int K;
     float global;
+    __device__ __forceinline__ uint2 raw16(int row, int k) const {
+        return __ldg(reinterpret_cast<const uint2*>(q + (size_t)row * (K >> 1) + (k >> 1)));
+    }
+    // Times 2^14: Nvfp4Chunk decodes to 2^-14 of the E2M1 values.
+    __device__ __forceinline__ float chunk_scale(int row, int k) const { return scale(row, k) * 0x1p14f; }
     __device__ __forceinline__ float scale(int row, int k) const {
         return e4m3_to_f32(__ldg(scales + (size_t)row * (K >> 4) + (k >> 4)));
     }
@@ -137,3 +292,4 @@ __device__ __forceinline__ float warp_sum(float v) {
     }
     return v;
 }
+

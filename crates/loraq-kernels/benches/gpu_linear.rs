@@ -5,7 +5,8 @@
 //! - `LORAQ_GPU_TABLE=path`: also write a Markdown table (time, effective GB/s, share of
 //!   the peak, fused vs unfused speedup) to `path`;
 //! - `LORAQ_GPU_PEAK_GBPS`: peak memory bandwidth of the card (default 4800, H200);
-//! - `LORAQ_GPU_TABLE_ONLY=1`: write the table and skip the criterion groups.
+//! - `LORAQ_GPU_TABLE_ONLY=1`: write the table and skip the criterion groups;
+//! - `LORAQ_GPU_BATCHES=1,4`: only these batch sizes in the table.
 //!
 //! Skips (prints why) without a CUDA driver or NVRTC.
 
@@ -27,6 +28,15 @@ const SHAPES: [(&str, usize, usize); 4] = [
 ];
 const BATCHES: [usize; 4] = [1, 4, 16, 128];
 const RANK: usize = 256;
+
+/// [`BATCHES`], or the comma-separated list in `LORAQ_GPU_BATCHES` (for probe runs).
+fn batches() -> Vec<usize> {
+    std::env::var("LORAQ_GPU_BATCHES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect())
+        .filter(|b: &Vec<usize>| !b.is_empty())
+        .unwrap_or_else(|| BATCHES.to_vec())
+}
 
 fn random_bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8) -> Vec<u8> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -155,7 +165,7 @@ fn write_table(backend: &CudaBackend, path: &str) {
             let mut copies: Vec<GpuLinear> =
                 (0..count).map(|_| backend.upload(&l).unwrap()).collect();
             let weight_bytes = copies[0].weight_bytes();
-            for batch in BATCHES {
+            for batch in batches() {
                 let x = backend
                     .upload_activations(&vec![0.5f32; batch * in_dim])
                     .unwrap();
@@ -185,6 +195,44 @@ fn write_table(backend: &CudaBackend, path: &str) {
     }
     std::fs::write(path, md).unwrap();
     eprintln!("wrote {path}");
+}
+
+/// Batch-1 fused time with the persistent decode grid capped at 1, 2 and 4 blocks per SM
+/// against the default (as many as are co-resident), appended to the table: how much
+/// in-flight data the stream needs.
+fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
+    let mut md = std::fs::read_to_string(path).unwrap_or_default();
+    writeln!(
+        md,
+        "\nBatch-1 fused decode time (us) by warps per block (default: chosen per launch):\n"
+    )
+    .unwrap();
+    writeln!(
+        md,
+        "| base | shape | default | 2 warps | 4 warps | 8 warps |"
+    )
+    .unwrap();
+    writeln!(md, "|---|---|---:|---:|---:|---:|").unwrap();
+    for format in ["fp8-block128", "nvfp4"] {
+        for (name, out_dim, in_dim) in SHAPES {
+            let l = linear(format, out_dim, in_dim);
+            let count = ROTATION_BYTES.div_ceil(l.weight_bytes()).max(2);
+            let mut copies: Vec<GpuLinear> =
+                (0..count).map(|_| backend.upload(&l).unwrap()).collect();
+            let x = backend.upload_activations(&vec![0.5f32; in_dim]).unwrap();
+            let mut y = backend.alloc_output(out_dim).unwrap();
+            let mut row = format!("| {format} | {name} |");
+            for blocks in [None, Some(1), Some(2), Some(4)] {
+                backend.set_decode_blocks_per_sm(blocks);
+                let t = time_ms(backend, &mut copies, &x, 1, &mut y, GpuMode::Fused);
+                write!(row, " {:.1} |", t * 1e3).unwrap();
+            }
+            backend.set_decode_blocks_per_sm(None);
+            writeln!(md, "{row}").unwrap();
+            eprintln!("{row}");
+        }
+    }
+    std::fs::write(path, md).unwrap();
 }
 
 fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
@@ -222,7 +270,7 @@ fn main() {
         eprintln!("gpu_linear: skipped: no CUDA driver or device");
         return;
     }
-    let Some(backend) = CudaBackend::open_default(0).unwrap() else {
+    let Some(mut backend) = CudaBackend::open_default(0).unwrap() else {
         eprintln!(
             "gpu_linear: skipped: no NVRTC and no cubins (set LORAQ_CUDA_WHEELS, CUDA_HOME or LORAQ_CUBIN_DIR)"
         );
@@ -230,6 +278,7 @@ fn main() {
     };
     if let Ok(path) = std::env::var("LORAQ_GPU_TABLE") {
         write_table(&backend, &path);
+        explore_decode_grid(&mut backend, &path);
     }
     if std::env::var("LORAQ_GPU_TABLE_ONLY").is_ok_and(|v| v == "1") {
         return;

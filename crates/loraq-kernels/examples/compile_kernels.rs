@@ -3,7 +3,8 @@
 //!
 //! `cargo run --release -p loraq-kernels --example compile_kernels -- OUT_DIR [ARCH...]`
 //! (default archs: sm_90a sm_100a sm_120a). NVRTC is found through `LORAQ_CUDA_WHEELS`,
-//! `CUDA_HOME`, `CUDA_PATH` or `/usr/local/cuda`.
+//! `CUDA_HOME`, `CUDA_PATH` or `/usr/local/cuda`. `LORAQ_NVRTC_OPTIONS` (space-separated,
+//! e.g. `-DLORAQ_DECODE_PROBE=1`) adds NVRTC options.
 
 use loraq_kernels::nvrtc::{KERNELS, Nvrtc, NvrtcLocation};
 use std::path::PathBuf;
@@ -21,10 +22,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let location =
         NvrtcLocation::discover().ok_or("no NVRTC: set LORAQ_CUDA_WHEELS or CUDA_HOME")?;
     let nvrtc = Nvrtc::load(location)?;
+    let options: Vec<String> = std::env::var("LORAQ_NVRTC_OPTIONS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(String::from)
+        .collect();
     std::fs::create_dir_all(&out)?;
     for kernel in KERNELS {
         for arch in &archs {
-            let compiled = nvrtc.compile(kernel, arch)?;
+            let compiled = nvrtc.compile_with_options(kernel, arch, &options)?;
             let path = out.join(format!("{}.{arch}.cubin", kernel.file));
             std::fs::write(&path, &compiled.cubin)?;
             eprintln!("wrote {} ({} bytes)", path.display(), compiled.cubin.len());

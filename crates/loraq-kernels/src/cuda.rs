@@ -17,8 +17,9 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Environment variable naming a directory of precompiled cubins (see
 /// [`CudaBackend::from_cubin_dir`]).
@@ -29,6 +30,8 @@ pub const DECODE_MAX_BATCH: usize = 16;
 /// Token counts the decode kernels are instantiated for (`lora_decode.cu`).
 const DECODE_BATCHES: [usize; 3] = [1, 4, 16];
 const TC_TILE: usize = 64;
+/// Threads of a decode block (`DECODE_WARPS` in lora_decode.cu).
+const DECODE_THREADS: u32 = 128;
 
 fn driver_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
     move |e| KernelError::Cuda {
@@ -76,31 +79,14 @@ pub struct CudaBackend {
     arch: String,
     name: String,
     sm_count: usize,
+    /// Cap on resident decode blocks per SM (benchmark exploration); `None`: as many as
+    /// the kernel's occupancy allows.
+    decode_blocks_per_sm: Option<u32>,
+    /// Loaded decode kernels with their occupancy (blocks per SM at 128 threads).
+    decode_functions: Mutex<HashMap<String, (CudaFunction, u32)>>,
 }
 
 impl CudaBackend {
-    /// Warps per block (8, 4 or 2) for a decode launch over `warp_tasks` warps of rows:
-    /// all blocks are resident at once, so the slowest SM sets the time; pick the size
-    /// whose block count divides most evenly over the SMs (ties: larger blocks).
-    fn decode_warps_per_block(&self, warp_tasks: usize) -> usize {
-        let sms = self.sm_count.max(1);
-        let balance = |warps: usize| {
-            let blocks = warp_tasks.div_ceil(warps);
-            blocks as f64 / (sms * blocks.div_ceil(sms)) as f64
-        };
-        [8, 4, 2]
-            .into_iter()
-            .fold((8, -1.0), |(best, best_balance), w| {
-                let b = balance(w);
-                if b > best_balance + 0.02 {
-                    (w, b)
-                } else {
-                    (best, best_balance)
-                }
-            })
-            .0
-    }
-
     /// Opens device `ordinal` and compiles the kernels for it with NVRTC.
     pub fn new(ordinal: usize, nvrtc: &Nvrtc) -> Result<Self> {
         Self::with_images(ordinal, |kernel, arch| {
@@ -169,7 +155,15 @@ impl CudaBackend {
             arch,
             name,
             sm_count,
+            decode_blocks_per_sm: None,
+            decode_functions: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Caps the resident blocks per SM of the persistent decode kernels (`None`: as
+    /// many as their occupancy allows). For benchmarks comparing launch shapes.
+    pub fn set_decode_blocks_per_sm(&mut self, blocks: Option<u32>) {
+        self.decode_blocks_per_sm = blocks.map(|b| b.max(1));
     }
 
     /// Device name.
@@ -192,10 +186,32 @@ impl CudaBackend {
         &self.ctx
     }
 
-    fn decode_fn(&self, name: &str) -> Result<CudaFunction> {
-        self.decode
-            .load_function(name)
-            .map_err(driver_err("loading a decode kernel"))
+    /// A decode kernel and the number of its 128-thread blocks that are co-resident on
+    /// the whole device (occupancy x SMs, capped by `set_decode_blocks_per_sm`).
+    fn decode_fn(&self, name: &str) -> Result<(CudaFunction, usize)> {
+        let mut cache = self
+            .decode_functions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (function, per_sm) = match cache.get(name) {
+            Some(entry) => entry.clone(),
+            None => {
+                let function = self
+                    .decode
+                    .load_function(name)
+                    .map_err(driver_err("loading a decode kernel"))?;
+                let per_sm = function
+                    .occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None)
+                    .map_err(driver_err("querying a decode kernel's occupancy"))?
+                    .max(1);
+                cache.insert(name.to_string(), (function.clone(), per_sm));
+                (function, per_sm)
+            }
+        };
+        let per_sm = self
+            .decode_blocks_per_sm
+            .map_or(per_sm, |cap| cap.min(per_sm));
+        Ok((function, per_sm as usize * self.sm_count.max(1)))
     }
 
     fn prefill_fn(&self, name: &str) -> Result<CudaFunction> {
@@ -413,23 +429,27 @@ impl GpuLinear {
             .copied()
             .find(|&b| b >= batch)
             .unwrap_or(DECODE_MAX_BATCH);
-        let rows_per_warp = if nb <= 4 { 4 } else { 2 };
-        let warps = backend.decode_warps_per_block(self.n.div_ceil(rows_per_warp));
+        // Mirrors RowsPerWarp in lora_decode.cu.
+        let rows_per_warp = if nb <= 4 { 2 } else { 1 };
+        let warps = DECODE_THREADS as usize / 32;
         let rows_per_block = warps * rows_per_warp;
-        let threads = (warps * 32) as u32;
+        let threads = DECODE_THREADS;
         let (batch_i, n_i, k_i) = (
             as_i32(batch, "batch")?,
             as_i32(self.n, "out_dim")?,
             as_i32(self.k, "in_dim")?,
         );
-        let base_blocks = self.n.div_ceil(rows_per_block);
+        // Blocks the base stream needs at most (one row group per warp).
+        let needed_blocks = self.n.div_ceil(rows_per_block);
         let stream = &backend.stream;
         let launch = driver_err("launching a decode kernel");
         match (mode, &self.lora) {
             (GpuMode::Fused, lora) => {
-                let f = backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
+                let (f, resident) = backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
                 let (rank, scale) = lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
                 let shrink_blocks = rank.div_ceil(rows_per_block);
+                // Every block co-resident: the base blocks wait for the shrink blocks.
+                let base_blocks = needed_blocks.min(resident.saturating_sub(shrink_blocks).max(1));
                 self.counter_value = self.counter_value.wrapping_add(shrink_blocks as u32);
                 let (rank_i, shrink_i) = (
                     as_i32(rank, "rank")?,
@@ -464,7 +484,8 @@ impl GpuLinear {
                     .map_err(&launch)?;
             }
             (GpuMode::Unfused, lora) => {
-                let f = backend.decode_fn(&format!("{}_base_b{nb}", self.format))?;
+                let (f, resident) = backend.decode_fn(&format!("{}_base_b{nb}", self.format))?;
+                let base_blocks = needed_blocks.min(resident);
                 let mut builder = stream.launch_builder(&f);
                 builder
                     .arg(x)
@@ -479,7 +500,7 @@ impl GpuLinear {
                 unsafe { builder.launch(grid_1d(base_blocks, threads)) }.map_err(&launch)?;
                 if let Some(l) = lora {
                     let rank_i = as_i32(l.rank, "rank")?;
-                    let shrink = backend.decode_fn(&format!("lora_shrink_b{nb}"))?;
+                    let (shrink, _) = backend.decode_fn(&format!("lora_shrink_b{nb}"))?;
                     let mut builder = stream.launch_builder(&shrink);
                     builder
                         .arg(x)
@@ -492,7 +513,7 @@ impl GpuLinear {
                     // SAFETY: matches `lora_shrink_b{NB}`.
                     unsafe { builder.launch(grid_1d(l.rank.div_ceil(rows_per_block), threads)) }
                         .map_err(&launch)?;
-                    let expand = backend.decode_fn(&format!("lora_expand_b{nb}"))?;
+                    let (expand, _) = backend.decode_fn(&format!("lora_expand_b{nb}"))?;
                     let mut builder = stream.launch_builder(&expand);
                     builder
                         .arg(&self.t)
@@ -502,7 +523,7 @@ impl GpuLinear {
                         .arg(&rank_i)
                         .arg(y);
                     // SAFETY: matches `lora_expand_b{NB}`.
-                    unsafe { builder.launch(grid_1d(base_blocks, threads)) }.map_err(&launch)?;
+                    unsafe { builder.launch(grid_1d(needed_blocks, threads)) }.map_err(&launch)?;
                 }
             }
         }

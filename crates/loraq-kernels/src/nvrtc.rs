@@ -230,6 +230,17 @@ impl Nvrtc {
     /// Compiles `kernel` to a cubin for `arch` (e.g. `sm_90a`), with the shared header
     /// available as `#include "loraq_common.cuh"`.
     pub fn compile(&self, kernel: &KernelSource, arch: &str) -> Result<CompiledKernel> {
+        self.compile_with_options(kernel, arch, &[])
+    }
+
+    /// [`Nvrtc::compile`] with extra NVRTC options (e.g. `-DNAME=VALUE` for the
+    /// benchmark probes of `lora_decode.cu`).
+    pub fn compile_with_options(
+        &self,
+        kernel: &KernelSource,
+        arch: &str,
+        extra_options: &[String],
+    ) -> Result<CompiledKernel> {
         let fail = |status: String, log: String| KernelError::NvrtcCompile {
             kernel: kernel.file.to_string(),
             arch: arch.to_string(),
@@ -249,6 +260,9 @@ impl Nvrtc {
         ];
         for dir in &self.location.include_dirs {
             options.push(nul(&format!("--include-path={}", dir.display()))?);
+        }
+        for option in extra_options {
+            options.push(nul(option)?);
         }
         let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
         let mut program: Program = std::ptr::null_mut();
