@@ -1,38 +1,41 @@
 // Decode-shaped (batch 1..16) quantized-base + LoRA linears: y = g * W x + B (s * A x).
 //
-// One warp owns R consecutive output rows; each lane streams 16 weights of every row
-// per step (16-byte fp8 / 8-byte nvfp4 / 32-byte bf16 loads, a warp covers 512 inputs),
-// dequantizes them in registers (fp8 through the hardware E4M3 -> f16 conversion, NVFP4
-// through f16 bit placement) and multiplies them into all NB tokens' accumulators, the
-// chunk's scale applied once per 16 weights. x (bf16) is re-read from L1/L2, the weight
-// exactly once.
+// Base stream: persistent warps (the grid is what is co-resident). A warp owns row groups
+// of R rows, g = warp, warp + warps_total, ...; each lane streams 16 weights of every row
+// per step (16-byte fp8 / 8-byte nvfp4 / 32-byte bf16 chunks, a warp covers 512 inputs)
+// through a per-lane shared-memory ring filled by cp.async, S - 1 steps ahead and across
+// group boundaries, so HBM stays busy while the warp decodes, reduces and writes. The
+// chunk is dequantized in registers (fp8 through the hardware E4M3 -> f16 conversion,
+// NVFP4 through f16 bit placement, its block scales riding in the ring too) and
+// multiplied into all NB tokens' accumulators, the chunk's scale applied once per 16
+// weights. x (bf16) is re-read from L1, the weight exactly once.
 //
 // Fused kernels are ONE launch: the first `shrink_blocks` blocks compute the LoRA
 // intermediate t = s * A x (f32, [batch, rank]) and publish it with a release counter;
-// the other blocks stream their base rows first and only then wait for the counter,
-// so the shrink overlaps the base stream. The counter is never reset: the host passes
-// the value it will have reached when this launch's shrink is complete (`target`).
-// Shrink blocks have the lowest indices and never wait, so they are always scheduled
-// and the wait cannot deadlock.
+// the other blocks stream the base and fold the expand into each group's output write,
+// waiting for the counter once, before their first expand, so the shrink overlaps the
+// base stream. Each group's B rows are loaded when the group starts and used when it
+// ends, so no load of the expand waits behind the weight stream. The counter is never
+// reset: the host passes the value it will have reached when this launch's shrink is
+// complete (`target`). All blocks are co-resident (host), so the wait cannot deadlock.
 #include "loraq_common.cuh"
 
-// Warps per block are chosen by the host (2, 4 or 8) to spread the rows evenly over
-// the SMs; every index below derives from blockDim.
+// Blocks are DECODE_WARPS (4) warps; the shrink and expand kernels derive their indices
+// from blockDim.
 #define WARPS_PER_BLOCK ((int)(blockDim.x >> 5))
 
-// Rows per warp: two at batch <= 4 (two 16-byte weight loads in flight per lane, plus
-// the next step's two: enough to keep HBM busy at half occupancy), one at batch 16,
-// whose accumulators need the registers. The host mirrors this (cuda.rs).
+// Rows per warp: two at batch <= 4 (two 16-byte weight copies per lane and step), one at
+// batch 16, whose accumulators need the registers. The host mirrors this (cuda.rs).
 template <int NB>
 struct RowsPerWarp {
     static constexpr int value = NB <= 4 ? 2 : 1;
 };
 
-// Blocks per SM the register allocation must allow (128-thread blocks): 64 registers
-// at batch 1, 85 at 4, 128 at 16.
+// Blocks per SM the register allocation must allow (128-thread blocks): 85 registers
+// at batch 1, 102 at 4, 128 at 16.
 template <int NB>
 struct MinBlocks {
-    static constexpr int value = NB == 1 ? 8 : (NB <= 4 ? 6 : 4);
+    static constexpr int value = NB == 1 ? 6 : (NB <= 4 ? 5 : 4);
 };
 
 // acc[r][b] = sum_k W[row0 + r, k] * x[b, k] (warp-reduced, valid in every lane), W
@@ -132,67 +135,81 @@ __device__ __forceinline__ void shrink_rows(const bf16* lora_a, int rank, int K,
 #define LORAQ_DECODE_PROBE 0
 #endif
 
-// Stages of the per-lane shared-memory ring of the base stream: 6 x 16-byte slots per
-// row and lane (bf16 slots are 32 bytes: 3). 24 KB per 4-warp block at two rows per warp.
+// Stages of the per-lane shared-memory ring of the base stream: 4 x 16-byte slots per
+// row and lane (bf16 slots are 32 bytes: 3), i.e. three chunks per row in flight. More
+// only lengthens the memory queue: every load that is not in the ring (x, the fp8 tile
+// scales, the LoRA operands) then waits behind it.
 template <class W>
 struct Stages {
-    static constexpr int value = sizeof(typename W::Slot) > 16 ? 3 : 6;
+    static constexpr int value = sizeof(typename W::Slot) > 16 ? 3 : 4;
+};
+
+// Position in a warp's sequence of (row group, chunk) steps, advanced without division.
+struct StreamCursor {
+    int group, chunk;
+    __device__ __forceinline__ void advance(int steps_per_group, int warps_total) {
+        if (++chunk == steps_per_group) {
+            chunk = 0;
+            group += warps_total;
+        }
+    }
 };
 
 // The base stream of one warp: row groups g = warp_id, warp_id + warps_total, ... (R rows
 // each), every row's chunks in order, as ONE software pipeline across group boundaries:
-// each lane keeps S - 1 chunk copies (cp.async) in flight ahead of the chunk it decodes,
-// so HBM stays busy through each group's reduction and LoRA expand. A lane only reads
-// the slots it copied itself (no block barrier). After the last chunk of a group,
-// on_group(g, acc) runs with acc warp-reduced and valid in every lane.
-template <class W, int NB, int R, int S, class OnGroup>
+// each lane keeps S - 1 chunk copies (cp.async) in flight ahead of the chunk it decodes.
+// A lane only reads the slots it copied itself (no block barrier). When a group starts,
+// hook.begin(g) runs (the LoRA expand prefetches its B rows there, so they arrive during
+// the group's stream); after its last chunk, hook.end(g, acc) runs with acc warp-reduced
+// and valid in every lane.
+template <class W, int NB, int R, int S, class Hook>
 __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict__ x, int batch, int N, int K,
-                                              int warp_id, int warps_total, typename W::Slot* ring,
-                                              OnGroup& on_group) {
+                                              int warp_id, int warps_total, typename W::Slot* ring, Hook& hook) {
     typedef typename W::Slot Slot;
     const int lane = threadIdx.x & 31;
     const int groups = (N + R - 1) / R;
     if (warp_id >= groups) return;
-    const int my_groups = (groups - 1 - warp_id) / warps_total + 1;
     const int steps_per_group = (K + 511) / 512;
-    const int total = my_groups * steps_per_group;
     // ring layout: [S][R][32 lanes]
-    auto issue = [&](int s) {
-        if (s < total) {
-            const int g = warp_id + (s / steps_per_group) * warps_total;
-            const int k = (s % steps_per_group) * 512 + lane * 16;
-            Slot* slots = ring + (size_t)((s % S) * R) * 32 + lane;
+    StreamCursor fill{warp_id, 0};
+    auto issue = [&](int stage) {
+        if (fill.group < groups) {
+            const int k = fill.chunk * 512 + lane * 16;
+            Slot* slots = ring + stage * R * 32 + lane;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const int row = g * R + r;
+                const int row = fill.group * R + r;
                 if (row < N && k < K) {
                     w.issue(slots + r * 32, row, k);
                 } else {
                     W::clear(slots + r * 32);
                 }
             }
+            fill.advance(steps_per_group, warps_total);
         }
         // Empty groups too: the wait below counts groups.
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) issue(s);
+    for (int stage = 0; stage < S - 1; ++stage) issue(stage);
     float acc[R][NB];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
-    for (int s = 0; s < total; ++s) {
+    int stage = 0;
+    for (StreamCursor at{warp_id, 0}; at.group < groups; at.advance(steps_per_group, warps_total)) {
         cp_async_wait<S - 2>();
         Slot slot[R];
-        const Slot* slots = ring + (size_t)((s % S) * R) * 32 + lane;
+        const Slot* slots = ring + stage * R * 32 + lane;
 #pragma unroll
         for (int r = 0; r < R; ++r) slot[r] = slots[r * 32];
         // Refills the slot consumed one step ago.
-        issue(s + S - 1);
-        const int c = s % steps_per_group;
-        const int g = warp_id + (s / steps_per_group) * warps_total;
-        const int k = c * 512 + lane * 16;
+        issue(stage == 0 ? S - 1 : stage - 1);
+        stage = stage == S - 1 ? 0 : stage + 1;
+        const int g = at.group;
+        if (at.chunk == 0) hook.begin(g);
+        const int k = at.chunk * 512 + lane * 16;
         if (k < K) {
             float scale[R];
             float wv[R][16];
@@ -228,14 +245,14 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
             }
 #endif
         }
-        if (c == steps_per_group - 1) {
+        if (at.chunk == steps_per_group - 1) {
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     acc[r][b] = warp_sum(acc[r][b]);
                 }
-            on_group(g, acc);
+            hook.end(g, acc);
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -248,7 +265,13 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
 // Decode blocks are 4 warps; the ring is sized for them.
 #define DECODE_WARPS 4
 
-// Writes a finished group: y = g * acc (+ the LoRA expand B t, when t is given).
+// Writes a finished group: y = g * acc (+ the LoRA expand B t when rank > 0).
+//
+// The expand's operands never wait behind the weight stream: for rank % 16 == 0 and
+// rank <= 512, lane l's 16 entries of each B row are loaded when the group starts
+// (begin) and used when it ends; t is read after the acquire through L1 (no block on
+// this SM has touched t in this launch before the acquire, so L1 cannot hold a stale
+// copy; later warps of the SM hit).
 template <class W, int NB, int R>
 struct StoreGroup {
     const W& w;
@@ -259,7 +282,27 @@ struct StoreGroup {
     unsigned int target;
     bf16* y;
     bool waited;
-    __device__ __forceinline__ void operator()(int g, float (&acc)[R][NB]) {
+    Bf16Chunk::Raw b_rows[R];
+
+    __device__ __forceinline__ bool prefetched() const { return (rank & 15) == 0 && rank <= 512; }
+
+    __device__ __forceinline__ void begin(int g) {
+        if (rank > 0 && prefetched()) {
+            const int lane = threadIdx.x & 31;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = g * R + r;
+                if (row < N && lane * 16 < rank) {
+                    const uint4* src = reinterpret_cast<const uint4*>(lora_b + (size_t)row * rank + lane * 16);
+                    b_rows[r] = Bf16Chunk::Raw{__ldg(src), __ldg(src + 1)};
+                } else {
+                    b_rows[r] = Bf16Chunk::zero();
+                }
+            }
+        }
+    }
+
+    __device__ __forceinline__ void end(int g, float (&acc)[R][NB]) {
         const int lane = threadIdx.x & 31;
         const int row0 = g * R;
         float lora[R][NB];
@@ -274,8 +317,39 @@ struct StoreGroup {
                 __syncwarp();
                 waited = true;
             }
-            Bf16Weight b{lora_b, rank, 1.0f};
-            warp_rows_dot<Bf16Weight, float, NB, R>(b, row0, N - row0, t, rank, batch, rank, lora);
+            if (prefetched()) {
+                float bv[R][16];
+#pragma unroll
+                for (int r = 0; r < R; ++r) Bf16Chunk::decode(b_rows[r], bv[r]);
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    float tv[16];
+                    if (b < batch && lane * 16 < rank) {
+                        const float4* src = reinterpret_cast<const float4*>(t + (size_t)b * rank + lane * 16);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            float4 q = __ldca(src + i);
+                            tv[4 * i] = q.x;
+                            tv[4 * i + 1] = q.y;
+                            tv[4 * i + 2] = q.z;
+                            tv[4 * i + 3] = q.w;
+                        }
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) tv[i] = 0.0f;
+                    }
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float dot = 0.0f;
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) dot = fmaf(bv[r][i], tv[i], dot);
+                        lora[r][b] = warp_sum(dot);
+                    }
+                }
+            } else {
+                Bf16Weight b{lora_b, rank, 1.0f};
+                warp_rows_dot<Bf16Weight, float, NB, R>(b, row0, N - row0, t, rank, batch, rank, lora);
+            }
         }
         if (lane == 0) {
 #pragma unroll
@@ -310,7 +384,7 @@ __device__ void fused_kernel(const bf16* __restrict__ x, int batch, int N, int K
         if (threadIdx.x == 0) atomicAdd(counter, 1u);
         return;
     }
-    StoreGroup<W, NB, R> store{w, batch, N, rank, lora_b, t, counter, target, y, false};
+    StoreGroup<W, NB, R> store{w, batch, N, rank, lora_b, t, counter, target, y, false, {}};
     stream_groups<W, NB, R, S>(w, x, batch, N, K, (blockIdx.x - shrink_blocks) * DECODE_WARPS + warp,
                                (gridDim.x - shrink_blocks) * DECODE_WARPS, ring[warp], store);
 }
@@ -322,7 +396,7 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
     constexpr int S = Stages<W>::value;
     __shared__ typename W::Slot ring[DECODE_WARPS][S * R * 32];
     const int warp = threadIdx.x >> 5;
-    StoreGroup<W, NB, R> store{w, batch, N, 0, nullptr, nullptr, nullptr, 0, y, true};
+    StoreGroup<W, NB, R> store{w, batch, N, 0, nullptr, nullptr, nullptr, 0, y, true, {}};
     stream_groups<W, NB, R, S>(w, x, batch, N, K, blockIdx.x * DECODE_WARPS + warp, gridDim.x * DECODE_WARPS,
                                ring[warp], store);
 }

@@ -204,12 +204,12 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
     let mut md = std::fs::read_to_string(path).unwrap_or_default();
     writeln!(
         md,
-        "\nBatch-1 fused decode time (us) by warps per block (default: chosen per launch):\n"
+        "\nBatch-1 fused decode time (us) by resident 4-warp blocks per SM (default: all that fit):\n"
     )
     .unwrap();
     writeln!(
         md,
-        "| base | shape | default | 2 warps | 4 warps | 8 warps |"
+        "| base | shape | default | 1 per SM | 2 per SM | 4 per SM |"
     )
     .unwrap();
     writeln!(md, "|---|---|---:|---:|---:|---:|").unwrap();
