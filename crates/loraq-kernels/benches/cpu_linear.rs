@@ -6,6 +6,10 @@
 //!   and nvfp4 bases: the fused path, dequantize-then-multiply (dequantizing every call),
 //!   and multiplying by a pre-dequantized f32 weight. Throughput = weight bytes the fused
 //!   path reads (codes + scales + both LoRA factors), so the figures are effective GB/s.
+//! - `decode` also runs `lora_phased`: the same kernels with the LoRA shrink as its own
+//!   parallel pass before the base pass (the schedule before fusion).
+//! - `decode_l2_resident`: one thread over a 256x2048 weight that stays in L2: the decode
+//!   loop's instruction throughput, the ceiling a core reaches when DRAM is not the limit.
 //! - `prefill`: 128 tokens at 6144x5120 + rank 256: throughput in elements = multiply-adds,
 //!   so GFLOP/s = 2 x the reported Gelem/s.
 //!
@@ -14,7 +18,8 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, CpuOptions, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, QuantLoraLinear,
+    BaseWeight, CpuOptions, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, Parallelism,
+    QuantLoraLinear,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -38,7 +43,10 @@ fn no_nan_e4m3(b: u8) -> u8 {
     if b & 0x7F == 0x7F { b ^ 1 } else { b }
 }
 
-fn lora(out_dim: usize, in_dim: usize, rank: usize) -> LoraAdapter {
+fn lora(out_dim: usize, in_dim: usize, rank: usize) -> Option<LoraAdapter> {
+    if rank == 0 {
+        return None;
+    }
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let a = (0..rank * in_dim)
         .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
@@ -46,7 +54,7 @@ fn lora(out_dim: usize, in_dim: usize, rank: usize) -> LoraAdapter {
     let b = (0..out_dim * rank)
         .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
         .collect();
-    LoraAdapter::new(rank, in_dim, out_dim, a, b, 1.0).unwrap()
+    Some(LoraAdapter::new(rank, in_dim, out_dim, a, b, 1.0).unwrap())
 }
 
 fn fp8_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
@@ -54,14 +62,14 @@ fn fp8_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
     let scales = vec![1e-3f32; out_dim.div_ceil(128) * in_dim.div_ceil(128)];
     let base =
         BaseWeight::Fp8Block128(Fp8Block128Weight::new(out_dim, in_dim, codes, scales).unwrap());
-    QuantLoraLinear::new(base, Some(lora(out_dim, in_dim, rank))).unwrap()
+    QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
 }
 
 fn nvfp4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
     let packed = random_bytes(out_dim * in_dim / 2, 2, |b| b);
     let scales = random_bytes(out_dim * in_dim / 16, 3, |b| 0x30 + (b & 0x0F));
     let base = BaseWeight::Nvfp4(Nvfp4Weight::new(out_dim, in_dim, packed, scales, 1e-3).unwrap());
-    QuantLoraLinear::new(base, Some(lora(out_dim, in_dim, rank))).unwrap()
+    QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
 }
 
 fn activations(len: usize) -> Vec<f32> {
@@ -115,6 +123,13 @@ fn decode(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("fused", name), |b| {
             b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
         });
+        group.bench_function(BenchmarkId::new("lora_phased", name), |b| {
+            b.iter(|| {
+                linear
+                    .forward_lora_phased(black_box(&x), 1, &mut y, opts)
+                    .unwrap()
+            })
+        });
         group.bench_function(BenchmarkId::new("dequantize_then_multiply", name), |b| {
             b.iter(|| {
                 let dense = linear.dequantize_base(opts);
@@ -130,6 +145,32 @@ fn decode(c: &mut Criterion) {
                     .forward_dense_baseline(&dense, black_box(&x), 1, &mut y, opts)
                     .unwrap()
             })
+        });
+    }
+    group.finish();
+}
+
+fn decode_compute(c: &mut Criterion) {
+    // 256 KiB - 512 KiB of codes: L2-resident, so the time is the decode loop's
+    // instructions, not DRAM; one thread, no LoRA.
+    let (out_dim, in_dim) = (256, 2048);
+    let opts = CpuOptions {
+        isa: None,
+        parallelism: Parallelism::Sequential,
+    };
+    let x = activations(in_dim);
+    let mut group = c.benchmark_group("decode_l2_resident_256x2048_b1_1thread");
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(2));
+    for (name, linear) in [
+        ("fp8-block128", fp8_linear(out_dim, in_dim, 0)),
+        ("nvfp4", nvfp4_linear(out_dim, in_dim, 0)),
+    ] {
+        group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
+        let mut y = vec![0f32; out_dim];
+        group.bench_function(BenchmarkId::new("fused", name), |b| {
+            b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
         });
     }
     group.finish();
@@ -158,5 +199,5 @@ fn prefill(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, memory_read, decode, prefill);
+criterion_group!(benches, memory_read, decode, decode_compute, prefill);
 criterion_main!(benches);

@@ -142,7 +142,25 @@ impl QuantLoraLinear {
     pub fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) -> Result<()> {
         self.check_io(x, batch, y)?;
         if batch > 0 {
-            cpu::forward(self, x, batch, y, opts)?;
+            cpu::forward(self, x, batch, y, opts, cpu::Schedule::Fused)?;
+        }
+        Ok(())
+    }
+
+    /// As [`Self::forward`], but on the decode path (batch <= 8) the LoRA shrink runs as
+    /// its own parallel pass before the base pass instead of inside it: the schedule
+    /// before fusion, kept so the benches can measure what fusing it gives. Same
+    /// arithmetic, same result bits.
+    pub fn forward_lora_phased(
+        &self,
+        x: &[f32],
+        batch: usize,
+        y: &mut [f32],
+        opts: CpuOptions,
+    ) -> Result<()> {
+        self.check_io(x, batch, y)?;
+        if batch > 0 {
+            cpu::forward(self, x, batch, y, opts, cpu::Schedule::Phased)?;
         }
         Ok(())
     }

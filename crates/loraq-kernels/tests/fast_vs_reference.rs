@@ -6,8 +6,13 @@ mod common;
 
 use common::{FORMATS, Format, assert_close, legal_in_dim, random_activations, random_linear};
 use loraq_kernels::reference::forward_reference_with_magnitude;
-use loraq_kernels::{ActivationQuant, CpuOptions, Isa, Parallelism};
+use loraq_kernels::{
+    ActivationQuant, BaseWeight, CpuOptions, Fp8Block128Weight, Isa, Nvfp4Weight, Parallelism,
+    QuantLoraLinear,
+};
 use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 /// f32 accumulation over at most a few thousand terms stays far inside this; bf16
 /// tolerance (2^-8 of the magnitude) is 16x looser.
@@ -138,6 +143,115 @@ fn dense_baseline_matches_reference() {
                 &magnitude,
                 REL_TOL,
                 &format!("dense baseline {format:?} batch {batch}"),
+            );
+        }
+    }
+}
+
+/// The phased schedule (LoRA shrink as its own pass, what the benches compare the fused
+/// region with) runs the same arithmetic: same result bits.
+#[test]
+fn lora_phased_schedule_gives_the_same_bits() {
+    for format in FORMATS {
+        for batch in [1, 3, 8, 20] {
+            let in_dim = legal_in_dim(format, 272);
+            let linear = random_linear(format, 300, in_dim, 37, 5);
+            let x = random_activations(batch * in_dim, 5);
+            for isa in Isa::available() {
+                let opts = CpuOptions {
+                    isa: Some(isa),
+                    parallelism: Parallelism::Rayon,
+                };
+                let mut fused = vec![0f32; batch * 300];
+                let mut phased = vec![0f32; batch * 300];
+                linear.forward(&x, batch, &mut fused, opts).unwrap();
+                linear
+                    .forward_lora_phased(&x, batch, &mut phased, opts)
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&fused),
+                    bits(&phased),
+                    "{format:?} batch {batch} {}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
+
+fn check_linear(linear: &QuantLoraLinear, batch: usize, x: &[f32], context: &str) {
+    let (want, magnitude) = forward_reference_with_magnitude(linear, x, batch).unwrap();
+    for isa in Isa::available() {
+        let opts = CpuOptions {
+            isa: Some(isa),
+            parallelism: Parallelism::Rayon,
+        };
+        let mut y = vec![f32::NAN; batch * linear.out_dim()];
+        linear.forward(x, batch, &mut y, opts).unwrap();
+        assert_close(
+            &y,
+            &want,
+            &magnitude,
+            REL_TOL,
+            &format!("{context} {}", isa.name()),
+        );
+    }
+}
+
+/// fp8 tile multipliers >= 2^8 and activations near 1e20: the banded decode scales the
+/// activation by `s * 2^(120 - e)` and must pick `e > 0` to stay finite.
+#[test]
+fn fp8_large_scales_and_activations_stay_finite() {
+    let (out_dim, in_dim) = (260, 300);
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let codes = (0..out_dim * in_dim)
+        .map(|_| {
+            loop {
+                let c: u8 = rng.random();
+                if c & 0x7F != 0x7F {
+                    break c;
+                }
+            }
+        })
+        .collect();
+    let scales = (0..3 * 3).map(|i| [300.0f32, 1e-3, 7.0e4][i % 3]).collect();
+    let base =
+        BaseWeight::Fp8Block128(Fp8Block128Weight::new(out_dim, in_dim, codes, scales).unwrap());
+    let linear = QuantLoraLinear::new(base, None).unwrap();
+    for (batch, amplitude) in [(1, 1e20f32), (2, 1e-20), (5, 3.0)] {
+        let x: Vec<f32> = (0..batch * in_dim)
+            .map(|_| rng.random_range(-1.0f32..1.0) * amplitude)
+            .collect();
+        check_linear(&linear, batch, &x, &format!("fp8 amplitude {amplitude:e}"));
+    }
+}
+
+/// An NVFP4 global scale so large that `global * 2^120` overflows takes the generic
+/// decoder; in-dims of 16 mod 32 and scale groups past 16 blocks take the tails.
+#[test]
+fn nvfp4_tails_and_large_global_scale() {
+    for (in_dim, global) in [(16, 1e-3f32), (48, 2.0), (272, 5e-3), (528, 1e3)] {
+        let mut rng = ChaCha8Rng::seed_from_u64(in_dim as u64);
+        let out_dim = 37;
+        let packed = (0..out_dim * in_dim / 2).map(|_| rng.random()).collect();
+        let scales = (0..out_dim * in_dim / 16)
+            .map(|_| rng.random_range(0u8..0x30))
+            .collect();
+        let base =
+            BaseWeight::Nvfp4(Nvfp4Weight::new(out_dim, in_dim, packed, scales, global).unwrap());
+        let linear = QuantLoraLinear::new(
+            base,
+            Some(common::random_lora(9, out_dim, in_dim, &mut rng)),
+        )
+        .unwrap();
+        for batch in [1, 2, 4, 7] {
+            let x = random_activations(batch * in_dim, in_dim as u64);
+            check_linear(
+                &linear,
+                batch,
+                &x,
+                &format!("nvfp4 in {in_dim} global {global:e} batch {batch}"),
             );
         }
     }

@@ -25,7 +25,7 @@ pub(crate) const E2M1_VALUES: [f32; 16] = [
 const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
 /// Bits kept of a sign-extended E4M3 code shifted left by 20: sign (31) and the
 /// exponent + mantissa (30..20) of the code.
-const E4M3_F32_MASK: i32 = 0x87F0_0000_u32 as i32;
+pub(crate) const E4M3_F32_MASK: i32 = 0x87F0_0000_u32 as i32;
 
 /// Decodes rows of a `[rows, cols]` matrix stored in some format into f32.
 ///

@@ -9,13 +9,17 @@
 //! written once.
 
 pub(crate) mod decode;
+pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
+pub(crate) mod gemv_fp8;
+pub(crate) mod gemv_nvfp4;
 
 use crate::error::Result;
 use crate::linear::QuantLoraLinear;
 use crate::weight::BaseWeight;
 use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
+pub(crate) use fused::Schedule;
 use rayon::prelude::*;
 
 /// Largest batch served by the single-pass decode (GEMV) path.
@@ -245,25 +249,6 @@ fn gemv_t<D: RowDecode, const T: usize>(
     });
 }
 
-struct GemvVisitor<'a> {
-    isa: Isa,
-    par: Parallelism,
-    batch: usize,
-    xq: &'a [f32],
-    in_dim: usize,
-    second: Option<(&'a Bf16Rows<'a>, &'a [f32], usize)>,
-    out: &'a mut [f32],
-}
-
-impl DecoderVisitor for GemvVisitor<'_> {
-    type Output = ();
-    fn visit<D: RowDecode>(self, d: &D) {
-        with_const_batch!(self.batch, T => gemv_t::<D, T>(
-            self.isa, self.par, d, self.xq, self.in_dim, self.second, self.out
-        ))
-    }
-}
-
 /// Copies `x` into a zero-padded `[padded, in_dim]` buffer and applies the activation
 /// fake-quant to the `batch` real tokens.
 fn quantize_activations(
@@ -298,10 +283,11 @@ pub(crate) fn forward(
     batch: usize,
     y: &mut [f32],
     opts: CpuOptions,
+    schedule: Schedule,
 ) -> Result<()> {
     let isa = opts.resolved_isa();
     if batch <= GEMV_MAX_BATCH {
-        forward_gemv(linear, x, batch, y, isa, opts.parallelism)
+        forward_gemv(linear, x, batch, y, isa, opts.parallelism, schedule)
     } else {
         forward_gemm(linear, x, batch, y, isa, opts.parallelism)
     }
@@ -325,6 +311,105 @@ fn lora_views(linear: &QuantLoraLinear) -> Option<(Bf16Rows<'_>, Bf16Rows<'_>, f
     })
 }
 
+/// The decode path's base rows through the generic loops, for any format and ISA.
+struct GenericDecode<'a, const T: usize> {
+    isa: Isa,
+    par: Parallelism,
+    schedule: Schedule,
+    xq: &'a [f32],
+    in_dim: usize,
+    lora: Option<&'a fused::LoraPass<'a>>,
+    out: &'a mut [f32],
+}
+
+impl<const T: usize> DecoderVisitor for GenericDecode<'_, T> {
+    type Output = ();
+    fn visit<D: RowDecode>(self, d: &D) {
+        let kernel = fused::GenericKernel {
+            isa: self.isa,
+            weight: d,
+            x: self.xq,
+            x_stride: self.in_dim,
+        };
+        fused::decode::<_, T>(
+            self.isa,
+            self.par,
+            self.schedule,
+            &kernel,
+            self.lora,
+            self.out,
+        );
+    }
+}
+
+/// Picks the decode loop: the format-specific AVX-512 ones for fp8-block128 and NVFP4,
+/// the generic one otherwise.
+#[allow(clippy::too_many_arguments)]
+fn decode_base<const T: usize>(
+    linear: &QuantLoraLinear,
+    isa: Isa,
+    par: Parallelism,
+    schedule: Schedule,
+    xq: &[f32],
+    lora: Option<&fused::LoraPass<'_>>,
+    out: &mut [f32],
+) {
+    let in_dim = linear.in_dim();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        match linear.base() {
+            BaseWeight::Fp8Block128(w) => {
+                let kernel = fused::Fp8Kernel {
+                    weight: gemv_fp8::Fp8BandedRows {
+                        codes: &w.codes,
+                        scales: &w.scales,
+                        rows: w.out_dim,
+                        cols: w.in_dim,
+                        scale_cols: w.scale_cols(),
+                    },
+                    x: xq,
+                    x_stride: in_dim,
+                };
+                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+            }
+            BaseWeight::Nvfp4(w)
+                if is_x86_feature_detected!("avx512vl")
+                    && gemv_nvfp4::nvfp4_paired_usable(w.global_scale) =>
+            {
+                let kernel = fused::Nvfp4Kernel {
+                    weight: gemv_nvfp4::Nvfp4PairedRows {
+                        rows: Nvfp4Rows {
+                            packed: &w.packed,
+                            block_scales: &w.block_scales,
+                            scale_table: linear.scale_table(),
+                            rows: w.out_dim,
+                            cols: w.in_dim,
+                        },
+                        global_rebiased: w.global_scale * f32::from_bits((127 + 120) << 23),
+                    },
+                    x_paired: gemv_nvfp4::deinterleave(xq, T, in_dim, in_dim),
+                    x: xq,
+                    x_stride: in_dim,
+                };
+                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+            }
+            _ => {}
+        }
+    }
+    visit_base(
+        linear,
+        GenericDecode::<T> {
+            isa,
+            par,
+            schedule,
+            xq,
+            in_dim,
+            lora,
+            out,
+        },
+    );
+}
+
 fn forward_gemv(
     linear: &QuantLoraLinear,
     x: &[f32],
@@ -332,6 +417,7 @@ fn forward_gemv(
     y: &mut [f32],
     isa: Isa,
     par: Parallelism,
+    schedule: Schedule,
 ) -> Result<()> {
     let (out_dim, in_dim) = (linear.out_dim(), linear.in_dim());
     let quantized;
@@ -341,33 +427,21 @@ fn forward_gemv(
         quantized = quantize_activations(linear, x, batch, batch)?;
         &quantized
     };
-    let views = lora_views(linear);
-    // Shrink: one pass over A and x, ts[t][j] = s * (A x_t)_j.
-    let ts = views.as_ref().map(|(a, _, scale)| {
-        let mut shrunk = vec![0f32; a.rows * batch];
-        with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, a, x, in_dim, None, &mut shrunk));
-        let mut ts = vec![0f32; batch * a.rows];
-        transpose_into(&shrunk, a.rows, batch, &mut ts, *scale);
-        ts
+    let lora = lora_views(linear).map(|(a, b, scale)| fused::LoraPass {
+        a,
+        b,
+        scale,
+        x,
+        x_stride: in_dim,
     });
-    let second = match (&views, &ts) {
-        (Some((_, b, _)), Some(ts)) => Some((b, ts.as_slice(), b.cols)),
-        _ => None,
-    };
-    let mut y_t = vec![0f32; out_dim * batch];
-    visit_base(
-        linear,
-        GemvVisitor {
-            isa,
-            par,
-            batch,
-            xq,
-            in_dim,
-            second,
-            out: &mut y_t,
-        },
-    );
-    transpose_into(&y_t, out_dim, batch, y, 1.0);
+    if batch == 1 {
+        // [out, 1] is already y's layout.
+        decode_base::<1>(linear, isa, par, schedule, xq, lora.as_ref(), y);
+    } else {
+        let mut y_t = vec![0f32; out_dim * batch];
+        with_const_batch!(batch, T => decode_base::<T>(linear, isa, par, schedule, xq, lora.as_ref(), &mut y_t));
+        transpose_into(&y_t, out_dim, batch, y, 1.0);
+    }
     Ok(())
 }
 

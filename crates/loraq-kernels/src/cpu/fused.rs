@@ -1,0 +1,262 @@
+//! The decode path (batch <= [`super::GEMV_MAX_BATCH`]) as one parallel region.
+//!
+//! Every worker first claims chunks of LoRA `A` rows (the shrink `s · A x`, the same `x`
+//! the base pass is about to stream, so it stays in cache), then chunks of base rows;
+//! after each base chunk it adds the expand `B t` for the same rows while their sums are
+//! in L1, so `y` is written once. Work is claimed from atomic counters, so a slow (or
+//! descheduled) worker only delays what it has claimed, and a worker that reaches its
+//! first expand before the last shrink chunk is finished waits for it: every claimed
+//! shrink chunk is being computed by a running worker that never blocks, so the wait
+//! ends.
+//!
+//! The base rows come from a [`BaseKernel`]: the format-specific loops of
+//! [`super::gemv_fp8`] and [`super::gemv_nvfp4`] on AVX-512, the generic
+//! [`super::gemv::dot_rows`] otherwise.
+
+use super::decode::{Bf16Rows, RowDecode};
+use super::gemv;
+use super::gemv_fp8::{BandActivations, Fp8BandedRows};
+use super::gemv_nvfp4::Nvfp4PairedRows;
+use super::{Isa, Parallelism};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// LoRA `A` rows per claimed shrink chunk.
+const SHRINK_ROWS: usize = 16;
+
+/// Per-worker scratch of a base kernel.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    fp8_band: BandActivations,
+}
+
+/// Base rows of one format, `out[r * T + t] += sum_k W[row0 + r, k] x_t[k]`.
+pub(crate) trait BaseKernel: Sync {
+    /// Output rows.
+    fn rows(&self) -> usize;
+    /// Rows per claimed chunk.
+    fn chunk_rows(&self) -> usize;
+    /// Adds the products of rows `row0 .. row0 + nrows` to `out` (`[nrows, T]`).
+    fn dot_chunk<const T: usize>(
+        &self,
+        row0: usize,
+        nrows: usize,
+        out: &mut [f32],
+        scratch: &mut Scratch,
+    );
+}
+
+/// Any [`RowDecode`] through the generic loops.
+pub(crate) struct GenericKernel<'a, D: RowDecode> {
+    pub isa: Isa,
+    pub weight: &'a D,
+    pub x: &'a [f32],
+    pub x_stride: usize,
+}
+
+impl<D: RowDecode> BaseKernel for GenericKernel<'_, D> {
+    fn rows(&self) -> usize {
+        self.weight.rows()
+    }
+    fn chunk_rows(&self) -> usize {
+        64
+    }
+    fn dot_chunk<const T: usize>(
+        &self,
+        row0: usize,
+        nrows: usize,
+        out: &mut [f32],
+        _: &mut Scratch,
+    ) {
+        gemv::dot_rows::<D, T>(
+            self.isa,
+            self.weight,
+            row0,
+            nrows,
+            self.x,
+            self.x_stride,
+            out,
+        );
+    }
+}
+
+/// fp8-block128 through the banded AVX-512 loop.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Fp8Kernel<'a> {
+    pub weight: Fp8BandedRows<'a>,
+    pub x: &'a [f32],
+    pub x_stride: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl BaseKernel for Fp8Kernel<'_> {
+    fn rows(&self) -> usize {
+        self.weight.rows
+    }
+    fn chunk_rows(&self) -> usize {
+        // One band: its scaled activations are built once per chunk.
+        crate::weight::FP8_BLOCK
+    }
+    fn dot_chunk<const T: usize>(
+        &self,
+        row0: usize,
+        nrows: usize,
+        out: &mut [f32],
+        scratch: &mut Scratch,
+    ) {
+        self.weight.dot_rows_avx512::<T>(
+            row0,
+            nrows,
+            self.x,
+            self.x_stride,
+            out,
+            &mut scratch.fp8_band,
+        );
+    }
+}
+
+/// NVFP4 through the de-interleaved AVX-512 loop.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Nvfp4Kernel<'a> {
+    pub weight: Nvfp4PairedRows<'a>,
+    /// De-interleaved activations, `[T, cols]`.
+    pub x_paired: Vec<f32>,
+    pub x: &'a [f32],
+    pub x_stride: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl BaseKernel for Nvfp4Kernel<'_> {
+    fn rows(&self) -> usize {
+        self.weight.rows.rows
+    }
+    fn chunk_rows(&self) -> usize {
+        64
+    }
+    fn dot_chunk<const T: usize>(
+        &self,
+        row0: usize,
+        nrows: usize,
+        out: &mut [f32],
+        _: &mut Scratch,
+    ) {
+        self.weight
+            .dot_rows_avx512::<T>(row0, nrows, &self.x_paired, self.x, self.x_stride, out);
+    }
+}
+
+/// The LoRA factors and the activation they see.
+pub(crate) struct LoraPass<'a> {
+    pub a: Bf16Rows<'a>,
+    pub b: Bf16Rows<'a>,
+    pub scale: f32,
+    /// Unquantized activation, `[T, in_dim]`, rows `x_stride` apart.
+    pub x: &'a [f32],
+    pub x_stride: usize,
+}
+
+/// How the LoRA shrink is scheduled (the fused region is the default; the phased one
+/// is the schedule before fusion, kept for the benches).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Schedule {
+    /// Shrink, base and expand in one parallel region.
+    Fused,
+    /// The shrink as its own parallel pass, then base + expand.
+    Phased,
+}
+
+/// Runs `work` once per worker of the pool (or once, sequentially).
+fn run_workers(par: Parallelism, work: impl Fn() + Sync) {
+    match par {
+        Parallelism::Sequential => work(),
+        Parallelism::Rayon => {
+            let workers = rayon::current_num_threads().max(1);
+            rayon::scope(|s| {
+                for _ in 0..workers {
+                    s.spawn(|_| work());
+                }
+            });
+        }
+    }
+}
+
+/// `y_t[o * T + t] = sum_k W[o, k] x_t[k] + (B t)_o` with `t = s · A x_t`.
+pub(crate) fn decode<K: BaseKernel, const T: usize>(
+    isa: Isa,
+    par: Parallelism,
+    schedule: Schedule,
+    kernel: &K,
+    lora: Option<&LoraPass<'_>>,
+    y_t: &mut [f32],
+) {
+    let rows = kernel.rows();
+    assert_eq!(y_t.len(), rows * T);
+    let rank = lora.map_or(0, |l| l.a.rows);
+    // Shrink outputs per chunk, [rows, T] each.
+    let shrunk: Vec<Mutex<Vec<f32>>> = (0..rank.div_ceil(SHRINK_ROWS))
+        .map(|i| Mutex::new(vec![0f32; SHRINK_ROWS.min(rank - i * SHRINK_ROWS) * T]))
+        .collect();
+    let next_shrink = AtomicUsize::new(0);
+    let shrink_done = AtomicUsize::new(0);
+    let shrink = || {
+        let Some(l) = lora else { return };
+        loop {
+            let i = next_shrink.fetch_add(1, Ordering::Relaxed);
+            let Some(chunk) = shrunk.get(i) else { break };
+            let mut out = chunk.lock().expect("shrink chunk lock");
+            gemv::dot_rows::<Bf16Rows<'_>, T>(
+                isa,
+                &l.a,
+                i * SHRINK_ROWS,
+                out.len() / T,
+                l.x,
+                l.x_stride,
+                &mut out,
+            );
+            drop(out);
+            shrink_done.fetch_add(1, Ordering::Release);
+        }
+    };
+    if schedule == Schedule::Phased {
+        run_workers(par, shrink);
+    }
+
+    let chunk_rows = kernel.chunk_rows();
+    let outputs: Vec<Mutex<&mut [f32]>> = y_t.chunks_mut(chunk_rows * T).map(Mutex::new).collect();
+    let next_base = AtomicUsize::new(0);
+    run_workers(par, || {
+        if schedule == Schedule::Fused {
+            shrink();
+        }
+        let mut scratch = Scratch::default();
+        // `s · A x` as `[T, rank]`, gathered once the last shrink chunk is done.
+        let mut ts: Vec<f32> = Vec::new();
+        loop {
+            let i = next_base.fetch_add(1, Ordering::Relaxed);
+            let Some(chunk) = outputs.get(i) else { break };
+            let mut out = chunk.lock().expect("output chunk lock");
+            let row0 = i * chunk_rows;
+            let nrows = out.len() / T;
+            out.fill(0.0);
+            kernel.dot_chunk::<T>(row0, nrows, &mut out, &mut scratch);
+            if let Some(l) = lora {
+                if ts.is_empty() {
+                    while shrink_done.load(Ordering::Acquire) < shrunk.len() {
+                        std::thread::yield_now();
+                    }
+                    ts = vec![0f32; T * rank];
+                    for (c, chunk) in shrunk.iter().enumerate() {
+                        let part = chunk.lock().expect("shrink chunk lock");
+                        for (j, row) in part.chunks(T).enumerate() {
+                            for (t, v) in row.iter().enumerate() {
+                                ts[t * rank + c * SHRINK_ROWS + j] = v * l.scale;
+                            }
+                        }
+                    }
+                }
+                // Expand into the same rows while they are in L1.
+                gemv::dot_rows::<Bf16Rows<'_>, T>(isa, &l.b, row0, nrows, &ts, rank, &mut out);
+            }
+        }
+    });
+}

@@ -1,0 +1,207 @@
+//! Decode rows of an fp8-block128 weight with the tile scale moved into the activation.
+//!
+//! All rows of one 128-row band share their tile multipliers, so instead of scaling every
+//! weight (`e4m3 * s`) the band's activation is scaled once: `xs[k] = x[k] * s[band,
+//! k / 128] * 2^(120 - e)`. The inner loop then turns a code into f32 lanes with three
+//! integer ops (sign-extend, shift, mask: the E4M3 value times 2^-120, exact including
+//! subnormals) and one FMA against `xs`, and the row's sum is multiplied by `2^e` at the
+//! end. `e >= 0` is chosen per token and band so that `xs` and the scaled tile
+//! multipliers stay finite; the f32 products are then the true products times `2^-e`,
+//! so no extra underflow happens where the plain product would not underflow.
+
+use super::decode::E4M3_F32_MASK;
+use crate::weight::FP8_BLOCK;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Elements between two software prefetches of a row (one 64-byte line of codes).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_EVERY: usize = 64;
+/// How far ahead the prefetch reaches, in elements (see `gemv.rs`).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_AHEAD: usize = 1024;
+
+/// `2^e` for `-126 <= e <= 127`.
+fn pow2(e: i32) -> f32 {
+    debug_assert!((-126..=127).contains(&e));
+    f32::from_bits(((127 + e) as u32) << 23)
+}
+
+/// fp8-block128 rows with the banded decode.
+pub(crate) struct Fp8BandedRows<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub scale_cols: usize,
+}
+
+/// The activations of one band, scaled by its tile multipliers.
+#[derive(Default)]
+pub(crate) struct BandActivations {
+    /// Band these were built for.
+    band: Option<usize>,
+    /// `[T, cols]`: `x_t[k] * s[band, k / 128] * 2^(120 - e_t)`.
+    xs: Vec<f32>,
+    /// `2^e_t` per token.
+    post: Vec<f32>,
+}
+
+impl Fp8BandedRows<'_> {
+    /// One weight, dequantized (the tail inputs past the last multiple of 16).
+    #[inline(always)]
+    fn get(&self, row: usize, k: usize) -> f32 {
+        loraq_quant::element::e4m3_decode(self.codes[row * self.cols + k])
+            * self.scales[(row / FP8_BLOCK) * self.scale_cols + k / FP8_BLOCK]
+    }
+
+    /// Builds (or keeps, when already built for `band`) the scaled activations of `band`
+    /// for `T` tokens of `x` (`x_stride` apart).
+    fn prepare_band<const T: usize>(
+        &self,
+        band: usize,
+        x: &[f32],
+        x_stride: usize,
+        acts: &mut BandActivations,
+    ) {
+        if acts.band == Some(band) && acts.post.len() == T {
+            return;
+        }
+        let cols = self.cols;
+        acts.xs.resize(T * cols, 0.0);
+        acts.post.resize(T, 1.0);
+        let tile_scales = &self.scales[band * self.scale_cols..(band + 1) * self.scale_cols];
+        for t in 0..T {
+            let xt = &x[t * x_stride..t * x_stride + cols];
+            // Largest |x s| and |s| of the band: e keeps both below 2^126 once scaled.
+            let mut largest = 0f32;
+            for (seg, &s) in xt.chunks(FP8_BLOCK).zip(tile_scales) {
+                let amax = seg.iter().fold(0f32, |a, v| a.max(v.abs()));
+                largest = largest.max(amax * s.abs()).max(s.abs());
+            }
+            let e = if largest.is_finite() && largest > 0.0 {
+                let floor_log2 = ((largest.to_bits() >> 23) & 0xFF) as i32 - 127;
+                (floor_log2 - 6).clamp(0, 127)
+            } else {
+                0
+            };
+            let shift = pow2(120 - e);
+            let xs_t = &mut acts.xs[t * cols..(t + 1) * cols];
+            for ((dst, src), &s) in xs_t
+                .chunks_mut(FP8_BLOCK)
+                .zip(xt.chunks(FP8_BLOCK))
+                .zip(tile_scales)
+            {
+                let f = s * shift;
+                for (d, &v) in dst.iter_mut().zip(src) {
+                    *d = v * f;
+                }
+            }
+            acts.post[t] = pow2(e);
+        }
+        acts.band = Some(band);
+    }
+
+    /// Adds `sum_k W[row0 + r, k] x_t[k]` to `out[r * T + t]` for `r < nrows`
+    /// (AVX-512F/BW; the caller checked the CPU has it).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn dot_rows_avx512<const T: usize>(
+        &self,
+        row0: usize,
+        nrows: usize,
+        x: &[f32],
+        x_stride: usize,
+        out: &mut [f32],
+        acts: &mut BandActivations,
+    ) {
+        assert!(row0 + nrows <= self.rows);
+        assert!(out.len() >= nrows * T);
+        assert!(T == 0 || (T - 1) * x_stride + self.cols <= x.len());
+        let mut r = 0;
+        while r < nrows {
+            let row = row0 + r;
+            let band = row / FP8_BLOCK;
+            let band_end = ((band + 1) * FP8_BLOCK).min(row0 + nrows);
+            self.prepare_band::<T>(band, x, x_stride, acts);
+            let mut rr = row;
+            let out_band = |rr: usize| (rr - row0) * T;
+            // Few tokens: four rows per pass share every activation load.
+            if T <= 2 {
+                while rr + 4 <= band_end {
+                    // SAFETY: AVX-512 detected by the caller; rows in range.
+                    unsafe { self.rows_avx512::<4, T>(rr, acts, &mut out[out_band(rr)..]) };
+                    rr += 4;
+                }
+            }
+            while rr + 2 <= band_end {
+                // SAFETY: as above.
+                unsafe { self.rows_avx512::<2, T>(rr, acts, &mut out[out_band(rr)..]) };
+                rr += 2;
+            }
+            if rr < band_end {
+                // SAFETY: as above.
+                unsafe { self.rows_avx512::<1, T>(rr, acts, &mut out[out_band(rr)..]) };
+            }
+            // Inputs past the last multiple of 16: plain decode against the unscaled x.
+            let main = self.cols / 16 * 16;
+            for rr in row..band_end {
+                for t in 0..T {
+                    let xt = &x[t * x_stride..];
+                    let tail: f32 = (main..self.cols).map(|k| self.get(rr, k) * xt[k]).sum();
+                    out[out_band(rr) + t] += tail;
+                }
+            }
+            r = band_end - row0;
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn rows_avx512<const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        acts: &BandActivations,
+        out: &mut [f32],
+    ) {
+        let cols = self.cols;
+        let main = cols / 16 * 16;
+        let xp = acts.xs.as_ptr();
+        let cp = self.codes.as_ptr();
+        let mask = _mm512_set1_epi32(E4M3_F32_MASK);
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let mut k = 0;
+        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller), k + 16 <=
+        // cols, xs holds T rows of cols elements.
+        unsafe {
+            while k < main {
+                if k % PREFETCH_EVERY == 0 {
+                    for r in 0..R {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            cp.wrapping_add((row0 + r) * cols + k + PREFETCH_AHEAD)
+                                .cast(),
+                        );
+                    }
+                }
+                let mut xv = [_mm512_setzero_ps(); T];
+                for (t, v) in xv.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(xp.add(t * cols + k));
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let raw = _mm_loadu_si128(cp.add((row0 + r) * cols + k).cast());
+                    let v = _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(raw));
+                    let w = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+                    for (a, &xt) in acc_r.iter_mut().zip(&xv) {
+                        *a = _mm512_fmadd_ps(w, xt, *a);
+                    }
+                }
+                k += 16;
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (t, a) in acc_r.iter().enumerate() {
+                out[r * T + t] += _mm512_reduce_add_ps(*a) * acts.post[t];
+            }
+        }
+    }
+}
