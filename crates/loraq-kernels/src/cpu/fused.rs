@@ -4,10 +4,10 @@
 //! the base pass is about to stream, so it stays in cache), then chunks of base rows;
 //! after each base chunk it adds the expand `B t` for the same rows while their sums are
 //! in L1, so `y` is written once. Work is claimed from atomic counters, so a slow (or
-//! descheduled) worker only delays what it has claimed, and a worker that reaches its
-//! first expand before the last shrink chunk is finished waits for it: every claimed
-//! shrink chunk is being computed by a running worker that never blocks, so the wait
-//! ends.
+//! descheduled) worker only delays what it has claimed. A base chunk finished before the
+//! last shrink chunk is kept and expanded when the worker runs out of base chunks; only
+//! then does it wait, and the wait ends: every claimed shrink chunk is being computed by
+//! a running worker that never blocks.
 //!
 //! The base rows come from a [`BaseKernel`]: the format-specific loops of
 //! [`super::gemv_fp8`] and [`super::gemv_nvfp4`] on AVX-512, the generic
@@ -115,14 +115,12 @@ impl BaseKernel for Fp8Kernel<'_> {
     }
 }
 
-/// NVFP4 through the de-interleaved AVX-512 loop.
+/// NVFP4 through the reordered-activation AVX-512 loop.
 #[cfg(target_arch = "x86_64")]
 pub(crate) struct Nvfp4Kernel<'a> {
     pub weight: Nvfp4PairedRows<'a>,
-    /// De-interleaved activations, `[T, cols]`.
+    /// Reordered activations, `[T, cols]`.
     pub x_paired: Vec<f32>,
-    pub x: &'a [f32],
-    pub x_stride: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -141,7 +139,7 @@ impl BaseKernel for Nvfp4Kernel<'_> {
         _: &mut Scratch,
     ) {
         self.weight
-            .dot_rows_avx512::<T>(row0, nrows, &self.x_paired, self.x, self.x_stride, out);
+            .dot_rows_avx512::<T>(row0, nrows, &self.x_paired, out);
     }
 }
 
@@ -231,6 +229,19 @@ pub(crate) fn decode<K: BaseKernel, const T: usize>(
         let mut scratch = Scratch::default();
         // `s · A x` as `[T, rank]`, gathered once the last shrink chunk is done.
         let mut ts: Vec<f32> = Vec::new();
+        let gather = |ts: &mut Vec<f32>, scale: f32| {
+            *ts = vec![0f32; T * rank];
+            for (c, chunk) in shrunk.iter().enumerate() {
+                let part = chunk.lock().expect("shrink chunk lock");
+                for (j, row) in part.chunks(T).enumerate() {
+                    for (t, v) in row.iter().enumerate() {
+                        ts[t * rank + c * SHRINK_ROWS + j] = v * scale;
+                    }
+                }
+            }
+        };
+        // Base chunks finished before the shrink was: expanded at the end.
+        let mut pending = Vec::new();
         loop {
             let i = next_base.fetch_add(1, Ordering::Relaxed);
             let Some(chunk) = outputs.get(i) else { break };
@@ -239,22 +250,33 @@ pub(crate) fn decode<K: BaseKernel, const T: usize>(
             let nrows = out.len() / T;
             out.fill(0.0);
             kernel.dot_chunk::<T>(row0, nrows, &mut out, &mut scratch);
-            if let Some(l) = lora {
-                if ts.is_empty() {
-                    while shrink_done.load(Ordering::Acquire) < shrunk.len() {
-                        std::thread::yield_now();
-                    }
-                    ts = vec![0f32; T * rank];
-                    for (c, chunk) in shrunk.iter().enumerate() {
-                        let part = chunk.lock().expect("shrink chunk lock");
-                        for (j, row) in part.chunks(T).enumerate() {
-                            for (t, v) in row.iter().enumerate() {
-                                ts[t * rank + c * SHRINK_ROWS + j] = v * l.scale;
-                            }
-                        }
-                    }
+            let Some(l) = lora else { continue };
+            if ts.is_empty() {
+                if shrink_done.load(Ordering::Acquire) < shrunk.len() {
+                    pending.push((row0, out));
+                    continue;
                 }
-                // Expand into the same rows while they are in L1.
+                gather(&mut ts, l.scale);
+            }
+            // Expand into the same rows while they are in L1.
+            gemv::dot_rows::<Bf16Rows<'_>, T>(isa, &l.b, row0, nrows, &ts, rank, &mut out);
+        }
+        if let (Some(l), false) = (lora, pending.is_empty()) {
+            // Every shrink chunk is claimed by a running worker that never blocks.
+            let mut spins = 0u32;
+            while shrink_done.load(Ordering::Acquire) < shrunk.len() {
+                if spins < 1 << 12 {
+                    std::hint::spin_loop();
+                    spins += 1;
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if ts.is_empty() {
+                gather(&mut ts, l.scale);
+            }
+            for (row0, mut out) in pending {
+                let nrows = out.len() / T;
                 gemv::dot_rows::<Bf16Rows<'_>, T>(isa, &l.b, row0, nrows, &ts, rank, &mut out);
             }
         }

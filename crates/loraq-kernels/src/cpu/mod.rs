@@ -372,10 +372,7 @@ fn decode_base<const T: usize>(
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
-            BaseWeight::Nvfp4(w)
-                if is_x86_feature_detected!("avx512vl")
-                    && gemv_nvfp4::nvfp4_paired_usable(w.global_scale) =>
-            {
+            BaseWeight::Nvfp4(w) if gemv_nvfp4::nvfp4_paired_usable(w.global_scale) => {
                 let kernel = fused::Nvfp4Kernel {
                     weight: gemv_nvfp4::Nvfp4PairedRows {
                         rows: Nvfp4Rows {
@@ -388,8 +385,6 @@ fn decode_base<const T: usize>(
                         global_rebiased: w.global_scale * f32::from_bits((127 + 120) << 23),
                     },
                     x_paired: gemv_nvfp4::deinterleave(xq, T, in_dim, in_dim),
-                    x: xq,
-                    x_stride: in_dim,
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
