@@ -39,6 +39,13 @@ pub struct Args {
     /// Last-position hidden states of every layer (safetensors), for compare-hidden.
     #[arg(long)]
     hidden_out: Option<PathBuf>,
+    /// Calibration statistics output (safetensors, written atomically; an existing
+    /// file is replaced, as --out is): for every linear the model runs, the mean over
+    /// all prompt tokens of each input feature's square, `<module>.input_sq_mean`
+    /// F32 [in_features] (docs/formats.md), the input of `loraq extract
+    /// --calibration`. Use records other than the evaluation questions.
+    #[arg(long, value_name = "FILE")]
+    collect_stats: Option<PathBuf>,
     /// Worker threads (default: the physical cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -57,6 +64,18 @@ pub fn run(args: Args) -> Result<()> {
     }
     let act_quant = ActQuantScheme::parse(&args.act_quant)
         .with_context(|| format!("--act-quant {:?}", args.act_quant))?;
+    if let Some(path) = &args.collect_stats {
+        // Fail before the forward passes, not after them, when the statistics could
+        // never be written.
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        if let Some(dir) = parent.filter(|d| !d.is_dir()) {
+            bail!(
+                "--collect-stats {}: directory {} does not exist",
+                path.display(),
+                dir.display()
+            );
+        }
+    }
     let mut records = read_records(&args.records)?;
     loraq_model::tokenize_records(&args.model, &mut records, &args.records)?;
     let started = Instant::now();
@@ -67,6 +86,7 @@ pub fn run(args: Args) -> Result<()> {
             act_quant,
             backend: LinearBackend::parse(&args.backend)
                 .with_context(|| format!("--backend {:?}", args.backend))?,
+            collect_input_stats: args.collect_stats.is_some(),
             ..LoadOptions::default()
         },
     )
@@ -95,6 +115,19 @@ pub fn run(args: Args) -> Result<()> {
     write_answers(&args.out, &answers)?;
     if let (Some(path), Some(hidden)) = (&args.hidden_out, hidden) {
         write_hidden(path, &hidden)?;
+    }
+    if let Some(path) = &args.collect_stats {
+        let stats = model
+            .input_stats()
+            .context("the model was loaded without input statistics")?;
+        loraq_io::write_calibration(path, &stats)
+            .with_context(|| format!("writing --collect-stats {}", path.display()))?;
+        eprintln!(
+            "loraq run: input statistics of {} linears over {} tokens written to {}",
+            stats.input_sq_mean.len(),
+            stats.tokens,
+            path.display()
+        );
     }
     let tokens: usize = records
         .iter()

@@ -115,6 +115,15 @@ pub enum IoError {
         /// What is wrong.
         reason: String,
     },
+    /// A calibration statistics file (`loraq run --collect-stats`) that does not
+    /// follow the format, or statistics that cannot be written.
+    #[error("{path}: invalid calibration statistics: {reason}")]
+    Calibration {
+        /// The statistics file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// An unknown synth preset or invalid synth parameter.
     #[error("synth: {0}")]
     Synth(String),

@@ -11,8 +11,10 @@
 //! - [`AtomicDir`]: output directories that appear only when complete.
 //! - [`write_sha256sums`] / [`verify_sha256sums`]: `sha256sum -c` compatible lists.
 //! - [`peft`]: PEFT LoRA adapters, read and written.
+//! - [`calibration`]: per-module input mean squares (`loraq run --collect-stats`).
 
 pub mod atomic;
+pub mod calibration;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
@@ -25,6 +27,7 @@ pub mod sha256sums;
 pub mod writer;
 
 pub use atomic::AtomicDir;
+pub use calibration::{CalibrationStats, read_calibration, write_calibration};
 pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInfo};
 pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};
 pub use dtype::DType;

@@ -7,6 +7,9 @@
 //! - [`Model::last_hidden`] / [`Model::logits_of`]: the last prompt position's final
 //!   hidden state and the logits of chosen vocabulary rows only.
 //! - [`score_records`]: records in, answers out (the formats of DESIGN.md).
+//! - [`Model::input_stats`]: with [`LoadOptions::collect_input_stats`], the mean
+//!   square of every linear's input per feature (calibration for
+//!   quantization-aware extraction; written by [`loraq_io::write_calibration`]).
 //!
 //! The math follows transformers' `modeling_qwen3_5.py` exactly: `(1 + w)` RMSNorms,
 //! the gated RMSNorm `w * norm(x) * silu(z)` of linear attention, the causal
@@ -26,7 +29,8 @@ pub mod tokenize;
 pub use config::{Family, TextConfig};
 pub use error::{ModelError, Result};
 pub use linear::{
-    ActQuant, ActQuantScheme, DenseLinear, KernelLinear, LinearLayer, LoraFactorsF32,
+    ActQuant, ActQuantScheme, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
+    LoraFactorsF32,
 };
 pub use model::{LinearBackend, LoadOptions, Model};
 pub use records::{

@@ -88,6 +88,100 @@ pub trait LinearLayer: Send + Sync + std::fmt::Debug {
     fn out_features(&self) -> usize;
 }
 
+/// Running sums of one linear's squared inputs, per input feature, in f64.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct InputSqSum {
+    /// `sum over tokens of x_k^2`, `[in_features]`.
+    pub sum_sq: Vec<f64>,
+    /// Tokens (rows of the input) accumulated.
+    pub tokens: u64,
+}
+
+impl InputSqSum {
+    /// Zero sums for a linear of `in_features` inputs.
+    pub fn new(in_features: usize) -> InputSqSum {
+        InputSqSum {
+            sum_sq: vec![0.0; in_features],
+            tokens: 0,
+        }
+    }
+
+    /// Adds the rows of `x` (`[tokens, in_features]` row-major).
+    pub fn add_rows(&mut self, x: &[f32]) {
+        let width = self.sum_sq.len();
+        for row in x.chunks_exact(width) {
+            for (s, &v) in self.sum_sq.iter_mut().zip(row) {
+                let v = f64::from(v);
+                *s += v * v;
+            }
+            self.tokens += 1;
+        }
+    }
+
+    /// `E[x_k^2]`: the sums over the token count (zeros before any token).
+    pub fn mean(&self) -> Vec<f64> {
+        let n = self.tokens.max(1) as f64;
+        self.sum_sq.iter().map(|s| s / n).collect()
+    }
+}
+
+/// A linear that records the mean square of its input before handing it on
+/// unchanged to the wrapped linear, so the statistics see the activation as it
+/// enters the module, before any activation fake-quant the wrapped linear applies.
+///
+/// Only built when statistics are asked for; a model loaded without them runs its
+/// linears unwrapped.
+#[derive(Debug)]
+pub struct InputStatsLinear {
+    /// The module path, for error messages.
+    pub name: String,
+    inner: Box<dyn LinearLayer>,
+    sums: std::sync::Arc<std::sync::Mutex<InputSqSum>>,
+}
+
+impl InputStatsLinear {
+    /// Wraps `inner`, accumulating into `sums` (shared with whoever reads them).
+    pub fn new(
+        name: String,
+        inner: Box<dyn LinearLayer>,
+        sums: std::sync::Arc<std::sync::Mutex<InputSqSum>>,
+    ) -> InputStatsLinear {
+        InputStatsLinear { name, inner, sums }
+    }
+}
+
+impl LinearLayer for InputStatsLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let ctx = self.name.as_str();
+        let (_, width) = x.dims2().ctx(ctx)?;
+        if width != self.inner.in_features() {
+            return Err(ModelError::Tensor {
+                context: ctx.to_string(),
+                source: candle_core::Error::Msg(format!(
+                    "input of width {width} for a linear of {} inputs",
+                    self.inner.in_features()
+                )),
+            });
+        }
+        let values: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
+        // A poisoned lock only means another forward pass panicked; the sums it
+        // guards are still whole rows, so keep using them.
+        self.sums
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add_rows(&values);
+        self.inner.forward(x)
+    }
+
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+}
+
 /// The low-rank factors of one adapted module.
 #[derive(Debug, Clone)]
 pub struct LoraFactorsF32 {

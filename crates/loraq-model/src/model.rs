@@ -4,7 +4,8 @@
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::linear::{
-    ActQuant, ActQuantScheme, DenseLinear, KernelLinear, LinearLayer, LoraFactorsF32,
+    ActQuant, ActQuantScheme, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
+    LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{D, DType, Device, Tensor};
@@ -12,6 +13,8 @@ use loraq_io::{Checkpoint, LayerType, LoraAdapter};
 use loraq_quant::{Fp8Granularity, QuantizedBase, StoredWeight};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// A loaded text backbone with its (optional) adapter attached to the linears.
 #[derive(Debug)]
@@ -30,6 +33,18 @@ pub struct Model {
     inv_freq: Vec<f32>,
     /// Number of linears that carry an adapter.
     adapted: usize,
+    /// Input statistics of every linear, in load order; `None` unless
+    /// [`LoadOptions::collect_input_stats`].
+    input_stats: Option<InputStatsRegistry>,
+}
+
+/// The shared sums of every statistics-collecting linear, and what they were
+/// taken over.
+#[derive(Debug, Default)]
+struct InputStatsRegistry {
+    modules: Vec<(String, Arc<Mutex<InputSqSum>>)>,
+    prompts: AtomicU64,
+    tokens: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -91,6 +106,8 @@ struct Loader<'a> {
     adapter: Option<(&'a LoraAdapter, &'a Path)>,
     used_adapter_modules: BTreeSet<String>,
     device: &'a Device,
+    /// Where statistics-collecting linears register their sums; `None` when off.
+    input_stats: Option<InputStatsRegistry>,
 }
 
 impl Loader<'_> {
@@ -138,7 +155,23 @@ impl Loader<'_> {
         Tensor::from_vec(v, dim, self.device).ctx(name)
     }
 
+    /// The linear of `module_path` (`[out, inp]`), wrapped to record its input's
+    /// mean square when statistics are collected.
     fn linear(&mut self, module_path: &str, out: usize, inp: usize) -> Result<Linear> {
+        let linear = self.plain_linear(module_path, out, inp)?;
+        Ok(match &mut self.input_stats {
+            None => linear,
+            Some(registry) => {
+                let sums = Arc::new(Mutex::new(InputSqSum::new(inp)));
+                registry
+                    .modules
+                    .push((module_path.to_string(), Arc::clone(&sums)));
+                Box::new(InputStatsLinear::new(module_path.to_string(), linear, sums))
+            }
+        })
+    }
+
+    fn plain_linear(&mut self, module_path: &str, out: usize, inp: usize) -> Result<Linear> {
         let weight_name = format!("{module_path}.weight");
         let quant_err = |source| ModelError::Quant {
             module: module_path.to_string(),
@@ -382,6 +415,10 @@ pub struct LoadOptions {
     pub act_quant: ActQuantScheme,
     /// Which implementation runs the linears.
     pub backend: LinearBackend,
+    /// Record the mean square of every linear's input (per input feature, over all
+    /// tokens run), read back with [`Model::input_stats`]. Off by default: a model
+    /// loaded without it runs its linears with no statistics code in the path.
+    pub collect_input_stats: bool,
 }
 
 impl Default for LoadOptions {
@@ -390,6 +427,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             act_quant: ActQuantScheme::None,
             backend: LinearBackend::Kernels,
+            collect_input_stats: false,
         }
     }
 }
@@ -429,6 +467,9 @@ impl Model {
             adapter: adapter.as_ref().zip(adapter_dir),
             used_adapter_modules: BTreeSet::new(),
             device,
+            input_stats: options
+                .collect_input_stats
+                .then(InputStatsRegistry::default),
         };
         let c = &config;
         let (h, offset) = (c.hidden, c.norm_offset());
@@ -540,6 +581,7 @@ impl Model {
             lm_head,
             inv_freq,
             adapted,
+            input_stats: loader.input_stats.take(),
         })
     }
 
@@ -551,6 +593,30 @@ impl Model {
     /// How many linears carry an adapter.
     pub fn adapted_modules(&self) -> usize {
         self.adapted
+    }
+
+    /// The mean square of every linear's input over the prompts run so far: one
+    /// entry per linear (module path, as in the checkpoint, without `.weight`),
+    /// `E[x_k^2]` per input feature, accumulated in f64 and rounded to f32 last.
+    /// `None` unless the model was loaded with [`LoadOptions::collect_input_stats`].
+    pub fn input_stats(&self) -> Option<loraq_io::CalibrationStats> {
+        let registry = self.input_stats.as_ref()?;
+        let input_sq_mean = registry
+            .modules
+            .iter()
+            .map(|(name, sums)| {
+                let sums = sums.lock().unwrap_or_else(|e| e.into_inner());
+                (
+                    name.clone(),
+                    sums.mean().into_iter().map(|m| m as f32).collect(),
+                )
+            })
+            .collect();
+        Some(loraq_io::CalibrationStats {
+            tokens: registry.tokens.load(Ordering::Relaxed),
+            records: registry.prompts.load(Ordering::Relaxed),
+            input_sq_mean,
+        })
     }
 
     /// Runs the prompt and returns the final-norm hidden state of its last token
@@ -586,6 +652,10 @@ impl Model {
                     self.config.vocab
                 )),
             });
+        }
+        if let Some(registry) = &self.input_stats {
+            registry.prompts.fetch_add(1, Ordering::Relaxed);
+            registry.tokens.fetch_add(t as u64, Ordering::Relaxed);
         }
         let ids = Tensor::from_vec(tokens.to_vec(), t, &self.device).ctx("token ids")?;
         let mut x = self.embed.index_select(&ids, 0).ctx("embedding")?;

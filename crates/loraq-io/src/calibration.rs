@@ -1,0 +1,279 @@
+//! Calibration statistics: the mean square of every linear module's input, per
+//! input feature, over the tokens of a calibration record set.
+//!
+//! `loraq run --collect-stats FILE` writes them; quantization-aware extraction
+//! (`loraq extract --calibration FILE`) weights each input column of a module's
+//! error by `sqrt(E[x_k^2])`. The file is a safetensors file:
+//!
+//! - one F32 tensor per linear module, named `<module path>.input_sq_mean` (the
+//!   module path is the weight's name without `.weight`, as in the checkpoint,
+//!   e.g. `model.language_model.layers.40.mlp.down_proj.input_sq_mean`), shape
+//!   `[in_features]`, holding `mean over tokens of x_k^2` of the activations that
+//!   enter the linear (before any activation fake-quant);
+//! - metadata `{"format": "loraq-calibration", "version": "1", "tokens": "<count>",
+//!   "records": "<count>"}`.
+
+use crate::checkpoint::Checkpoint;
+use crate::dtype::DType;
+use crate::error::{IoError, Result};
+use crate::writer::{TensorSpec, write_safetensors_file};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The `format` metadata value of a calibration file.
+pub const CALIBRATION_FORMAT: &str = "loraq-calibration";
+/// The `version` metadata value this crate writes and reads.
+pub const CALIBRATION_VERSION: &str = "1";
+/// The suffix that turns a module path into its tensor name.
+pub const INPUT_SQ_MEAN_SUFFIX: &str = ".input_sq_mean";
+
+/// Per-module input statistics of a calibration run.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CalibrationStats {
+    /// Prompt tokens the means are taken over (every module saw each of them).
+    pub tokens: u64,
+    /// Records (prompts) those tokens came from.
+    pub records: u64,
+    /// Module path -> `E[x_k^2]` per input feature `k`.
+    pub input_sq_mean: BTreeMap<String, Vec<f32>>,
+}
+
+impl CalibrationStats {
+    /// The statistics of one module, by module path (no `.weight`).
+    pub fn module(&self, module_path: &str) -> Option<&[f32]> {
+        self.input_sq_mean.get(module_path).map(Vec::as_slice)
+    }
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> IoError {
+    IoError::Calibration {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Writes `stats` to `path` atomically (a temporary sibling renamed into place, so
+/// a reader never sees a partial file); an existing file is replaced, as `loraq
+/// run --out` replaces its answers.
+///
+/// Refuses (writing nothing) a module with no features, a negative or non-finite
+/// value, or zero tokens.
+pub fn write_calibration(path: &Path, stats: &CalibrationStats) -> Result<()> {
+    if stats.tokens == 0 {
+        return Err(bad(path, "no tokens were seen; nothing to write"));
+    }
+    for (module, values) in &stats.input_sq_mean {
+        if values.is_empty() {
+            return Err(bad(path, format!("module {module} has no input features")));
+        }
+        if let Some((k, v)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !v.is_finite() || **v < 0.0)
+        {
+            return Err(bad(
+                path,
+                format!("module {module}: input feature {k} has mean square {v}"),
+            ));
+        }
+    }
+    let bytes: Vec<Vec<u8>> = stats
+        .input_sq_mean
+        .values()
+        .map(|v| crate::convert::f32_to_le_bytes(v))
+        .collect();
+    let tensors: Vec<(TensorSpec, &[u8])> = stats
+        .input_sq_mean
+        .iter()
+        .zip(&bytes)
+        .map(|((module, values), b)| {
+            (
+                TensorSpec::new(
+                    format!("{module}{INPUT_SQ_MEAN_SUFFIX}"),
+                    DType::F32,
+                    vec![values.len()],
+                ),
+                b.as_slice(),
+            )
+        })
+        .collect();
+    let metadata = BTreeMap::from([
+        ("format".to_string(), CALIBRATION_FORMAT.to_string()),
+        ("version".to_string(), CALIBRATION_VERSION.to_string()),
+        ("tokens".to_string(), stats.tokens.to_string()),
+        ("records".to_string(), stats.records.to_string()),
+    ]);
+    let tmp = temp_sibling(path);
+    let result = write_safetensors_file(&tmp, &tensors, &metadata).and_then(|()| {
+        std::fs::rename(&tmp, path).map_err(|source| IoError::Os {
+            path: path.to_path_buf(),
+            source,
+        })
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn temp_sibling(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "calibration".into());
+    path.with_file_name(format!(".{name}.loraq-tmp-{}", std::process::id()))
+}
+
+/// Reads a calibration file, checking its metadata, every tensor's name, dtype
+/// (F32), rank (1) and values (finite, non-negative).
+pub fn read_calibration(path: &Path) -> Result<CalibrationStats> {
+    let ckpt = Checkpoint::open(path)?;
+    if !path.is_file() {
+        return Err(bad(path, "not a file (expected one .safetensors file)"));
+    }
+    let meta = ckpt.shard_metadata(0);
+    let field = |key: &str| {
+        meta.get(key)
+            .ok_or_else(|| bad(path, format!("metadata lacks {key:?}")))
+    };
+    if field("format")? != CALIBRATION_FORMAT {
+        return Err(bad(
+            path,
+            format!(
+                "metadata format is {:?}, not {CALIBRATION_FORMAT:?}",
+                field("format")?
+            ),
+        ));
+    }
+    if field("version")? != CALIBRATION_VERSION {
+        return Err(bad(
+            path,
+            format!(
+                "version {:?} is not supported (this loraq reads {CALIBRATION_VERSION:?})",
+                field("version")?
+            ),
+        ));
+    }
+    let count = |key: &str| -> Result<u64> {
+        let v = field(key)?;
+        v.parse()
+            .map_err(|_| bad(path, format!("metadata {key} {v:?} is not a count")))
+    };
+    let (tokens, records) = (count("tokens")?, count("records")?);
+    if tokens == 0 {
+        return Err(bad(path, "metadata tokens is 0"));
+    }
+    let mut input_sq_mean = BTreeMap::new();
+    for info in ckpt.tensors() {
+        let tensor_err = |reason: String| IoError::Tensor {
+            path: path.to_path_buf(),
+            tensor: info.name.clone(),
+            reason,
+        };
+        let module = info
+            .name
+            .strip_suffix(INPUT_SQ_MEAN_SUFFIX)
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| tensor_err(format!("name does not end in {INPUT_SQ_MEAN_SUFFIX}")))?;
+        if info.dtype != DType::F32 || info.shape.len() != 1 || info.shape[0] == 0 {
+            return Err(tensor_err(format!(
+                "is {} {:?}; expected F32 [in_features]",
+                info.dtype, info.shape
+            )));
+        }
+        let values = ckpt.read_f32(&info.name)?;
+        if let Some((k, v)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !v.is_finite() || **v < 0.0)
+        {
+            return Err(tensor_err(format!("input feature {k} has mean square {v}")));
+        }
+        input_sq_mean.insert(module.to_string(), values);
+    }
+    Ok(CalibrationStats {
+        tokens,
+        records,
+        input_sq_mean,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats() -> CalibrationStats {
+        CalibrationStats {
+            tokens: 12,
+            records: 3,
+            input_sq_mean: BTreeMap::from([
+                (
+                    "model.layers.0.mlp.down_proj".to_string(),
+                    vec![0.5, 2.0, 0.0],
+                ),
+                ("model.layers.0.mlp.up_proj".to_string(), vec![1.25]),
+            ]),
+        }
+    }
+
+    #[test]
+    fn round_trip_keeps_values_and_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stats.safetensors");
+        write_calibration(&path, &stats()).unwrap();
+        assert_eq!(read_calibration(&path).unwrap(), stats());
+        // The tensor names and metadata are the documented ones.
+        let ckpt = Checkpoint::open(&path).unwrap();
+        assert!(ckpt.contains("model.layers.0.mlp.down_proj.input_sq_mean"));
+        assert_eq!(ckpt.shard_metadata(0)["format"], "loraq-calibration");
+        assert_eq!(ckpt.shard_metadata(0)["tokens"], "12");
+        assert_eq!(ckpt.shard_metadata(0)["records"], "3");
+        // No temporary file is left behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn negative_or_nan_values_are_refused_with_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stats.safetensors");
+        let mut s = stats();
+        s.input_sq_mean
+            .get_mut("model.layers.0.mlp.up_proj")
+            .unwrap()[0] = f32::NAN;
+        let err = write_calibration(&path, &s).unwrap_err().to_string();
+        assert!(err.contains("model.layers.0.mlp.up_proj"), "{err}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn other_safetensors_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("weights.safetensors");
+        let bytes = crate::convert::f32_to_le_bytes(&[1.0]);
+        write_safetensors_file(
+            &path,
+            &[(TensorSpec::new("x.weight", DType::F32, vec![1]), &bytes)],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        let err = read_calibration(&path).unwrap_err().to_string();
+        assert!(err.contains("format"), "{err}");
+        let metadata = BTreeMap::from([
+            ("format".to_string(), CALIBRATION_FORMAT.to_string()),
+            ("version".to_string(), "1".to_string()),
+            ("tokens".to_string(), "4".to_string()),
+            ("records".to_string(), "1".to_string()),
+        ]);
+        write_safetensors_file(
+            &path,
+            &[(TensorSpec::new("x.weight", DType::F32, vec![1]), &bytes)],
+            &metadata,
+        )
+        .unwrap();
+        let err = read_calibration(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("x.weight") && err.contains("input_sq_mean"),
+            "{err}"
+        );
+    }
+}
