@@ -166,6 +166,45 @@ impl CudaBackend {
         self.decode_blocks_per_sm = blocks.map(|b| b.max(1));
     }
 
+    /// Read bandwidth (GB/s) of a plain streaming kernel over `bytes` of device memory
+    /// (median of 5 event-timed passes): the ceiling a weight stream can approach on
+    /// this card, measured rather than taken from the datasheet.
+    pub fn measure_read_gbps(&self, bytes: usize) -> Result<f64> {
+        let err = driver_err("measuring read bandwidth");
+        let n16 = (bytes / 16).max(1);
+        let buffer = self.stream.alloc_zeros::<u8>(n16 * 16).map_err(&err)?;
+        let mut out = self.stream.alloc_zeros::<u32>(1).map_err(&err)?;
+        let function = self
+            .decode
+            .load_function("read_ceiling")
+            .map_err(driver_err("loading read_ceiling"))?;
+        let per_sm = function
+            .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
+            .map_err(&err)?
+            .max(1) as usize;
+        let config = grid_1d(per_sm * self.sm_count.max(1), 256);
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).map_err(&err)?;
+        let end = self.ctx.new_event(flags).map_err(&err)?;
+        let n16_u64 = n16 as u64;
+        let mut times = Vec::new();
+        for pass in 0..6 {
+            start.record(&self.stream).map_err(&err)?;
+            let mut builder = self.stream.launch_builder(&function);
+            builder.arg(&buffer).arg(&n16_u64).arg(&mut out);
+            // SAFETY: matches `read_ceiling(const uint4*, unsigned long long, unsigned*)`;
+            // the buffer holds n16 16-byte elements.
+            unsafe { builder.launch(config) }.map_err(&err)?;
+            end.record(&self.stream).map_err(&err)?;
+            end.synchronize().map_err(&err)?;
+            if pass > 0 {
+                times.push(f64::from(start.elapsed_ms(&end).map_err(&err)?));
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok((n16 * 16) as f64 / (times[times.len() / 2] * 1e-3) / 1e9)
+    }
+
     /// Device name.
     pub fn device_name(&self) -> &str {
         &self.name

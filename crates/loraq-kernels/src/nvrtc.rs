@@ -49,7 +49,8 @@ pub const KERNELS: &[KernelSource] = &[
 ];
 
 /// Entry points of `lora_decode.cu`: `{format}_{fused|base}_b{NB}`, `lora_shrink_b{NB}`,
-/// `lora_expand_b{NB}` for NB (largest batch served) in 1, 4, 16.
+/// `lora_expand_b{NB}` for NB (largest batch served) in 1, 4, 16, and `read_ceiling`
+/// (the benchmark's measure of the card's read bandwidth).
 pub const DECODE_ENTRY_POINTS: &[&str] = &[
     "bf16_fused_b1",
     "bf16_fused_b4",
@@ -75,6 +76,7 @@ pub const DECODE_ENTRY_POINTS: &[&str] = &[
     "lora_expand_b1",
     "lora_expand_b4",
     "lora_expand_b16",
+    "read_ceiling",
 ];
 
 /// Entry points of `lora_prefill.cu`.
