@@ -35,6 +35,25 @@ pub(crate) struct Fp8BandedRows<'a> {
     pub rows: usize,
     pub cols: usize,
     pub scale_cols: usize,
+    /// [`tile_amax`] of the activation, `[T, scale_cols]`.
+    pub tile_amax: &'a [f32],
+}
+
+/// Largest `|x_t[k]|` per token and 128-wide column tile, `[tokens, ceil(cols / 128)]`
+/// (computed once per call; every band needs it). A NaN gives NaN.
+pub(crate) fn tile_amax(x: &[f32], tokens: usize, cols: usize, x_stride: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(tokens * cols.div_ceil(FP8_BLOCK));
+    for t in 0..tokens {
+        for seg in x[t * x_stride..t * x_stride + cols].chunks(FP8_BLOCK) {
+            // |x| as bits: an integer max orders non-negative floats (NaN above
+            // infinity) and vectorizes, unlike f32::max.
+            let bits = seg
+                .iter()
+                .fold(0u32, |a, v| a.max(v.to_bits() & 0x7FFF_FFFF));
+            out.push(f32::from_bits(bits));
+        }
+    }
+    out
 }
 
 /// The activations of one band, scaled by its tile multipliers.
@@ -74,11 +93,15 @@ impl Fp8BandedRows<'_> {
         let tile_scales = &self.scales[band * self.scale_cols..(band + 1) * self.scale_cols];
         for t in 0..T {
             let xt = &x[t * x_stride..t * x_stride + cols];
+            let amax = &self.tile_amax[t * self.scale_cols..(t + 1) * self.scale_cols];
             // Largest |x s| and |s| of the band: e keeps both below 2^126 once scaled.
             let mut largest = 0f32;
-            for (seg, &s) in xt.chunks(FP8_BLOCK).zip(tile_scales) {
-                let amax = seg.iter().fold(0f32, |a, v| a.max(v.abs()));
-                largest = largest.max(amax * s.abs()).max(s.abs());
+            for (&a, &s) in amax.iter().zip(tile_scales) {
+                if a.is_nan() {
+                    largest = f32::NAN;
+                    break;
+                }
+                largest = largest.max(a * s.abs()).max(s.abs());
             }
             let e = if largest.is_finite() && largest > 0.0 {
                 let floor_log2 = ((largest.to_bits() >> 23) & 0xFF) as i32 - 127;

@@ -359,6 +359,7 @@ fn decode_base<const T: usize>(
     if isa == Isa::Avx512 {
         match linear.base() {
             BaseWeight::Fp8Block128(w) => {
+                let tile_amax = gemv_fp8::tile_amax(xq, T, in_dim, in_dim);
                 let kernel = fused::Fp8Kernel {
                     weight: gemv_fp8::Fp8BandedRows {
                         codes: &w.codes,
@@ -366,6 +367,7 @@ fn decode_base<const T: usize>(
                         rows: w.out_dim,
                         cols: w.in_dim,
                         scale_cols: w.scale_cols(),
+                        tile_amax: &tile_amax,
                     },
                     x: xq,
                     x_stride: in_dim,
