@@ -5,6 +5,7 @@ use anyhow::{Result, bail};
 use loraq_extract::extract::{ExtractOptions, Progress, RankChoice, extract};
 use loraq_extract::factor::Method;
 use loraq_extract::split::Split;
+use loraq_extract::target::TargetSpec;
 use std::path::PathBuf;
 
 /// Extract the LoRA adapter from a merged fine-tune and its base.
@@ -55,6 +56,30 @@ pub struct Args {
     /// Print the summary (extraction_report.json) as JSON on stdout.
     #[arg(long)]
     json: bool,
+    /// Quantization-aware: the base the adapter will run on. A scheme (fp8-block128,
+    /// nvfp4, int4-g128, ...: the base quantized exactly as `loraq quantize --scheme`
+    /// does, same skip list) or a quantized checkpoint directory. The adapter then
+    /// factors merged - dequant(Q(base)): the LoRA plus, within its rank, the strongest
+    /// directions of the base's quantization error. The report compares it with the
+    /// plain adapter on that base.
+    #[arg(long, value_name = "SCHEME|DIR")]
+    target_base: Option<String>,
+    /// Input second moments per module (`loraq run --collect-stats FILE`): the
+    /// quantization-aware factorization minimizes the error weighted by them, i.e.
+    /// the error that reaches the module's outputs.
+    #[arg(long, value_name = "FILE", requires = "target_base")]
+    calibration: Option<PathBuf>,
+    /// Ranks added to the quantization-aware factorization of every module the LoRA
+    /// touches (rank + K must be at most 512).
+    #[arg(long, value_name = "K", default_value_t = 0, requires = "target_base")]
+    extra_rank: usize,
+    /// Also correct the target's quantization error in modules the LoRA leaves alone,
+    /// at --correction-rank (written through rank_pattern).
+    #[arg(long, requires_all = ["target_base", "correction_rank"])]
+    all_layers: bool,
+    /// Rank of the correction in modules the LoRA leaves alone (with --all-layers).
+    #[arg(long, value_name = "K", requires = "all_layers")]
+    correction_rank: Option<usize>,
 }
 
 fn parse_rank(text: &str) -> Result<RankChoice> {
@@ -91,6 +116,11 @@ pub fn run(args: Args) -> Result<()> {
         base_revision: args.base_revision,
         copy: args.copy,
         force: args.force,
+        target_base: args.target_base.as_deref().map(TargetSpec::parse),
+        calibration: args.calibration,
+        extra_rank: args.extra_rank,
+        all_layers: args.all_layers,
+        correction_rank: args.correction_rank.unwrap_or(0),
     };
     let bar = crate::progress::bar(0, "extract");
     let report = extract(&options, &mut |event| match event {
@@ -114,9 +144,26 @@ pub fn run(args: Args) -> Result<()> {
         }
         Progress::ModuleDone(m) => {
             bar.inc(1);
+            let on_target = m.target.as_ref().map_or(String::new(), |t| {
+                format!(
+                    "; on the target: plain {:.3e}, quantization-aware {:.3e} of ||merged|| (rank {})",
+                    t.plain.relative, t.quantization_aware.relative, m.adapter_rank
+                )
+            });
             bar.println(format!(
-                "{}: rank {}, residual {:.3} x floor ({:.2} s)",
+                "{}: rank {}, residual {:.3} x floor{on_target} ({:.2} s)",
                 m.module, m.rank, m.ratio, m.seconds
+            ));
+        }
+        Progress::CorrectionDone(c) => {
+            bar.inc(1);
+            bar.println(format!(
+                "{}: correction rank {}, on the target: {:.3e} -> {:.3e} of ||merged|| ({:.2} s)",
+                c.module,
+                c.adapter_rank,
+                c.target.plain.relative,
+                c.target.quantization_aware.relative,
+                c.seconds
             ));
         }
         Progress::Writing => bar.set_message("writing and validating"),
@@ -143,6 +190,9 @@ pub fn run(args: Args) -> Result<()> {
             m.seconds
         );
     }
+    if let Some(summary) = &report.target_base {
+        print_target_table(&report, summary);
+    }
     for t in &report.zero_delta {
         println!("{t}: bytes differ but the delta is zero (signed zeros): not in the adapter");
     }
@@ -167,4 +217,63 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One row of the target table: plain vs quantization-aware, relative to ||merged||,
+/// over the floor, and (with calibration) weighted.
+fn target_row(module: &str, rank: String, t: &loraq_extract::quant_aware::TargetReport) {
+    let weighted = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3e}"));
+    println!(
+        "{:<64} {:>18} {:>9} {:>10.3e} {:>10.3e} {:>9.2} {:>9.2} {:>10} {:>10}",
+        module,
+        t.format,
+        rank,
+        t.plain.relative,
+        t.quantization_aware.relative,
+        t.plain.ratio,
+        t.quantization_aware.ratio,
+        weighted(t.plain.weighted_relative),
+        weighted(t.quantization_aware.weighted_relative),
+    );
+}
+
+fn print_target_table(
+    report: &loraq_extract::extract::ExtractionReport,
+    summary: &loraq_extract::extract::TargetSummary,
+) {
+    println!();
+    println!(
+        "on the target base {}: ||merged - (target + BA)|| relative to ||merged|| and over the floor; weighted = output error on the calibration's second moments",
+        summary.target_base
+    );
+    println!(
+        "{:<64} {:>18} {:>9} {:>10} {:>10} {:>9} {:>9} {:>10} {:>10}",
+        "module", "target", "rank", "plain", "qa", "plain/F", "qa/F", "plain w", "qa w"
+    );
+    for m in &report.modules {
+        if let Some(t) = &m.target {
+            target_row(&m.module, format!("{}->{}", m.rank, m.adapter_rank), t);
+        }
+    }
+    for c in &report.corrections {
+        target_row(&c.module, format!("0->{}", c.adapter_rank), &c.target);
+    }
+    let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.4e}"));
+    let t = &summary.totals;
+    println!(
+        "total over the LoRA's modules: plain {:.4e}, quantization-aware {:.4e}; weighted: plain {}, quantization-aware {}",
+        t.plain_relative,
+        t.quantization_aware_relative,
+        fmt(t.plain_weighted_relative),
+        fmt(t.quantization_aware_weighted_relative)
+    );
+    if let Some(c) = &t.corrections {
+        println!(
+            "total over the corrected modules the LoRA leaves alone: no adapter {:.4e}, corrected {:.4e}; weighted: {} -> {}",
+            c.plain_relative,
+            c.quantization_aware_relative,
+            fmt(c.plain_weighted_relative),
+            fmt(c.quantization_aware_weighted_relative)
+        );
+    }
 }

@@ -86,6 +86,26 @@ pub enum ExtractError {
         #[source]
         source: std::io::Error,
     },
+    /// The quantized target base (`--target-base DIR`) does not fit the base.
+    #[error("--target-base {path}: {tensor}: {what}")]
+    TargetBase {
+        /// The target checkpoint.
+        path: std::path::PathBuf,
+        /// The tensor at fault.
+        tensor: String,
+        /// What is wrong.
+        what: String,
+    },
+    /// The calibration statistics file (`--calibration FILE`) is unusable.
+    #[error("--calibration {path}: {tensor}: {what}")]
+    Calibration {
+        /// The statistics file.
+        path: std::path::PathBuf,
+        /// The tensor (or metadata key) at fault.
+        tensor: String,
+        /// What is wrong.
+        what: String,
+    },
     /// A requested rank is not one a LoRA runtime accepts, or a parameter is out of range.
     #[error("invalid parameter {name}: {detail}")]
     InvalidParameter {

@@ -1,18 +1,21 @@
 //! `loraq extract` as a library call: scan, factor every differing projection at the
 //! rounding floor, validate, and write the adapter directory atomically.
 
+use crate::calibration::Calibration;
 use crate::error::{ExtractError, Result};
 use crate::factor::{FactorParams, Factorization, Method, factorize};
 use crate::floor::{FloorFormat, expected_floor_ratio};
+use crate::quant_aware::{QaContext, TargetReport, qa_module};
 use crate::read::ShardFiles;
 use crate::scan::{Projection, ScanReport, scan};
 use crate::split::{Split, split_and_cast};
+use crate::target::{TargetBase, TargetSpec};
 use faer::Par;
 use loraq_io::peft::VLLM_MAX_LORA_RANKS;
 use loraq_io::sha256sums::sha256_file;
 use loraq_io::{
-    AdapterConfig, AtomicDir, Checkpoint, DType, LoraAdapter, LoraFactors, verify_sha256sums,
-    write_adapter, write_sha256sums,
+    AdapterConfig, AtomicDir, Checkpoint, DType, LoraAdapter, LoraFactors, ModuleName,
+    verify_sha256sums, write_adapter, write_sha256sums,
 };
 use rayon::prelude::*;
 use serde::Serialize;
@@ -69,6 +72,19 @@ pub struct ExtractOptions {
     pub copy: Vec<String>,
     /// Replace an existing output directory.
     pub force: bool,
+    /// The base the adapter will run on, when it is not `base`: the adapter then
+    /// factors merged - target instead of merged - base (quantization-aware).
+    pub target_base: Option<TargetSpec>,
+    /// Input second moments per module (`loraq run --collect-stats`): the
+    /// quantization-aware factorization minimizes the error weighted by them.
+    pub calibration: Option<PathBuf>,
+    /// Ranks added to every LoRA module's quantization-aware factorization.
+    pub extra_rank: usize,
+    /// Also correct the target's quantization error in modules the LoRA leaves alone,
+    /// at `correction_rank`.
+    pub all_layers: bool,
+    /// Rank of the correction in modules the LoRA leaves alone (with `all_layers`).
+    pub correction_rank: usize,
 }
 
 impl ExtractOptions {
@@ -92,6 +108,11 @@ impl ExtractOptions {
             base_revision: None,
             copy: Vec::new(),
             force: false,
+            target_base: None,
+            calibration: None,
+            extra_rank: 0,
+            all_layers: false,
+            correction_rank: 0,
         }
     }
 }
@@ -103,8 +124,11 @@ pub struct ModuleReport {
     pub module: String,
     /// `[out, in]`.
     pub shape: [usize; 2],
-    /// Rank written.
+    /// Rank of the factorization of merged - base (the plain adapter) that the
+    /// figures below describe.
     pub rank: usize,
+    /// Rank written to the adapter: `rank`, plus `--extra-rank` with `--target-base`.
+    pub adapter_rank: usize,
     /// $\|D\|_F$.
     pub delta_norm: f64,
     /// The bf16 rounding floor of the merged weight.
@@ -137,6 +161,67 @@ pub struct ModuleReport {
     pub converged: bool,
     /// Wall time of the module (read, factor, cast).
     pub seconds: f64,
+    /// With `--target-base`: the plain and the quantization-aware adapter on the target
+    /// (the quantization-aware one is what the adapter holds).
+    pub target: Option<TargetReport>,
+}
+
+/// A module the LoRA leaves alone, corrected for the target's quantization error
+/// (`--all-layers`).
+#[derive(Debug, Clone, Serialize)]
+pub struct CorrectionReport {
+    /// Module path.
+    pub module: String,
+    /// `[out, in]`.
+    pub shape: [usize; 2],
+    /// Rank written.
+    pub adapter_rank: usize,
+    /// Figures on the target (the plain adapter has no factors here: rank 0).
+    pub target: TargetReport,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+/// Sums over modules of the figures on the target base.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetTotals {
+    /// $\sqrt{\sum \|M - (\hat W + BA)\|^2} / \sqrt{\sum \|M\|^2}$ of the plain adapter,
+    /// over the LoRA's modules.
+    pub plain_relative: f64,
+    /// The same for the quantization-aware adapter.
+    pub quantization_aware_relative: f64,
+    /// Weighted (output-error) counterparts, with `--calibration`.
+    pub plain_weighted_relative: Option<f64>,
+    /// Weighted, quantization-aware.
+    pub quantization_aware_weighted_relative: Option<f64>,
+    /// The same four over the corrected modules the LoRA leaves alone (`--all-layers`).
+    pub corrections: Option<Box<TargetTotals>>,
+}
+
+/// How the quantization-aware extraction was asked for.
+#[derive(Debug, Clone, Serialize)]
+pub struct TargetSummary {
+    /// The `--target-base` (scheme name or directory).
+    pub target_base: String,
+    /// The calibration file, tokens and records it covers.
+    pub calibration: Option<CalibrationRecord>,
+    /// `--extra-rank`.
+    pub extra_rank: usize,
+    /// `--correction-rank` when `--all-layers`.
+    pub correction_rank: Option<usize>,
+    /// Totals.
+    pub totals: TargetTotals,
+}
+
+/// The calibration statistics used.
+#[derive(Debug, Clone, Serialize)]
+pub struct CalibrationRecord {
+    /// The file.
+    pub path: PathBuf,
+    /// Tokens in the statistics.
+    pub tokens: u64,
+    /// Records in the statistics.
+    pub records: u64,
 }
 
 /// The input side of the manifest.
@@ -204,6 +289,10 @@ pub struct ExtractionReport {
     pub copied: Vec<String>,
     /// One entry per module.
     pub modules: Vec<ModuleReport>,
+    /// Modules the LoRA leaves alone, corrected for the target (`--all-layers`).
+    pub corrections: Vec<CorrectionReport>,
+    /// The quantization-aware part, with `--target-base`.
+    pub target_base: Option<TargetSummary>,
     /// Totals.
     pub totals: Totals,
 }
@@ -222,6 +311,7 @@ struct Manifest<'a> {
     version: &'static str,
     merged: &'a InputRecord,
     base: &'a InputRecord,
+    target_base: Option<String>,
     r: usize,
     lora_alpha: usize,
     split: &'static str,
@@ -245,6 +335,8 @@ pub enum Progress<'a> {
     },
     /// A projection finished.
     ModuleDone(&'a ModuleReport),
+    /// A correction of a module the LoRA leaves alone finished (`--all-layers`).
+    CorrectionDone(&'a CorrectionReport),
     /// Writing and validating the output.
     Writing,
 }
@@ -465,6 +557,101 @@ fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     })
 }
 
+/// The largest rank of any module.
+const MAX_MODULE_RANK: usize = VLLM_MAX_LORA_RANKS[VLLM_MAX_LORA_RANKS.len() - 1];
+
+/// Refuses quantization-aware options without `--target-base`, and ranks past 512.
+fn validate_target_options(options: &ExtractOptions) -> Result<()> {
+    let invalid =
+        |name: &'static str, detail: String| Err(ExtractError::InvalidParameter { name, detail });
+    if options.target_base.is_none()
+        && (options.calibration.is_some() || options.extra_rank > 0 || options.all_layers)
+    {
+        return invalid(
+            "--target-base",
+            "--calibration, --extra-rank and --all-layers shape a quantization-aware adapter: they need --target-base".into(),
+        );
+    }
+    if options.all_layers != (options.correction_rank > 0) {
+        return invalid(
+            "--correction-rank",
+            "--all-layers needs a --correction-rank above 0, and --correction-rank needs --all-layers".into(),
+        );
+    }
+    if options.correction_rank > MAX_MODULE_RANK {
+        return invalid(
+            "--correction-rank",
+            format!(
+                "{} is above {MAX_MODULE_RANK}, the largest rank vLLM serves",
+                options.correction_rank
+            ),
+        );
+    }
+    if let RankChoice::Fixed(r) = options.rank
+        && r + options.extra_rank > MAX_MODULE_RANK
+    {
+        return invalid(
+            "--extra-rank",
+            format!(
+                "rank {r} + {} is above {MAX_MODULE_RANK}, the largest rank vLLM serves",
+                options.extra_rank
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// Candidates for `--all-layers`: linear weights (2-D float) of the merge that the scan
+/// found identical to the base, and that the target changes.
+fn untouched_linears(merged: &Checkpoint, scanned: &ScanReport) -> Vec<Projection> {
+    let touched: std::collections::BTreeSet<&str> = scanned
+        .projections
+        .iter()
+        .map(|p| p.tensor.as_str())
+        .collect();
+    let mut out: Vec<Projection> = merged
+        .tensors()
+        .filter(|t| !touched.contains(t.name.as_str()))
+        .filter(|t| matches!(t.dtype, DType::BF16 | DType::F16 | DType::F32))
+        .filter_map(|t| {
+            let name = ModuleName::parse(&t.name).filter(|n| n.is_linear_weight())?;
+            let (out_features, in_features) = t.matrix_shape()?;
+            Some(Projection {
+                tensor: t.name.clone(),
+                module_path: name.module_path(),
+                out_features,
+                in_features,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.tensor.cmp(&b.tensor));
+    out
+}
+
+fn relative_totals<'a>(reports: impl Iterator<Item = &'a TargetReport> + Clone) -> TargetTotals {
+    let sum = |f: &dyn Fn(&TargetReport) -> Option<f64>| -> Option<f64> {
+        reports
+            .clone()
+            .map(|r| f(r).map(|x| x * x))
+            .sum::<Option<f64>>()
+            .map(f64::sqrt)
+    };
+    let merged = sum(&|r| Some(r.merged_norm)).unwrap_or(0.0);
+    let weighted_merged = sum(&|r| r.weighted_merged_norm);
+    let ratio = |x: Option<f64>, n: Option<f64>| x.zip(n).map(|(x, n)| x / n);
+    TargetTotals {
+        plain_relative: sum(&|r| Some(r.plain.residual)).unwrap_or(0.0) / merged,
+        quantization_aware_relative: sum(&|r| Some(r.quantization_aware.residual)).unwrap_or(0.0)
+            / merged,
+        plain_weighted_relative: ratio(sum(&|r| r.plain.weighted_residual), weighted_merged),
+        quantization_aware_weighted_relative: ratio(
+            sum(&|r| r.quantization_aware.weighted_residual),
+            weighted_merged,
+        ),
+        corrections: None,
+    }
+}
+
 fn validate_rank(rank: RankChoice) -> Result<()> {
     if let RankChoice::Fixed(r) = rank {
         if !VLLM_MAX_LORA_RANKS.contains(&r) {
@@ -502,6 +689,7 @@ fn extract_on_current_pool(
 ) -> Result<ExtractionReport> {
     let started = Instant::now();
     validate_rank(options.rank)?;
+    validate_target_options(options)?;
     if options.max_residual_ratio.is_nan() || options.max_residual_ratio <= 0.0 {
         return Err(ExtractError::InvalidParameter {
             name: "--max-residual-ratio",
@@ -513,14 +701,53 @@ fn extract_on_current_pool(
     let merged = Checkpoint::open(&options.merged)?;
     let base = Checkpoint::open(&options.base)?;
     let scanned = scan(&merged, &base)?.into_result()?;
+    let target = options
+        .target_base
+        .as_ref()
+        .map(|spec| TargetBase::open(spec, &base))
+        .transpose()?;
+    let calibration = options
+        .calibration
+        .as_deref()
+        .map(Calibration::open)
+        .transpose()?;
+    let corrections_todo = if options.all_layers {
+        let target = target
+            .as_ref()
+            .expect("validated: --all-layers needs a target");
+        untouched_linears(&merged, &scanned)
+            .into_iter()
+            .filter(|p| target.may_change(&p.tensor))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    // Every module's statistics are checked before any work.
+    if let Some(c) = &calibration {
+        for p in scanned.projections.iter().chain(&corrections_todo) {
+            c.input_sq_mean(&p.module_path, p.in_features)?;
+        }
+    }
     progress(Progress::Scanned(&scanned));
+    let (merged_files, base_files) = (ShardFiles::open(&merged)?, ShardFiles::open(&base)?);
 
     let par = if options.threads == 0 {
         Par::rayon(0)
     } else {
         Par::rayon(options.threads)
     };
-    let total = scanned.projections.len();
+    let qa_context = target.as_ref().map(|target| QaContext {
+        merged: &merged,
+        base: &base,
+        merged_files: &merged_files,
+        base_files: &base_files,
+        target,
+        calibration: calibration.as_ref(),
+        split: options.split,
+        method: options.method,
+        par,
+    });
+    let total = scanned.projections.len() + corrections_todo.len();
     let mut factors = Vec::with_capacity(total);
     let mut modules = Vec::with_capacity(total);
     let mut zero_delta = Vec::new();
@@ -557,6 +784,19 @@ fn extract_on_current_pool(
             RankChoice::Auto => auto_rank(&f, floor),
         };
         let cast = split_and_cast(&projection.module_path, &f, rank, options.split, par)?;
+        // Quantization-aware: the adapter written factors merged - target at rank +
+        // extra; the plain factors above are measured on the target for comparison.
+        let qa = match &qa_context {
+            Some(ctx) => qa_module(
+                ctx,
+                &projection.tensor,
+                &projection.module_path,
+                (rank + options.extra_rank).min(MAX_MODULE_RANK),
+                Some(&cast),
+                Some(floor),
+            )?,
+            None => None,
+        };
         let residual = f.truncation_residual(rank);
         let certificate = f.certificate(rank);
         let residual_after_cast = residual.hypot(cast.cast_error);
@@ -564,6 +804,7 @@ fn extract_on_current_pool(
             module: projection.module_path.clone(),
             shape: [rows, cols],
             rank,
+            adapter_rank: qa.as_ref().map_or(rank, |q| q.factors.rank),
             delta_norm: f.delta_norm(),
             floor,
             residual,
@@ -583,17 +824,57 @@ fn extract_on_current_pool(
             passes: f.passes,
             converged: f.converged,
             seconds: module_started.elapsed().as_secs_f64(),
+            target: qa.as_ref().map(|q| q.report.clone()),
         };
         progress(Progress::ModuleDone(&report));
         modules.push(report);
+        let written = qa.map_or(cast, |q| q.factors);
         factors.push(LoraFactors {
             module_path: projection.module_path.clone(),
-            rank,
+            rank: written.rank,
             in_features: cols,
             out_features: rows,
-            a_bf16: cast.a_bf16,
-            b_bf16: cast.b_bf16,
+            a_bf16: written.a_bf16,
+            b_bf16: written.b_bf16,
         });
+    }
+    let mut corrections = Vec::new();
+    for (i, projection) in corrections_todo.iter().enumerate() {
+        let ctx = qa_context.as_ref().expect("corrections need a target");
+        progress(Progress::ModuleStarted {
+            index: scanned.projections.len() + i,
+            total,
+            projection,
+        });
+        let module_started = Instant::now();
+        let Some(qa) = qa_module(
+            ctx,
+            &projection.tensor,
+            &projection.module_path,
+            options.correction_rank,
+            None,
+            None,
+        )?
+        else {
+            continue;
+        };
+        let report = CorrectionReport {
+            module: projection.module_path.clone(),
+            shape: [projection.out_features, projection.in_features],
+            adapter_rank: qa.factors.rank,
+            target: qa.report,
+            seconds: module_started.elapsed().as_secs_f64(),
+        };
+        progress(Progress::CorrectionDone(&report));
+        factors.push(LoraFactors {
+            module_path: projection.module_path.clone(),
+            rank: qa.factors.rank,
+            in_features: projection.in_features,
+            out_features: projection.out_features,
+            a_bf16: qa.factors.a_bf16,
+            b_bf16: qa.factors.b_bf16,
+        });
+        corrections.push(report);
     }
 
     let above: Vec<(String, f64)> = modules
@@ -618,16 +899,25 @@ fn extract_on_current_pool(
     }
 
     progress(Progress::Writing);
-    let max_module_rank = modules.iter().map(|m| m.rank).max().unwrap_or(1);
+    let ranks: BTreeMap<String, usize> = modules
+        .iter()
+        .map(|m| (m.module.clone(), m.adapter_rank))
+        .chain(
+            corrections
+                .iter()
+                .map(|c| (c.module.clone(), c.adapter_rank)),
+        )
+        .collect();
+    let max_module_rank = ranks.values().copied().max().unwrap_or(1);
+    // r is a rank vLLM serves (its max_lora_rank) and at least every module's rank;
+    // the modules below it are in rank_pattern.
     let r = match options.rank {
-        RankChoice::Fixed(r) => r,
-        RankChoice::Auto => *VLLM_MAX_LORA_RANKS
+        RankChoice::Fixed(r) if max_module_rank <= r => r,
+        _ => *VLLM_MAX_LORA_RANKS
             .iter()
             .find(|&&v| v >= max_module_rank)
             .expect("ranks are capped at 512"),
     };
-    let ranks: BTreeMap<String, usize> =
-        modules.iter().map(|m| (m.module.clone(), m.rank)).collect();
     let base_name = options.base.display().to_string();
     let config =
         AdapterConfig::for_ranks(r, &ranks, Some(base_name), options.base_revision.clone());
@@ -651,6 +941,7 @@ fn extract_on_current_pool(
         version: env!("CARGO_PKG_VERSION"),
         merged: &merged_record,
         base: &base_record,
+        target_base: options.target_base.as_ref().map(TargetSpec::describe),
         r,
         lora_alpha: r,
         split: options.split.as_str(),
@@ -659,9 +950,15 @@ fn extract_on_current_pool(
             .map(|m| ManifestModule {
                 module: &m.module,
                 shape: m.shape,
-                rank: m.rank,
+                rank: m.adapter_rank,
                 dtype: "BF16",
             })
+            .chain(corrections.iter().map(|c| ManifestModule {
+                module: &c.module,
+                shape: c.shape,
+                rank: c.adapter_rank,
+                dtype: "BF16",
+            }))
             .collect(),
         copied: &copied,
     };
@@ -674,10 +971,12 @@ fn extract_on_current_pool(
         .collect();
     let worst = modules.iter().max_by(|a, b| a.ratio.total_cmp(&b.ratio));
     let totals = Totals {
-        modules: modules.len(),
+        modules: modules.len() + corrections.len(),
         parameters: modules
             .iter()
-            .map(|m| m.rank * (m.shape[0] + m.shape[1]))
+            .map(|m| (m.adapter_rank, m.shape))
+            .chain(corrections.iter().map(|c| (c.adapter_rank, c.shape)))
+            .map(|(rank, shape)| rank * (shape[0] + shape[1]))
             .sum(),
         max_ratio: worst.map_or(0.0, |m| m.ratio),
         max_ratio_module: worst.map(|m| m.module.clone()),
@@ -690,6 +989,25 @@ fn extract_on_current_pool(
         above_threshold: above.into_iter().map(|(m, _)| m).collect(),
         seconds: 0.0,
     };
+    let target_summary = options.target_base.as_ref().map(|spec| {
+        let mut totals = relative_totals(modules.iter().filter_map(|m| m.target.as_ref()));
+        if options.all_layers {
+            totals.corrections = Some(Box::new(relative_totals(
+                corrections.iter().map(|c| &c.target),
+            )));
+        }
+        TargetSummary {
+            target_base: spec.describe(),
+            calibration: calibration.as_ref().map(|c| CalibrationRecord {
+                path: c.path().to_path_buf(),
+                tokens: c.tokens,
+                records: c.records,
+            }),
+            extra_rank: options.extra_rank,
+            correction_rank: options.all_layers.then_some(options.correction_rank),
+            totals,
+        }
+    });
     let mut report = ExtractionReport {
         tool: "loraq",
         version: env!("CARGO_PKG_VERSION"),
@@ -709,6 +1027,8 @@ fn extract_on_current_pool(
         zero_delta,
         copied,
         modules,
+        corrections,
+        target_base: target_summary,
         totals,
     };
     report.totals.seconds = started.elapsed().as_secs_f64();
@@ -718,19 +1038,28 @@ fn extract_on_current_pool(
     // Validate what was written before it appears: the adapter parses as PEFT does,
     // every module is there with its shape and rank, and every checksum holds.
     let written = LoraAdapter::open(out.path())?;
-    for m in &report.modules {
+    let expected: Vec<(&str, usize, [usize; 2])> = report
+        .modules
+        .iter()
+        .map(|m| (m.module.as_str(), m.adapter_rank, m.shape))
+        .chain(
+            report
+                .corrections
+                .iter()
+                .map(|c| (c.module.as_str(), c.adapter_rank, c.shape)),
+        )
+        .collect();
+    for &(module, rank, shape) in &expected {
         let info = written
-            .module(&m.module)
+            .module(module)
             .ok_or_else(|| ExtractError::BadShape {
-                module: m.module.clone(),
+                module: module.to_string(),
                 what: "missing from the written adapter".into(),
             })?;
-        if info.rank != m.rank
-            || [info.out_features, info.in_features] != m.shape
-            || info.scale != 1.0
+        if info.rank != rank || [info.out_features, info.in_features] != shape || info.scale != 1.0
         {
             return Err(ExtractError::BadShape {
-                module: m.module.clone(),
+                module: module.to_string(),
                 what: format!(
                     "written as rank {} [{}, {}] scale {}",
                     info.rank, info.out_features, info.in_features, info.scale
@@ -738,13 +1067,13 @@ fn extract_on_current_pool(
             });
         }
     }
-    if written.modules.len() != report.modules.len() {
+    if written.modules.len() != expected.len() {
         return Err(ExtractError::BadShape {
             module: options.out.display().to_string(),
             what: format!(
                 "adapter holds {} modules, {} extracted",
                 written.modules.len(),
-                report.modules.len()
+                expected.len()
             ),
         });
     }

@@ -7,17 +7,23 @@
 //! - [`factor`]: the top-r factorization (randomized with a certificate, or exact).
 //! - [`split`]: balanced / orthonormal-A split, bf16 cast, cast error.
 //! - [`extract`]: the whole `loraq extract`, written atomically.
+//! - [`target`] / [`quant_aware`] / [`calibration`]: quantization-aware extraction
+//!   (`--target-base`): factor merged - dequant(Q(base)), optionally weighted by the
+//!   input second moments of a calibration run.
 //! - [`verify`] / [`check`]: an adapter against base + merge, and two adapters against
 //!   each other.
 
+pub mod calibration;
 pub mod check;
 pub mod error;
 pub mod extract;
 pub mod factor;
 pub mod floor;
+pub mod quant_aware;
 pub mod read;
 pub mod scan;
 pub mod split;
+pub mod target;
 pub mod verify;
 
 pub use error::{ExtractError, Refusal, Result};

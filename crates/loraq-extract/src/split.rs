@@ -98,9 +98,23 @@ pub fn split_and_cast(
 ) -> Result<CastFactors> {
     let k = k.min(f.kept());
     let (b, a) = f32_factors(f, k, split);
-    let (b_bf16, b_round) = to_bf16(module, "factor B after the bf16 cast", &b)?;
-    let (a_bf16, a_round) = to_bf16(module, "factor A after the bf16 cast", &a)?;
-    let (rows, cols) = (f.rows, f.cols);
+    cast_pair(module, &b, &a, f.rows, f.cols, k, par)
+}
+
+/// Casts f32 factors B `[rows, k]` and A `[k, cols]` (row-major) to bf16 and measures
+/// the cast error as [`split_and_cast`] does; for factors that do not come straight
+/// from a [`Factorization`] (the calibration-weighted ones, $A = A' S^{-1}$).
+pub fn cast_pair(
+    module: &str,
+    b: &[f32],
+    a: &[f32],
+    rows: usize,
+    cols: usize,
+    k: usize,
+    par: Par,
+) -> Result<CastFactors> {
+    let (b_bf16, b_round) = to_bf16(module, "factor B after the bf16 cast", b)?;
+    let (a_bf16, a_round) = to_bf16(module, "factor A after the bf16 cast", a)?;
     // P = [E_B | B]  (rows x 2k), Q = [A_bf16 ; E_A]  (2k x cols).
     let p = Mat::<f32>::from_fn(rows, 2 * k, |i, l| {
         if l < k {
