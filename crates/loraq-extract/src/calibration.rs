@@ -1,10 +1,6 @@
 //! Per-module input statistics for calibration-weighted factorization: the file
-//! `loraq run --collect-stats FILE` writes.
-//!
-//! Format (version 1): one safetensors file, one F32 tensor per linear module named
-//! `<module path>.input_sq_mean`, shape `[in_features]`, holding $E[x_k^2]$ of that
-//! linear's input over every token of the record set; metadata
-//! `{"format": "loraq-calibration", "version": "1", "tokens": "<n>", "records": "<n>"}`.
+//! `loraq run --collect-stats FILE` writes (format and reader in
+//! [`loraq_io::calibration`]), checked here against the modules being factored.
 //!
 //! The weight of input feature $k$ is $s_k = \sqrt{\max(E[x_k^2],\ \epsilon \max_j E[x_j^2])}$
 //! with $\epsilon$ = [`RELATIVE_FLOOR`]: a feature that was (nearly) never active
@@ -15,82 +11,26 @@
 //! others uniformly would mix two objectives in one adapter without saying so.
 
 use crate::error::{ExtractError, Result};
-use loraq_io::{Checkpoint, DType};
+use loraq_io::calibration::INPUT_SQ_MEAN_SUFFIX;
+use loraq_io::{CalibrationStats, read_calibration};
 use std::path::{Path, PathBuf};
 
-/// Suffix of the statistics tensor after the module path.
-pub const TENSOR_SUFFIX: &str = ".input_sq_mean";
-/// `format` in the file's metadata.
-pub const FORMAT: &str = "loraq-calibration";
-/// `version` in the file's metadata.
-pub const VERSION: &str = "1";
 /// $E[x^2]$ entries below this fraction of the module's largest are raised to it.
 pub const RELATIVE_FLOOR: f64 = 1e-6;
 
-/// An opened statistics file.
+/// An opened statistics file (read and checked by [`loraq_io::read_calibration`]).
+#[derive(Debug)]
 pub struct Calibration {
     path: PathBuf,
-    file: Checkpoint,
-    /// Tokens the statistics were collected over (from the metadata).
-    pub tokens: u64,
-    /// Records the statistics were collected over (from the metadata).
-    pub records: u64,
-}
-
-impl std::fmt::Debug for Calibration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Calibration")
-            .field("path", &self.path)
-            .field("tokens", &self.tokens)
-            .field("records", &self.records)
-            .finish()
-    }
+    stats: CalibrationStats,
 }
 
 impl Calibration {
-    /// Opens `path` and checks its metadata.
+    /// Reads `path` and checks its metadata and every tensor.
     pub fn open(path: &Path) -> Result<Calibration> {
-        let bad = |tensor: &str, what: String| ExtractError::Calibration {
-            path: path.to_path_buf(),
-            tensor: tensor.to_string(),
-            what,
-        };
-        if !path.is_file() {
-            return Err(bad("-", "not a file".into()));
-        }
-        let file = Checkpoint::open(path)?;
-        let metadata = file.shard_metadata(0);
-        let field = |key: &str| -> Result<&String> {
-            metadata
-                .get(key)
-                .ok_or_else(|| bad(key, "missing from the metadata".into()))
-        };
-        let format = field("format")?;
-        if format != FORMAT {
-            return Err(bad("format", format!("{format:?}, expected {FORMAT:?}")));
-        }
-        let version = field("version")?;
-        if version != VERSION {
-            return Err(bad(
-                "version",
-                format!("{version:?}, this build reads {VERSION:?}"),
-            ));
-        }
-        let count = |key: &str| -> Result<u64> {
-            let text = field(key)?;
-            text.parse()
-                .map_err(|_| bad(key, format!("{text:?} is not a count")))
-        };
-        let tokens = count("tokens")?;
-        let records = count("records")?;
-        if tokens == 0 {
-            return Err(bad("tokens", "0: statistics of no token".into()));
-        }
         Ok(Calibration {
             path: path.to_path_buf(),
-            file,
-            tokens,
-            records,
+            stats: read_calibration(path)?,
         })
     }
 
@@ -99,30 +39,32 @@ impl Calibration {
         &self.path
     }
 
-    /// $E[x^2]$ of `module_path`'s input, checked: F32, shape `[in_features]`, finite,
-    /// non-negative and not all zero.
-    pub fn input_sq_mean(&self, module_path: &str, in_features: usize) -> Result<Vec<f32>> {
-        let tensor = format!("{module_path}{TENSOR_SUFFIX}");
+    /// Tokens the statistics were collected over.
+    pub fn tokens(&self) -> u64 {
+        self.stats.tokens
+    }
+
+    /// Records the statistics were collected over.
+    pub fn records(&self) -> u64 {
+        self.stats.records
+    }
+
+    /// $E[x^2]$ of `module_path`'s input, checked against the module: present, shape
+    /// `[in_features]`, not all zero (finite and non-negative are checked on reading).
+    pub fn input_sq_mean(&self, module_path: &str, in_features: usize) -> Result<&[f32]> {
+        let tensor = format!("{module_path}{INPUT_SQ_MEAN_SUFFIX}");
         let bad = |what: String| ExtractError::Calibration {
             path: self.path.clone(),
             tensor: tensor.clone(),
             what,
         };
-        let info = self.file.get(&tensor).ok_or_else(|| {
+        let values = self.stats.module(module_path).ok_or_else(|| {
             bad("missing: the statistics do not cover this module (collect them with `loraq run --collect-stats` on the same model)".into())
         })?;
-        if info.dtype != DType::F32 || info.shape != [in_features] {
+        if values.len() != in_features {
             return Err(bad(format!(
-                "{} {:?}, expected F32 [{in_features}] (the module's input features)",
-                info.dtype.as_str(),
-                info.shape
-            )));
-        }
-        let values = self.file.read_f32(&tensor)?;
-        if let Some(k) = values.iter().position(|v| !v.is_finite() || *v < 0.0) {
-            return Err(bad(format!(
-                "value {} at feature {k}: a mean of squares is finite and >= 0",
-                values[k]
+                "F32 [{}], expected F32 [{in_features}] (the module's input features)",
+                values.len()
             )));
         }
         if values.iter().all(|&v| v == 0.0) {
@@ -134,7 +76,7 @@ impl Calibration {
     /// The column weights $s_k$ of `module_path` (see the module docs).
     pub fn column_weights(&self, module_path: &str, in_features: usize) -> Result<Vec<f32>> {
         Ok(column_weights(
-            &self.input_sq_mean(module_path, in_features)?,
+            self.input_sq_mean(module_path, in_features)?,
         ))
     }
 }

@@ -1000,8 +1000,8 @@ fn extract_on_current_pool(
             target_base: spec.describe(),
             calibration: calibration.as_ref().map(|c| CalibrationRecord {
                 path: c.path().to_path_buf(),
-                tokens: c.tokens,
-                records: c.records,
+                tokens: c.tokens(),
+                records: c.records(),
             }),
             extra_rank: options.extra_rank,
             correction_rank: options.all_layers.then_some(options.correction_rank),
