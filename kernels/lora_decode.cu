@@ -482,3 +482,82 @@ extern "C" __global__ void __launch_bounds__(256) read_ceiling(const uint4* __re
     }
     if (acc == 0x9E3779B9u) out[0] = acc;
 }
+
+#if LORAQ_DECODE_PROBE == 3
+// Streaming experiments (benchmark probe 3 only): the buffer read as rows of 5120 bytes
+// (320 x 16 B), two rows per warp step as the decode does, persistent warps strided
+// over row pairs; once with registers one step ahead (LDG), once through a per-lane
+// cp.async ring 3 steps ahead; and the grid-stride read through a cp.async ring.
+#define PROBE_ROW16 320
+extern "C" __global__ void __launch_bounds__(128) read_rows_ldg(const uint4* __restrict__ p, unsigned long long n16,
+                                                                unsigned int* out) {
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * 4, warp = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long long pairs = (long long)(n16 / PROBE_ROW16) / 2;
+    unsigned int acc = 0;
+    for (long long g = warp; g < pairs; g += warps) {
+        const uint4* r0 = p + (size_t)(2 * g) * PROBE_ROW16;
+        const uint4* r1 = r0 + PROBE_ROW16;
+        uint4 a = __ldg(r0 + lane), b = __ldg(r1 + lane);
+        for (int c = 32; c < PROBE_ROW16; c += 32) {
+            const uint4 na = __ldg(r0 + c + lane), nb = __ldg(r1 + c + lane);
+            acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+            a = na;
+            b = nb;
+        }
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    if (acc == 0x9E3779B9u) out[0] = acc;
+}
+extern "C" __global__ void __launch_bounds__(128) read_rows_ldg4(const uint4* __restrict__ p, unsigned long long n16,
+                                                                 unsigned int* out) {
+    // Each lane loads its whole share of the row pair (10 + 10 loads) before using any.
+    const int lane = threadIdx.x & 31;
+    const long long warps = (long long)gridDim.x * 4, warp = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const long long pairs = (long long)(n16 / PROBE_ROW16) / 2;
+    unsigned int acc = 0;
+    for (long long g = warp; g < pairs; g += warps) {
+        const uint4* r0 = p + (size_t)(2 * g) * PROBE_ROW16;
+        uint4 v[20];
+#pragma unroll
+        for (int c = 0; c < 10; ++c) {
+            v[c] = __ldg(r0 + 32 * c + lane);
+            v[10 + c] = __ldg(r0 + PROBE_ROW16 + 32 * c + lane);
+        }
+#pragma unroll
+        for (int c = 0; c < 20; ++c) acc ^= v[c].x ^ v[c].y ^ v[c].z ^ v[c].w;
+    }
+    if (acc == 0x9E3779B9u) out[0] = acc;
+}
+extern "C" __global__ void __launch_bounds__(128) read_rows_cpasync(const uint4* __restrict__ p, unsigned long long n16,
+                                                                    unsigned int* out) {
+    __shared__ uint4 ring[4][4][2][32];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const long long warps = (long long)gridDim.x * 4, warp = (long long)blockIdx.x * 4 + wib;
+    const long long pairs = (long long)(n16 / PROBE_ROW16) / 2;
+    if (warp >= pairs) return;
+    const long long my = (pairs - 1 - warp) / warps + 1;
+    const long long total = my * 10;
+    auto issue = [&](long long s) {
+        if (s < total) {
+            const long long g = warp + (s / 10) * warps;
+            const uint4* r0 = p + (size_t)(2 * g) * PROBE_ROW16 + (s % 10) * 32 + lane;
+            cp_async16(&ring[wib][s & 3][0][lane], r0);
+            cp_async16(&ring[wib][s & 3][1][lane], r0 + PROBE_ROW16);
+        }
+        cp_async_commit();
+    };
+    issue(0);
+    issue(1);
+    issue(2);
+    unsigned int acc = 0;
+    for (long long s = 0; s < total; ++s) {
+        cp_async_wait<2>();
+        const uint4 a = ring[wib][s & 3][0][lane], b = ring[wib][s & 3][1][lane];
+        issue(s + 3);
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+    }
+    cp_async_wait<0>();
+    if (acc == 0x9E3779B9u) out[0] = acc;
+}
+#endif

@@ -277,6 +277,20 @@ fn main() {
         );
         return;
     };
+    // Probe cubins (-DLORAQ_DECODE_PROBE=3) carry streaming experiments.
+    if std::env::var("LORAQ_GPU_READ_PROBES").is_ok_and(|v| v == "1") {
+        for (kernel, threads) in [
+            ("read_ceiling", 256),
+            ("read_rows_ldg", 128),
+            ("read_rows_ldg4", 128),
+            ("read_rows_cpasync", 128),
+        ] {
+            match backend.measure_read_gbps_with(kernel, threads, 1 << 30) {
+                Ok(gbps) => eprintln!("{kernel}: {gbps:.0} GB/s"),
+                Err(e) => eprintln!("{kernel}: {e}"),
+            }
+        }
+    }
     if let Ok(path) = std::env::var("LORAQ_GPU_TABLE") {
         write_table(&backend, &path);
         explore_decode_grid(&mut backend, &path);

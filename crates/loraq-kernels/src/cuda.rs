@@ -170,19 +170,25 @@ impl CudaBackend {
     /// (median of 5 event-timed passes): the ceiling a weight stream can approach on
     /// this card, measured rather than taken from the datasheet.
     pub fn measure_read_gbps(&self, bytes: usize) -> Result<f64> {
+        self.measure_read_gbps_with("read_ceiling", 256, bytes)
+    }
+
+    /// [`CudaBackend::measure_read_gbps`] through another streaming kernel of the same
+    /// signature `(const uint4*, unsigned long long n16, unsigned*)` (benchmark probes).
+    pub fn measure_read_gbps_with(&self, kernel: &str, threads: u32, bytes: usize) -> Result<f64> {
         let err = driver_err("measuring read bandwidth");
         let n16 = (bytes / 16).max(1);
         let buffer = self.stream.alloc_zeros::<u8>(n16 * 16).map_err(&err)?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(&err)?;
         let function = self
             .decode
-            .load_function("read_ceiling")
-            .map_err(driver_err("loading read_ceiling"))?;
+            .load_function(kernel)
+            .map_err(driver_err("loading a read-bandwidth kernel"))?;
         let per_sm = function
-            .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
             .map_err(&err)?
             .max(1) as usize;
-        let config = grid_1d(per_sm * self.sm_count.max(1), 256);
+        let config = grid_1d(per_sm * self.sm_count.max(1), threads);
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.ctx.new_event(flags).map_err(&err)?;
         let end = self.ctx.new_event(flags).map_err(&err)?;
