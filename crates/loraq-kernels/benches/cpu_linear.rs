@@ -2,8 +2,8 @@
 //!
 //! - `memory_read`: this machine's streaming read bandwidth (rayon + SIMD sum over
 //!   256 MiB), the physical limit the decode path is compared against.
-//! - `decode`: batch 1 at 17408x5120 (Qwen3.8-27B up/gate shape) + rank 256, fp8-block128
-//!   and nvfp4 bases: the fused path, dequantize-then-multiply (dequantizing every call),
+//! - `decode`: batch 1 at 17408x5120 (Qwen3.8-27B up/gate shape) + rank 256, fp8-block128,
+//!   nvfp4 and int4-g128 bases: the fused path, dequantize-then-multiply (dequantizing every call),
 //!   and multiplying by a pre-dequantized f32 weight. Throughput = weight bytes the fused
 //!   path reads (codes + scales + both LoRA factors), so the figures are effective GB/s.
 //! - `decode` also runs `lora_phased`: the same kernels with the LoRA shrink as its own
@@ -18,8 +18,8 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, CpuOptions, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, Parallelism,
-    QuantLoraLinear,
+    BaseWeight, CpuOptions, Fp8Block128Weight, Int4G128Weight, LoraAdapter, Nvfp4Weight,
+    Parallelism, QuantLoraLinear,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -72,6 +72,16 @@ fn nvfp4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
     QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
 }
 
+fn int4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
+    let packed = random_bytes(out_dim * in_dim / 2, 4, |b| b);
+    let groups = out_dim * in_dim.div_ceil(128);
+    let scales = vec![2e-3f32; groups];
+    let zeros = random_bytes(groups, 5, |b| b & 0x0F);
+    let base =
+        BaseWeight::Int4G128(Int4G128Weight::new(out_dim, in_dim, packed, scales, zeros).unwrap());
+    QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
+}
+
 fn activations(len: usize) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -117,6 +127,7 @@ fn decode(c: &mut Criterion) {
     for (name, linear) in [
         ("fp8-block128", fp8_linear(out_dim, in_dim, rank)),
         ("nvfp4", nvfp4_linear(out_dim, in_dim, rank)),
+        ("int4-g128", int4_linear(out_dim, in_dim, rank)),
     ] {
         group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
         let mut y = vec![0f32; out_dim];
@@ -166,6 +177,7 @@ fn decode_compute(c: &mut Criterion) {
     for (name, linear) in [
         ("fp8-block128", fp8_linear(out_dim, in_dim, 0)),
         ("nvfp4", nvfp4_linear(out_dim, in_dim, 0)),
+        ("int4-g128", int4_linear(out_dim, in_dim, 0)),
     ] {
         group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
         let mut y = vec![0f32; out_dim];

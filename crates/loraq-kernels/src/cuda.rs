@@ -337,6 +337,11 @@ impl CudaBackend {
                     what: "mxfp4 base weights (CPU path only)".into(),
                 });
             }
+            BaseWeight::Int4G128(_) => {
+                return Err(KernelError::UnsupportedOnGpu {
+                    what: "int4-g128 base weights (CPU path only)".into(),
+                });
+            }
         };
         let (n, k) = (linear.out_dim(), linear.in_dim());
         if !k.is_multiple_of(16) {

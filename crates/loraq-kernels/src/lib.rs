@@ -26,4 +26,6 @@ pub use cpu::{CpuOptions, Isa, Parallelism};
 pub use error::{KernelError, Result};
 pub use linear::QuantLoraLinear;
 pub use lora::{LoraAdapter, MAX_RANK};
-pub use weight::{BaseWeight, Bf16Weight, Fp8Block128Weight, Mxfp4Weight, Nvfp4Weight};
+pub use weight::{
+    BaseWeight, Bf16Weight, Fp8Block128Weight, Int4G128Weight, Mxfp4Weight, Nvfp4Weight,
+};

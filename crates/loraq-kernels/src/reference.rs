@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use crate::linear::QuantLoraLinear;
-use crate::weight::{BaseWeight, FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK};
+use crate::weight::{BaseWeight, FP8_BLOCK, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK};
 use loraq_quant::element::{e2m1_decode, e4m3_decode, e8m0_decode};
 
 fn nibble(packed: &[u8], row_bytes: usize, row: usize, k: usize) -> u8 {
@@ -35,6 +35,11 @@ pub fn weight_element(base: &BaseWeight, row: usize, k: usize) -> f64 {
             let q = f64::from(e2m1_decode(nibble(&w.packed, w.in_dim / 2, row, k)));
             let e = w.block_scales[row * (w.in_dim / MXFP4_BLOCK) + k / MXFP4_BLOCK];
             q * f64::from(e8m0_decode(e))
+        }
+        BaseWeight::Int4G128(w) => {
+            let q = f64::from(nibble(&w.packed, w.in_dim.div_ceil(2), row, k));
+            let g = row * w.groups() + k / INT4_GROUP;
+            (q - f64::from(w.zeros[g])) * f64::from(w.scales[g])
         }
     }
 }

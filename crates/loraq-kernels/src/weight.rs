@@ -13,6 +13,8 @@ pub const FP8_BLOCK: usize = 128;
 pub const NVFP4_BLOCK: usize = 16;
 /// Elements per MXFP4 scale block along the input dimension.
 pub const MXFP4_BLOCK: usize = 32;
+/// Elements per INT4 group along the input dimension (the last one may be partial).
+pub const INT4_GROUP: usize = 128;
 
 /// Checked `rows * cols`.
 pub(crate) fn checked_area(what: &'static str, rows: usize, cols: usize) -> Result<usize> {
@@ -285,6 +287,119 @@ impl Mxfp4Weight {
     }
 }
 
+/// INT4 weight with one f32 scale and one zero point per 128 inputs (the last group of a
+/// row may be partial), the scheme `loraq-quant` writes (`int4-g128-sym`: zero 8,
+/// `int4-g128-asym`: any zero): `W[o, k] = (q[o, k] - z[o, k / 128]) * s[o, k / 128]`.
+/// Codes are packed two per byte, the even element in the low nibble, each row padded to
+/// whole bytes (`ceil(in_dim / 2)` bytes per row).
+#[derive(Clone, Debug)]
+pub struct Int4G128Weight {
+    pub(crate) out_dim: usize,
+    pub(crate) in_dim: usize,
+    /// Packed codes `[out_dim, ceil(in_dim / 2)]`.
+    pub(crate) packed: Vec<u8>,
+    /// Scales `[out_dim, ceil(in_dim / 128)]`.
+    pub(crate) scales: Vec<f32>,
+    /// Zero points `0..=15`, `[out_dim, ceil(in_dim / 128)]`.
+    pub(crate) zeros: Vec<u8>,
+}
+
+impl Int4G128Weight {
+    /// Wraps packed codes `[out_dim, ceil(in_dim / 2)]` (even element in the low nibble),
+    /// scales and zero points `[out_dim, ceil(in_dim / 128)]`. Scales must be finite and
+    /// zero points at most 15.
+    pub fn new(
+        out_dim: usize,
+        in_dim: usize,
+        packed: Vec<u8>,
+        scales: Vec<f32>,
+        zeros: Vec<u8>,
+    ) -> Result<Self> {
+        check_dims(out_dim, in_dim)?;
+        check_len(
+            "int4-g128 packed weight",
+            checked_area("int4-g128 packed weight", out_dim, in_dim.div_ceil(2))?,
+            packed.len(),
+        )?;
+        let groups = checked_area("int4-g128 scales", out_dim, in_dim.div_ceil(INT4_GROUP))?;
+        check_len("int4-g128 scales", groups, scales.len())?;
+        check_len("int4-g128 zero points", groups, zeros.len())?;
+        if let Some(index) = scales.iter().position(|s| !s.is_finite()) {
+            return Err(KernelError::BadScale {
+                what: "int4-g128 scale",
+                index,
+                value: scales[index],
+            });
+        }
+        if let Some(index) = zeros.iter().position(|&z| z > 15) {
+            return Err(KernelError::BadScale {
+                what: "int4-g128 zero point (above 15)",
+                index,
+                value: f32::from(zeros[index]),
+            });
+        }
+        Ok(Self {
+            out_dim,
+            in_dim,
+            packed,
+            scales,
+            zeros,
+        })
+    }
+
+    /// Packs codes stored one per byte (`[out_dim, in_dim]`, as `loraq-quant`'s
+    /// `Int4Weight` keeps them) and wraps them; codes above 15 are refused.
+    pub fn from_codes(
+        out_dim: usize,
+        in_dim: usize,
+        codes: &[u8],
+        scales: Vec<f32>,
+        zeros: Vec<u8>,
+    ) -> Result<Self> {
+        check_dims(out_dim, in_dim)?;
+        check_len(
+            "int4-g128 codes",
+            checked_area("int4-g128 codes", out_dim, in_dim)?,
+            codes.len(),
+        )?;
+        if let Some(index) = codes.iter().position(|&c| c > 15) {
+            return Err(KernelError::BadScale {
+                what: "int4-g128 code (above 15)",
+                index,
+                value: f32::from(codes[index]),
+            });
+        }
+        let row_bytes = in_dim.div_ceil(2);
+        let mut packed = vec![0u8; out_dim * row_bytes];
+        for (dst, src) in packed.chunks_mut(row_bytes).zip(codes.chunks(in_dim)) {
+            for (d, pair) in dst.iter_mut().zip(src.chunks(2)) {
+                *d = pair[0] | pair.get(1).map_or(0, |hi| hi << 4);
+            }
+        }
+        Self::new(out_dim, in_dim, packed, scales, zeros)
+    }
+
+    /// Packed codes `[out_dim, ceil(in_dim / 2)]`.
+    pub fn packed(&self) -> &[u8] {
+        &self.packed
+    }
+
+    /// Scales `[out_dim, ceil(in_dim / 128)]`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
+    /// Zero points `[out_dim, ceil(in_dim / 128)]`.
+    pub fn zeros(&self) -> &[u8] {
+        &self.zeros
+    }
+
+    /// Groups per row.
+    pub fn groups(&self) -> usize {
+        self.in_dim.div_ceil(INT4_GROUP)
+    }
+}
+
 /// A base weight in one of the supported storage formats.
 #[derive(Clone, Debug)]
 pub enum BaseWeight {
@@ -296,6 +411,8 @@ pub enum BaseWeight {
     Nvfp4(Nvfp4Weight),
     /// MXFP4 (E2M1 + E8M0 per 32).
     Mxfp4(Mxfp4Weight),
+    /// INT4 with a scale and zero point per 128 inputs.
+    Int4G128(Int4G128Weight),
 }
 
 impl BaseWeight {
@@ -306,6 +423,7 @@ impl BaseWeight {
             Self::Fp8Block128(w) => w.out_dim,
             Self::Nvfp4(w) => w.out_dim,
             Self::Mxfp4(w) => w.out_dim,
+            Self::Int4G128(w) => w.out_dim,
         }
     }
 
@@ -316,6 +434,7 @@ impl BaseWeight {
             Self::Fp8Block128(w) => w.in_dim,
             Self::Nvfp4(w) => w.in_dim,
             Self::Mxfp4(w) => w.in_dim,
+            Self::Int4G128(w) => w.in_dim,
         }
     }
 
@@ -326,6 +445,7 @@ impl BaseWeight {
             Self::Fp8Block128(_) => "fp8-block128",
             Self::Nvfp4(_) => "nvfp4",
             Self::Mxfp4(_) => "mxfp4",
+            Self::Int4G128(_) => "int4-g128",
         }
     }
 
@@ -337,6 +457,7 @@ impl BaseWeight {
             Self::Fp8Block128(w) => w.codes.len() + w.scales.len() * 4,
             Self::Nvfp4(w) => w.packed.len() + w.block_scales.len() + 4,
             Self::Mxfp4(w) => w.packed.len() + w.block_scales.len(),
+            Self::Int4G128(w) => w.packed.len() + w.scales.len() * 4 + w.zeros.len(),
         }
     }
 }
@@ -345,7 +466,8 @@ impl TryFrom<loraq_quant::QuantizedWeight> for BaseWeight {
     type Error = KernelError;
 
     /// Takes a weight quantized (or loaded) by `loraq-quant`: fp8 with 128x128 tiles,
-    /// NVFP4 and MXFP4 have fused kernels; fp8 per tensor / per channel and int4 do not.
+    /// NVFP4, MXFP4 and INT4 group 128 (codes packed two per byte here) have fused
+    /// kernels; fp8 per tensor / per channel does not.
     /// An NVFP4 global scale stored as a divisor (compressed-tensors) becomes the
     /// multiplier `1 / d`, one extra rounding of the scale.
     fn try_from(weight: loraq_quant::QuantizedWeight) -> Result<Self> {
@@ -373,9 +495,9 @@ impl TryFrom<loraq_quant::QuantizedWeight> for BaseWeight {
             QuantizedWeight::Fp8(w) => Err(KernelError::UnsupportedScheme {
                 what: format!("fp8 with {:?} scales (only 128x128 blocks)", w.granularity),
             }),
-            QuantizedWeight::Int4(_) => Err(KernelError::UnsupportedScheme {
-                what: "int4 group-128".into(),
-            }),
+            QuantizedWeight::Int4(w) => Ok(Self::Int4G128(Int4G128Weight::from_codes(
+                w.rows, w.cols, &w.codes, w.scales, w.zeros,
+            )?)),
         }
     }
 }

@@ -4,8 +4,8 @@ mod common;
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, KernelError, LoraAdapter, Nvfp4Weight,
-    QuantLoraLinear,
+    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Int4G128Weight, Isa, KernelError,
+    LoraAdapter, Nvfp4Weight, QuantLoraLinear,
 };
 
 #[test]
@@ -122,7 +122,13 @@ fn loraq_quant_weights_convert_and_decode_identically() {
     let data: Vec<f32> = (0..rows * cols)
         .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
         .collect();
-    for scheme in [Scheme::Fp8Block128, Scheme::Nvfp4, Scheme::Mxfp4] {
+    for scheme in [
+        Scheme::Fp8Block128,
+        Scheme::Nvfp4,
+        Scheme::Mxfp4,
+        Scheme::Int4G128Sym,
+        Scheme::Int4G128Asym,
+    ] {
         let quantized = scheme
             .quantize(WeightView::new("w", rows, cols, &data).unwrap())
             .unwrap();
@@ -132,12 +138,47 @@ fn loraq_quant_weights_convert_and_decode_identically() {
             let got = loraq_kernels::reference::weight_element(&base, i / cols, i % cols);
             assert_eq!(got as f32, e, "{scheme:?} element {i}");
         }
+        // The fast path's SIMD decoders give the same values (NVFP4 code 8 is -0.0 there,
+        // +0.0 in loraq-quant: equal as numbers).
+        let linear = QuantLoraLinear::new(base, None).unwrap();
+        for isa in Isa::available() {
+            let opts = CpuOptions {
+                isa: Some(isa),
+                ..CpuOptions::default()
+            };
+            let dense = linear.dequantize_base(opts);
+            for (i, (&got, &e)) in dense.iter().zip(&expected).enumerate() {
+                assert_eq!(got, e, "{scheme:?} {} element {i}", isa.name());
+            }
+        }
     }
-    let int4 = Scheme::Int4G128Sym
+    // fp8 per tensor has no fused kernel.
+    let per_tensor = Scheme::Fp8Tensor
         .quantize(WeightView::new("w", 2, 128, &data[..256]).unwrap())
         .unwrap();
     assert!(matches!(
-        BaseWeight::try_from(int4),
+        BaseWeight::try_from(per_tensor),
         Err(KernelError::UnsupportedScheme { .. })
     ));
+}
+
+/// INT4 codes above 15 and zero points above 15 are refused, naming what is wrong.
+#[test]
+fn int4_codes_and_zero_points_above_15_are_refused() {
+    let err = Int4G128Weight::from_codes(1, 4, &[1, 2, 16, 3], vec![0.5], vec![8]).unwrap_err();
+    assert!(err.to_string().contains("int4-g128 code"), "{err}");
+    let err = Int4G128Weight::new(1, 4, vec![0x21, 0x43], vec![0.5], vec![16]).unwrap_err();
+    assert!(err.to_string().contains("zero point"), "{err}");
+    let err = Int4G128Weight::new(1, 5, vec![0x21, 0x43], vec![0.5], vec![8]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KernelError::ShapeMismatch {
+                expected: 3,
+                actual: 2,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }

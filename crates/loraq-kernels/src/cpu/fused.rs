@@ -10,12 +10,13 @@
 //! a running worker that never blocks.
 //!
 //! The base rows come from a [`BaseKernel`]: the format-specific loops of
-//! [`super::gemv_fp8`] and [`super::gemv_nvfp4`] on AVX-512, the generic
+//! [`super::gemv_fp8`], [`super::gemv_nvfp4`] and [`super::gemv_int4`] on AVX-512, the generic
 //! [`super::gemv::dot_rows`] otherwise.
 
 use super::decode::{Bf16Rows, RowDecode};
 use super::gemv;
 use super::gemv_fp8::{BandActivations, Fp8BandedRows};
+use super::gemv_int4::Int4TableRows;
 use super::gemv_nvfp4::Nvfp4PairedRows;
 use super::{Isa, Parallelism};
 use std::sync::Mutex;
@@ -125,6 +126,34 @@ pub(crate) struct Nvfp4Kernel<'a> {
 
 #[cfg(target_arch = "x86_64")]
 impl BaseKernel for Nvfp4Kernel<'_> {
+    fn rows(&self) -> usize {
+        self.weight.rows.rows
+    }
+    fn chunk_rows(&self) -> usize {
+        64
+    }
+    fn dot_chunk<const T: usize>(
+        &self,
+        row0: usize,
+        nrows: usize,
+        out: &mut [f32],
+        _: &mut Scratch,
+    ) {
+        self.weight
+            .dot_rows_avx512::<T>(row0, nrows, &self.x_paired, out);
+    }
+}
+
+/// INT4 group 128 through the per-group table AVX-512 loop.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Int4Kernel<'a> {
+    pub weight: Int4TableRows<'a>,
+    /// Reordered activations, `[T, cols]` (the NVFP4 loop's order).
+    pub x_paired: Vec<f32>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl BaseKernel for Int4Kernel<'_> {
     fn rows(&self) -> usize {
         self.weight.rows.rows
     }

@@ -13,12 +13,13 @@ pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
 pub(crate) mod gemv_fp8;
+pub(crate) mod gemv_int4;
 pub(crate) mod gemv_nvfp4;
 
 use crate::error::Result;
 use crate::linear::QuantLoraLinear;
 use crate::weight::BaseWeight;
-use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
+use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Int4Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
 pub(crate) use fused::Schedule;
 use rayon::prelude::*;
 
@@ -167,6 +168,17 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
             rows: w.out_dim,
             cols: w.in_dim,
         }),
+        BaseWeight::Int4G128(w) => v.visit(&int4_rows(w)),
+    }
+}
+
+fn int4_rows(w: &crate::weight::Int4G128Weight) -> Int4Rows<'_> {
+    Int4Rows {
+        packed: &w.packed,
+        scales: &w.scales,
+        zeros: &w.zeros,
+        rows: w.out_dim,
+        cols: w.in_dim,
     }
 }
 
@@ -342,7 +354,8 @@ impl<const T: usize> DecoderVisitor for GenericDecode<'_, T> {
     }
 }
 
-/// Picks the decode loop: the format-specific AVX-512 ones for fp8-block128 and NVFP4,
+/// Picks the decode loop: the format-specific AVX-512 ones for fp8-block128, NVFP4 and
+/// INT4,
 /// the generic one otherwise.
 #[allow(clippy::too_many_arguments)]
 fn decode_base<const T: usize>(
@@ -386,6 +399,13 @@ fn decode_base<const T: usize>(
                         },
                         global_rebiased: w.global_scale * f32::from_bits((127 + 120) << 23),
                     },
+                    x_paired: gemv_nvfp4::deinterleave(xq, T, in_dim, in_dim),
+                };
+                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+            }
+            BaseWeight::Int4G128(w) => {
+                let kernel = fused::Int4Kernel {
+                    weight: gemv_int4::Int4TableRows { rows: int4_rows(w) },
                     x_paired: gemv_nvfp4::deinterleave(xq, T, in_dim, in_dim),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);

@@ -4,8 +4,8 @@
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, Fp8Block128Weight, LoraAdapter, Mxfp4Weight, Nvfp4Weight,
-    QuantLoraLinear,
+    BaseWeight, Bf16Weight, Fp8Block128Weight, Int4G128Weight, LoraAdapter, Mxfp4Weight,
+    Nvfp4Weight, QuantLoraLinear,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -17,13 +17,15 @@ pub enum Format {
     Fp8Block128,
     Nvfp4,
     Mxfp4,
+    Int4G128,
 }
 
-pub const FORMATS: [Format; 4] = [
+pub const FORMATS: [Format; 5] = [
     Format::Bf16,
     Format::Fp8Block128,
     Format::Nvfp4,
     Format::Mxfp4,
+    Format::Int4G128,
 ];
 
 /// A non-NaN E4M3 code.
@@ -91,6 +93,23 @@ pub fn random_base(
             )
             .unwrap(),
         ),
+        Format::Int4G128 => {
+            let groups = out_dim * in_dim.div_ceil(128);
+            BaseWeight::Int4G128(
+                Int4G128Weight::new(
+                    out_dim,
+                    in_dim,
+                    (0..out_dim * in_dim.div_ceil(2))
+                        .map(|_| rng.random())
+                        .collect(),
+                    (0..groups)
+                        .map(|_| rng.random_range(1e-3f32..0.1))
+                        .collect(),
+                    (0..groups).map(|_| rng.random_range(0u8..16)).collect(),
+                )
+                .unwrap(),
+            )
+        }
     }
 }
 
