@@ -1,0 +1,213 @@
+//! Share of the measured memory bandwidth the batch-1 fused decode reaches, measured
+//! round-robin so that both sides of every ratio see the same machine load.
+//!
+//! The development machine's two cores are shared with other processes, so timings made
+//! seconds apart (criterion's one-benchmark-after-another) drift by 2x. Here every round
+//! measures the memory read (rayon + SIMD sum over 256 MiB, the best of 2) and, right
+//! after it, each format's fused decode and the phased schedule (LoRA shrink as its own
+//! pass; the two alternate which goes first), each the best of 3 calls, each call after
+//! reading a 64 MiB eviction buffer so no weight is served from cache. Reported: medians
+//! and quartiles over the rounds of GB/s and of the per-round ratio to the memory read,
+//! and the median fused / phased time ratio. Bytes = what one call must read (base codes
+//! + scales + LoRA A and B), as in `cpu_linear`.
+//!
+//! `cargo bench -p loraq-kernels --bench cpu_decode_ratio` (`LORAQ_BENCH_ROUNDS`, default 31)
+
+use half::bf16;
+use loraq_kernels::{
+    BaseWeight, CpuOptions, Fp8Block128Weight, Int4G128Weight, LoraAdapter, Nvfp4Weight,
+    QuantLoraLinear,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use std::hint::black_box;
+use std::time::Instant;
+
+const OUT: usize = 17408;
+const IN: usize = 5120;
+const RANK: usize = 256;
+
+fn random_bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8 + Sync) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    out.par_chunks_mut(1 << 20)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_add(i as u64));
+            rng.fill(chunk);
+            chunk.iter_mut().for_each(|b| *b = map(*b));
+        });
+    out
+}
+
+fn lora() -> LoraAdapter {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut factor = |n: usize| -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
+            .collect()
+    };
+    let a = factor(RANK * IN);
+    let b = factor(OUT * RANK);
+    LoraAdapter::new(RANK, IN, OUT, a, b, 1.0).unwrap()
+}
+
+fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
+    let fp8 = Fp8Block128Weight::new(
+        OUT,
+        IN,
+        random_bytes(OUT * IN, 1, |b| if b & 0x7F == 0x7F { b ^ 1 } else { b }),
+        vec![1e-3; OUT.div_ceil(128) * IN.div_ceil(128)],
+    )
+    .unwrap();
+    let nvfp4 = Nvfp4Weight::new(
+        OUT,
+        IN,
+        random_bytes(OUT * IN / 2, 2, |b| b),
+        random_bytes(OUT * IN / 16, 3, |b| 0x30 + (b & 0x0F)),
+        1e-3,
+    )
+    .unwrap();
+    let groups = OUT * IN.div_ceil(128);
+    let int4 = Int4G128Weight::new(
+        OUT,
+        IN,
+        random_bytes(OUT * IN / 2, 4, |b| b),
+        vec![2e-3; groups],
+        random_bytes(groups, 5, |b| b & 0x0F),
+    )
+    .unwrap();
+    [
+        ("fp8-block128", BaseWeight::Fp8Block128(fp8)),
+        ("nvfp4", BaseWeight::Nvfp4(nvfp4)),
+        ("int4-g128", BaseWeight::Int4G128(int4)),
+    ]
+    .into_iter()
+    .map(|(name, base)| (name, QuantLoraLinear::new(base, Some(lora())).unwrap()))
+    .collect()
+}
+
+/// GB/s of one rayon + SIMD pass summing `buffer`.
+fn memory_read(buffer: &[u64]) -> f64 {
+    let start = Instant::now();
+    let s: u64 = buffer
+        .par_chunks(1 << 16)
+        .map(|chunk| {
+            // 8 independent lanes so the adds vectorize and never serialize.
+            let mut lanes = [0u64; 8];
+            for block in chunk.chunks_exact(8) {
+                for (l, v) in lanes.iter_mut().zip(block) {
+                    *l = l.wrapping_add(*v);
+                }
+            }
+            lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+        })
+        .reduce(|| 0, u64::wrapping_add);
+    black_box(s);
+    (buffer.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// Best of 3 calls, seconds; before each, `evict` is read (untimed) so the call finds
+/// none of its weights in the caches (the 32 MiB L3 would otherwise keep part of the
+/// previous call's).
+fn best_of_3(evict: &[u64], mut call: impl FnMut()) -> f64 {
+    (0..3)
+        .map(|_| {
+            memory_read(evict);
+            let start = Instant::now();
+            call();
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn quartiles(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.25), at(0.5), at(0.75))
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` runs this with no argument
+    // and only needs it to build.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    let rounds: usize = std::env::var("LORAQ_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(31);
+    let buffer: Vec<u64> = (0..(256usize << 20) / 8)
+        .into_par_iter()
+        .map(|i| i as u64)
+        .collect();
+    let evict: Vec<u64> = (0..(64usize << 20) / 8)
+        .into_par_iter()
+        .map(|i| !i as u64)
+        .collect();
+    let linears = linears();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let x: Vec<f32> = (0..IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let mut y = vec![0f32; OUT];
+    let opts = CpuOptions::default();
+    println!(
+        "decode {OUT}x{IN} + r{RANK}, batch 1, {} rayon threads, {rounds} rounds, load average at start {}",
+        rayon::current_num_threads(),
+        load_average()
+    );
+    let mut memory = Vec::new();
+    // [format][fused, phased] -> (GB/s, share of the round's memory read)
+    let mut runs = vec![[Vec::new(), Vec::new()]; linears.len()];
+    let mut speedups = vec![Vec::new(); linears.len()];
+    for round in 0..rounds {
+        let mem = memory_read(&buffer).max(memory_read(&buffer));
+        memory.push(mem);
+        for (f, (_, linear)) in linears.iter().enumerate() {
+            let gb = linear.weight_bytes() as f64 / 1e9;
+            let mut seconds = [0f64; 2];
+            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for schedule in order {
+                seconds[schedule] = best_of_3(&evict, || {
+                    if schedule == 0 {
+                        linear.forward(black_box(&x), 1, &mut y, opts).unwrap();
+                    } else {
+                        linear
+                            .forward_lora_phased(black_box(&x), 1, &mut y, opts)
+                            .unwrap();
+                    }
+                });
+            }
+            for (schedule, s) in seconds.iter().enumerate() {
+                runs[f][schedule].push((gb / s, gb / s / mem));
+            }
+            speedups[f].push(seconds[1] / seconds[0]);
+        }
+    }
+    let (lo, mid, hi) = quartiles(memory);
+    println!("memory read: median {mid:.2} GB/s (quartiles {lo:.2} - {hi:.2})");
+    println!("| base | schedule | GB/s (median) | share of memory read: median (quartiles) |");
+    println!("|---|---|---:|---:|");
+    for (f, (name, _)) in linears.iter().enumerate() {
+        for (schedule, label) in ["fused", "lora_phased"].iter().enumerate() {
+            let (_, gbs, _) = quartiles(runs[f][schedule].iter().map(|r| r.0).collect());
+            let (lo, mid, hi) = quartiles(runs[f][schedule].iter().map(|r| r.1).collect());
+            println!(
+                "| {name} | {label} | {gbs:.2} | {:.0}% ({:.0}% - {:.0}%) |",
+                100.0 * mid,
+                100.0 * lo,
+                100.0 * hi
+            );
+        }
+    }
+    for (f, (name, _)) in linears.iter().enumerate() {
+        let (lo, mid, hi) = quartiles(speedups[f].clone());
+        println!("{name}: phased time / fused time median {mid:.3} (quartiles {lo:.3} - {hi:.3})");
+    }
+    println!("load average at end {}", load_average());
+}
