@@ -614,3 +614,91 @@ fn bad_targets_and_statistics_are_refused_with_no_output() {
     );
     assert_refused(&o, &out, &["--extra-rank", "512"]);
 }
+
+#[test]
+fn all_layers_corrects_the_modules_the_lora_leaves_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let pair = dir.path().join("pair");
+    ok(loraq(&[
+        "synth",
+        "--preset",
+        "tiny",
+        "--out",
+        s(&pair),
+        "--seed",
+        "16",
+        "--lora-layers",
+        "2-3",
+    ]));
+    let (base, merged) = (pair.join("base"), pair.join("merged"));
+    let out = dir.path().join("qa");
+    let report = extract_ok(
+        &merged,
+        &base,
+        &out,
+        &[
+            "--rank",
+            "8",
+            "--target-base",
+            "fp8-block128",
+            "--extra-rank",
+            "8",
+            "--all-layers",
+            "--correction-rank",
+            "8",
+        ],
+    );
+    let corrections = report["corrections"].as_array().unwrap();
+    let untouched: Vec<String> = linear_modules(&base)
+        .into_iter()
+        .map(|(m, _)| m)
+        .filter(|m| m.contains(".layers.0.") || m.contains(".layers.1."))
+        .collect();
+    // Every untouched module fp8 quantizes is corrected; in_proj_a / in_proj_b stay
+    // bf16 in the target, so there is nothing to correct.
+    let expected: Vec<&String> = untouched
+        .iter()
+        .filter(|m| !m.ends_with("in_proj_a") && !m.ends_with("in_proj_b"))
+        .collect();
+    assert_eq!(corrections.len(), expected.len(), "{corrections:?}");
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["r"], 16);
+    let adapter = loraq_io::LoraAdapter::open(&out).unwrap();
+    for c in corrections {
+        let module = c["module"].as_str().unwrap();
+        assert!(expected.iter().any(|m| *m == module), "{module}");
+        assert_eq!(c["adapter_rank"], 8);
+        assert_eq!(config["rank_pattern"][format!("^{module}")], 8, "{module}");
+        assert_eq!(adapter.module(module).unwrap().rank, 8);
+        let t = &c["target"];
+        assert_eq!(t["plain"]["rank"], 0);
+        let (p, q) = (
+            t["plain"]["residual"].as_f64().unwrap(),
+            t["quantization_aware"]["residual"].as_f64().unwrap(),
+        );
+        // Without an adapter the residual is the quantization error itself.
+        let e = t["quantization_error"].as_f64().unwrap();
+        assert!((p - e).abs() <= 1e-12 * e, "{module}: {p} vs {e}");
+        assert!(q < p, "{module}: {q} vs {p}");
+    }
+    for m in modules(&report) {
+        assert!(
+            m["module"].as_str().unwrap().contains(".layers.2.")
+                || m["module"].as_str().unwrap().contains(".layers.3.")
+        );
+    }
+    let corrected = &report["target_base"]["totals"]["corrections"];
+    assert!(
+        corrected["quantization_aware_relative"].as_f64().unwrap()
+            < corrected["plain_relative"].as_f64().unwrap()
+    );
+    // --all-layers needs its budget.
+    let o = extract(
+        &merged,
+        &base,
+        &dir.path().join("no-budget"),
+        &["--target-base", "fp8-block128", "--all-layers"],
+    );
+    assert_eq!(o.status.code(), Some(2));
+}
