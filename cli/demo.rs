@@ -6,7 +6,10 @@
 //! LoRA merged into it, extract the adapter back from the merge, verify it against
 //! the merge and compare it with the true adapter, quantize the base to each scheme a
 //! deployment would use, and measure what each quantized base does to the weights the
-//! adapter reproduces. The steps' outputs stay under `--out` for a closer look.
+//! adapter reproduces; then collect calibration statistics on prompts other than the
+//! questions and extract, for each quantized base, a quantization-aware adapter at
+//! the same rank (`extract --target-base`) whose answers are compared beside the
+//! plain adapter's. The steps' outputs stay under `--out` for a closer look.
 
 use anyhow::{Context, Result, bail};
 use rand::seq::SliceRandom;
@@ -29,6 +32,13 @@ const SCHEMES: [&str; 3] = ["fp8-block128", "nvfp4", "int4-g128"];
 const QUESTIONS: usize = 240;
 /// Prompt length of each question, in tokens.
 const PROMPT_TOKENS: usize = 20;
+/// Calibration prompts for the quantization-aware adapters: other random prompts
+/// than the questions (a different seed), as a user would calibrate on their own
+/// data and evaluate on a benchmark. 48 x 20 tokens keep the run to a few seconds.
+const CALIBRATION_PROMPTS: usize = 48;
+/// Ranks the demo's extra quantization-aware adapter adds on NVFP4 (rank 32 + 96 =
+/// 128): at the same rank, the repair has little room next to the LoRA itself.
+const QA_EXTRA_RANK: usize = 96;
 /// Option labels.
 const LABELS: [&str; 4] = ["A", "B", "C", "D"];
 /// Benchmarks the questions are grouped into.
@@ -177,9 +187,34 @@ fn write_question_set(reference: &Path, out: &Path, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// Writes the calibration record set: random prompts drawn with another seed than
+/// the questions'. `loraq run` scores an option for every record, so each carries a
+/// single placeholder option; only the prompts' activations matter here.
+fn write_calibration_set(vocab: usize, out: &Path, seed: u64) -> Result<()> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xca1b_5e75);
+    let mut file = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?,
+    );
+    for i in 0..CALIBRATION_PROMPTS {
+        let tokens: Vec<u32> = (0..PROMPT_TOKENS)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        let line = json!({
+            "id": format!("c{i:04}"),
+            "tokens": tokens,
+            "options": ["A"],
+            "option_tokens": [0],
+        });
+        writeln!(file, "{line}").with_context(|| format!("writing {}", out.display()))?;
+    }
+    file.flush()
+        .with_context(|| format!("writing {}", out.display()))?;
+    Ok(())
+}
+
 /// One run of the answers table: which base, adapter and activation fake-quant.
 struct Setup<'a> {
-    label: &'static str,
+    label: String,
     file: &'static str,
     model: &'a Path,
     adapter: Option<&'a Path>,
@@ -199,7 +234,7 @@ fn f(v: &Value, digits: usize) -> String {
 
 fn print_answer_table(rows: &[AnswerRow]) {
     println!(
-        "{:<34} {:>9} {:>9} {:>9} {:>8} {:>20} {:>15}",
+        "{:<40} {:>9} {:>9} {:>9} {:>8} {:>20} {:>15}",
         "setup (vs merged reference)",
         "changed",
         "mean KL",
@@ -217,7 +252,7 @@ fn print_answer_table(rows: &[AnswerRow]) {
         };
         let cal = &r["calibration"];
         println!(
-            "{:<34} {:>9} {:>9} {:>9} {:>8} {:>20} {:>15}",
+            "{:<40} {:>9} {:>9} {:>9} {:>8} {:>20} {:>15}",
             row.setup,
             format!(
                 "{} ({:.1}%)",
@@ -288,7 +323,7 @@ pub fn run(args: Args) -> Result<()> {
     ])?;
 
     // 3. Quantized bases, and the weight error each leaves under the adapter.
-    let mut weight_rows: Vec<[String; 5]> = Vec::new();
+    let mut weight_rows: Vec<[String; 6]> = Vec::new();
     for scheme in SCHEMES {
         let quantized = out.join(format!("base-{scheme}"));
         step(&[
@@ -320,10 +355,59 @@ pub fn run(args: Args) -> Result<()> {
             pct(a["exact_rel_error"].as_f64()),
             pct(a["quantized_rel_error"].as_f64()),
             pct(a["bf16_floor_rel"].as_f64()),
+            String::new(), // the quantization-aware adapter's, filled in below
         ]);
     }
 
-    // 4. Answers: the merged reference, then the adapter on each base.
+    // 4. Calibration statistics on prompts that are not the questions, taken on the
+    //    merged model (the activations the adapter must reproduce), and for each
+    //    quantized base an adapter that also repairs that base's error, at the same
+    //    rank as the plain one; plus one with extra rank on NVFP4.
+    let calibration_records = out.join("calibration.jsonl");
+    let calibration = out.join("calibration.safetensors");
+    let vocab = loraq_io::ModelConfig::from_file(&merged.join(loraq_io::CONFIG_FILE))?.vocab_size;
+    eprintln!("$ (demo) writing {CALIBRATION_PROMPTS} calibration prompts (not the questions)");
+    write_calibration_set(vocab, &calibration_records, args.seed)?;
+    step(&[
+        "run",
+        "--model",
+        path_str(&merged)?,
+        "--records",
+        path_str(&calibration_records)?,
+        "--out",
+        path_str(&out.join("calibration-answers.jsonl"))?,
+        "--collect-stats",
+        path_str(&calibration)?,
+    ])?;
+    let qa_extract = |scheme: &str, qa_out: &Path, extra_rank: usize| -> Result<Value> {
+        let extra = extra_rank.to_string();
+        json_step(&[
+            "extract",
+            "--merged",
+            path_str(&merged)?,
+            "--base",
+            path_str(&base)?,
+            "--out",
+            path_str(qa_out)?,
+            "--rank",
+            &rank,
+            "--target-base",
+            path_str(&out.join(format!("base-{scheme}")))?,
+            "--calibration",
+            path_str(&calibration)?,
+            "--extra-rank",
+            &extra,
+            "--json",
+        ])
+    };
+    for (scheme, row) in SCHEMES.iter().zip(&mut weight_rows) {
+        let report = qa_extract(scheme, &out.join(format!("adapter-qa-{scheme}")), 0)?;
+        row[5] = pct(report["target_base"]["totals"]["quantization_aware_relative"].as_f64());
+    }
+    let qa_extra_rank = out.join(format!("adapter-qa-nvfp4-extra{QA_EXTRA_RANK}"));
+    qa_extract("nvfp4", &qa_extra_rank, QA_EXTRA_RANK)?;
+
+    // 5. Answers: the merged reference, then the adapter on each base.
     let records = out.join("questions.jsonl");
     eprintln!(
         "$ (demo) writing {QUESTIONS} questions with gold drawn from the reference's probabilities"
@@ -344,8 +428,12 @@ pub fn run(args: Args) -> Result<()> {
     let fp8 = out.join("base-fp8-block128");
     let nvfp4 = out.join("base-nvfp4");
     let int4 = out.join("base-int4-g128");
-    let setup = |label, file, model, adapter, act_quant| Setup {
-        label,
+    let qa_fp8 = out.join("adapter-qa-fp8-block128");
+    let qa_nvfp4 = out.join("adapter-qa-nvfp4");
+    let qa_int4 = out.join("adapter-qa-int4-g128");
+    let qa_extra_label = format!("nvfp4 W4A16 + QA adapter, rank +{QA_EXTRA_RANK}");
+    let setup = |label: &str, file, model, adapter, act_quant| Setup {
+        label: label.to_string(),
         file,
         model,
         adapter,
@@ -375,6 +463,13 @@ pub fn run(args: Args) -> Result<()> {
             Some("fp8-group"),
         ),
         setup(
+            "fp8-block128 W8A8 + QA adapter",
+            "fp8-qa",
+            &fp8,
+            Some(&qa_fp8),
+            Some("fp8-group"),
+        ),
+        setup(
             "nvfp4 W4A16 + adapter",
             "nvfp4",
             &nvfp4,
@@ -382,10 +477,31 @@ pub fn run(args: Args) -> Result<()> {
             None,
         ),
         setup(
+            "nvfp4 W4A16 + QA adapter",
+            "nvfp4-qa",
+            &nvfp4,
+            Some(&qa_nvfp4),
+            None,
+        ),
+        setup(
+            &qa_extra_label,
+            "nvfp4-qa-extra",
+            &nvfp4,
+            Some(&qa_extra_rank),
+            None,
+        ),
+        setup(
             "int4-g128 W4A16 + adapter",
             "int4",
             &int4,
             Some(&adapter),
+            None,
+        ),
+        setup(
+            "int4-g128 W4A16 + QA adapter",
+            "int4-qa",
+            &int4,
+            Some(&qa_int4),
             None,
         ),
     ];
@@ -433,13 +549,10 @@ pub fn run(args: Args) -> Result<()> {
                 .with_context(|| format!("reading {}", report_file.display()))?,
         )
         .with_context(|| format!("parsing {}", report_file.display()))?;
-        answer_rows.push(AnswerRow {
-            setup: setup.to_string(),
-            report,
-        });
+        answer_rows.push(AnswerRow { setup, report });
     }
 
-    // 5. The tables.
+    // 6. The tables.
     println!();
     println!(
         "Model pair: Qwen3.5 architecture (Gated DeltaNet + gated attention), {} parameters; a rank-{} LoRA on {} modules merged in bf16.",
@@ -458,13 +571,18 @@ pub fn run(args: Args) -> Result<()> {
         "Weights the adapter reproduces on each base, against the merge (relative Frobenius error, adapted modules):"
     );
     println!(
-        "{:<14} {:>14} {:>16} {:>16} {:>12}",
-        "base", "base W error", "bf16 base + BA", "quant base + BA", "bf16 floor"
+        "{:<14} {:>14} {:>16} {:>16} {:>12} {:>19}",
+        "base",
+        "base W error",
+        "bf16 base + BA",
+        "quant base + BA",
+        "bf16 floor",
+        "quant base + QA BA"
     );
     for r in &weight_rows {
         println!(
-            "{:<14} {:>14} {:>16} {:>16} {:>12}",
-            r[0], r[1], r[2], r[3], r[4]
+            "{:<14} {:>14} {:>16} {:>16} {:>12} {:>19}",
+            r[0], r[1], r[2], r[3], r[4], r[5]
         );
     }
     println!();
@@ -472,6 +590,44 @@ pub fn run(args: Args) -> Result<()> {
         "Answers on {QUESTIONS} four-option questions (gold drawn from the reference's own probabilities):"
     );
     print_answer_table(&answer_rows);
+    println!(
+        "QA adapter: `extract --target-base <quantized base> --calibration <E[x^2] of {CALIBRATION_PROMPTS} other prompts>`, rank {rank} as the plain one (\"rank +{QA_EXTRA_RANK}\": rank {}); it factors merged - dequant(base) instead of merged - base.",
+        synth["rank"].as_u64().unwrap_or(0) + QA_EXTRA_RANK as u64
+    );
+    let mean_kl = |setup: &str| {
+        answer_rows
+            .iter()
+            .find(|r| r.setup == setup)
+            .and_then(|r| r.report["kl"]["mean"].as_f64())
+    };
+    let changes: Vec<String> = [
+        (
+            "fp8-block128",
+            "fp8-block128 W8A8 + adapter",
+            "fp8-block128 W8A8 + QA adapter",
+        ),
+        ("nvfp4", "nvfp4 W4A16 + adapter", "nvfp4 W4A16 + QA adapter"),
+        (
+            &format!("nvfp4 rank +{QA_EXTRA_RANK}"),
+            "nvfp4 W4A16 + adapter",
+            &qa_extra_label,
+        ),
+        (
+            "int4-g128",
+            "int4-g128 W4A16 + adapter",
+            "int4-g128 W4A16 + QA adapter",
+        ),
+    ]
+    .iter()
+    .filter_map(|(name, plain, qa)| {
+        let (p, q) = (mean_kl(plain)?, mean_kl(qa)?);
+        Some(format!("{name} {:+.1}%", 100.0 * (q - p) / p))
+    })
+    .collect();
+    println!(
+        "Mean KL of the QA adapter against the plain one: {}.",
+        changes.join(", ")
+    );
     println!();
     println!(
         "Everything the demo wrote (checkpoints, adapter, answers, reliability plots) is under {}.",
