@@ -81,9 +81,11 @@ impl<D: RowDecode> BaseKernel for GenericKernel<'_, D> {
     }
 }
 
-/// fp8-block128 through the banded AVX-512 loop.
+/// fp8-block128 through the banded AVX-512 or AVX2 loop.
 #[cfg(target_arch = "x86_64")]
 pub(crate) struct Fp8Kernel<'a> {
+    /// AVX-512 (else AVX2).
+    pub wide: bool,
     pub weight: Fp8BandedRows<'a>,
     pub x: &'a [f32],
     pub x_stride: usize,
@@ -105,14 +107,14 @@ impl BaseKernel for Fp8Kernel<'_> {
         out: &mut [f32],
         scratch: &mut Scratch,
     ) {
-        self.weight.dot_rows_avx512::<T>(
-            row0,
-            nrows,
-            self.x,
-            self.x_stride,
-            out,
-            &mut scratch.fp8_band,
-        );
+        let band = &mut scratch.fp8_band;
+        if self.wide {
+            self.weight
+                .dot_rows_simd::<T, true>(row0, nrows, self.x, self.x_stride, out, band);
+        } else {
+            self.weight
+                .dot_rows_simd::<T, false>(row0, nrows, self.x, self.x_stride, out, band);
+        }
     }
 }
 

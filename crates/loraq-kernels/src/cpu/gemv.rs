@@ -149,9 +149,10 @@ unsafe fn rows_avx512<D: RowDecode, const R: usize, const T: usize>(
     }
 }
 
+/// Sum of the 8 lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn hsum256(v: __m256) -> f32 {
+pub(crate) fn hsum256(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s = _mm_add_ps(lo, hi);

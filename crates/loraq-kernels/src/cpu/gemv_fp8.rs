@@ -126,10 +126,10 @@ impl Fp8BandedRows<'_> {
         acts.band = Some(band);
     }
 
-    /// Adds `sum_k W[row0 + r, k] x_t[k]` to `out[r * T + t]` for `r < nrows`
-    /// (AVX-512F/BW; the caller checked the CPU has it).
+    /// Adds `sum_k W[row0 + r, k] x_t[k]` to `out[r * T + t]` for `r < nrows`, with
+    /// AVX-512F/BW (`WIDE`) or AVX2 + FMA; the caller checked the CPU has them.
     #[cfg(target_arch = "x86_64")]
-    pub(crate) fn dot_rows_avx512<const T: usize>(
+    pub(crate) fn dot_rows_simd<const T: usize, const WIDE: bool>(
         &self,
         row0: usize,
         nrows: usize,
@@ -153,21 +153,25 @@ impl Fp8BandedRows<'_> {
             if T <= 2 {
                 while rr + 4 <= band_end {
                     // SAFETY: AVX-512 detected by the caller; rows in range.
-                    unsafe { self.rows_avx512::<4, T>(rr, acts, &mut out[out_band(rr)..]) };
+                    unsafe { self.rows::<4, T, WIDE>(rr, acts, &mut out[out_band(rr)..]) };
                     rr += 4;
                 }
             }
             while rr + 2 <= band_end {
                 // SAFETY: as above.
-                unsafe { self.rows_avx512::<2, T>(rr, acts, &mut out[out_band(rr)..]) };
+                unsafe { self.rows::<2, T, WIDE>(rr, acts, &mut out[out_band(rr)..]) };
                 rr += 2;
             }
             if rr < band_end {
                 // SAFETY: as above.
-                unsafe { self.rows_avx512::<1, T>(rr, acts, &mut out[out_band(rr)..]) };
+                unsafe { self.rows::<1, T, WIDE>(rr, acts, &mut out[out_band(rr)..]) };
             }
-            // Inputs past the last multiple of 16: plain decode against the unscaled x.
-            let main = self.cols / 16 * 16;
+            // Inputs past the last multiple of the width: plain decode, unscaled x.
+            let main = if WIDE {
+                self.cols / 16 * 16
+            } else {
+                self.cols / 8 * 8
+            };
             for rr in row..band_end {
                 for t in 0..T {
                     let xt = &x[t * x_stride..];
@@ -176,6 +180,75 @@ impl Fp8BandedRows<'_> {
                 }
             }
             r = band_end - row0;
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F/BW (`WIDE`) or AVX2 + FMA; rows `row0 .. row0 + R` exist.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn rows<const R: usize, const T: usize, const WIDE: bool>(
+        &self,
+        row0: usize,
+        acts: &BandActivations,
+        out: &mut [f32],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            if WIDE {
+                self.rows_avx512::<R, T>(row0, acts, out)
+            } else {
+                self.rows_avx2::<R, T>(row0, acts, out)
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_avx2<const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        acts: &BandActivations,
+        out: &mut [f32],
+    ) {
+        let cols = self.cols;
+        let main = cols / 8 * 8;
+        let xp = acts.xs.as_ptr();
+        let cp = self.codes.as_ptr();
+        let mask = _mm256_set1_epi32(E4M3_F32_MASK);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut k = 0;
+        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller), k + 8 <=
+        // cols, xs holds T rows of cols elements.
+        unsafe {
+            while k < main {
+                if k % PREFETCH_EVERY == 0 {
+                    for r in 0..R {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            cp.wrapping_add((row0 + r) * cols + k + PREFETCH_AHEAD)
+                                .cast(),
+                        );
+                    }
+                }
+                let mut xv = [_mm256_setzero_ps(); T];
+                for (t, v) in xv.iter_mut().enumerate() {
+                    *v = _mm256_loadu_ps(xp.add(t * cols + k));
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let raw = _mm_loadl_epi64(cp.add((row0 + r) * cols + k).cast());
+                    let v = _mm256_slli_epi32::<20>(_mm256_cvtepi8_epi32(raw));
+                    let w = _mm256_castsi256_ps(_mm256_and_si256(v, mask));
+                    for (a, &xt) in acc_r.iter_mut().zip(&xv) {
+                        *a = _mm256_fmadd_ps(w, xt, *a);
+                    }
+                }
+                k += 8;
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (t, a) in acc_r.iter().enumerate() {
+                out[r * T + t] += super::gemv::hsum256(*a) * acts.post[t];
+            }
         }
     }
 

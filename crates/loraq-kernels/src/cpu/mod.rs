@@ -354,8 +354,8 @@ impl<const T: usize> DecoderVisitor for GenericDecode<'_, T> {
     }
 }
 
-/// Picks the decode loop: the format-specific AVX-512 ones for fp8-block128, NVFP4 and
-/// INT4,
+/// Picks the decode loop: the format-specific ones (fp8-block128 on AVX-512 and AVX2,
+/// NVFP4 and INT4 on AVX-512),
 /// the generic one otherwise.
 #[allow(clippy::too_many_arguments)]
 fn decode_base<const T: usize>(
@@ -369,24 +369,26 @@ fn decode_base<const T: usize>(
 ) {
     let in_dim = linear.in_dim();
     #[cfg(target_arch = "x86_64")]
+    if let (Isa::Avx512 | Isa::Avx2, BaseWeight::Fp8Block128(w)) = (isa, linear.base()) {
+        let tile_amax = gemv_fp8::tile_amax(xq, T, in_dim, in_dim);
+        let kernel = fused::Fp8Kernel {
+            wide: isa == Isa::Avx512,
+            weight: gemv_fp8::Fp8BandedRows {
+                codes: &w.codes,
+                scales: &w.scales,
+                rows: w.out_dim,
+                cols: w.in_dim,
+                scale_cols: w.scale_cols(),
+                tile_amax: &tile_amax,
+            },
+            x: xq,
+            x_stride: in_dim,
+        };
+        return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+    }
+    #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         match linear.base() {
-            BaseWeight::Fp8Block128(w) => {
-                let tile_amax = gemv_fp8::tile_amax(xq, T, in_dim, in_dim);
-                let kernel = fused::Fp8Kernel {
-                    weight: gemv_fp8::Fp8BandedRows {
-                        codes: &w.codes,
-                        scales: &w.scales,
-                        rows: w.out_dim,
-                        cols: w.in_dim,
-                        scale_cols: w.scale_cols(),
-                        tile_amax: &tile_amax,
-                    },
-                    x: xq,
-                    x_stride: in_dim,
-                };
-                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
-            }
             BaseWeight::Nvfp4(w) if gemv_nvfp4::nvfp4_paired_usable(w.global_scale) => {
                 let kernel = fused::Nvfp4Kernel {
                     weight: gemv_nvfp4::Nvfp4PairedRows {
