@@ -38,6 +38,27 @@ struct MinBlocks {
     static constexpr int value = NB == 1 ? 6 : (NB <= 4 ? 5 : 4);
 };
 
+// acc[r][b] += scale[r] * (the 16 decoded weights wv[r] . x[b, k .. k + 16]) for every
+// token: one chunk of a row group, shared by the LoRA loops and the base stream.
+template <class XT, int NB, int R>
+__device__ __forceinline__ void accumulate_chunk(const float (&wv)[R][16], const float (&scale)[R], const XT* x,
+                                                 int x_stride, int batch, int k, float (&acc)[R][NB]) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        if (b < batch) {
+            float xv[16];
+            load16_x(x + (size_t)b * x_stride + k, xv);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) dot = fmaf(wv[r][i], xv[i], dot);
+                acc[r][b] = fmaf(dot, scale[r], acc[r][b]);
+            }
+        }
+    }
+}
+
 // acc[r][b] = sum_k W[row0 + r, k] * x[b, k] (warp-reduced, valid in every lane), W
 // without its global scale.
 //
@@ -71,20 +92,7 @@ __device__ __forceinline__ void warp_rows_dot(const W& w, int row0, int rows_val
             float wv[R][16];
 #pragma unroll
             for (int r = 0; r < R; ++r) Chunk::decode(cur[r], wv[r]);
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                if (b < batch) {
-                    float xv[16];
-                    load16_x(x + (size_t)b * x_stride + k, xv);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        float dot = 0.0f;
-#pragma unroll
-                        for (int i = 0; i < 16; ++i) dot = fmaf(wv[r][i], xv[i], dot);
-                        acc[r][b] = fmaf(dot, scale[r], acc[r][b]);
-                    }
-                }
-            }
+            accumulate_chunk<XT, NB, R>(wv, scale, x, x_stride, batch, k, acc);
 #pragma unroll
             for (int r = 0; r < R; ++r) cur[r] = nxt[r];
         }
@@ -229,20 +237,7 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r][0] += wv[r][0] * scale[r];
 #else
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                if (b < batch) {
-                    float xv[16];
-                    load16_bf16(x + (size_t)b * K + k, xv);
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        float dot = 0.0f;
-#pragma unroll
-                        for (int i = 0; i < 16; ++i) dot = fmaf(wv[r][i], xv[i], dot);
-                        acc[r][b] = fmaf(dot, scale[r], acc[r][b]);
-                    }
-                }
-            }
+            accumulate_chunk<bf16, NB, R>(wv, scale, x, K, batch, k, acc);
 #endif
         }
         if (at.chunk == steps_per_group - 1) {

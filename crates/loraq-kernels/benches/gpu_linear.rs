@@ -119,6 +119,18 @@ fn time_ms(
     times[times.len() / 2]
 }
 
+/// Enough device copies of one random linear to fill [`ROTATION_BYTES`] (at least two).
+fn rotation_copies(
+    backend: &CudaBackend,
+    format: &str,
+    out_dim: usize,
+    in_dim: usize,
+) -> Vec<GpuLinear> {
+    let l = linear(format, out_dim, in_dim);
+    let count = ROTATION_BYTES.div_ceil(l.weight_bytes()).max(2);
+    (0..count).map(|_| backend.upload(&l).unwrap()).collect()
+}
+
 /// Device-to-device copy bandwidth (bytes read + written per second, GB/s) over a
 /// 1 GiB buffer: the ceiling a streaming kernel can reach on this card.
 fn measured_copy_gbps(backend: &CudaBackend) -> f64 {
@@ -161,10 +173,7 @@ fn write_table(backend: &CudaBackend, path: &str) {
     writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|").unwrap();
     for format in ["fp8-block128", "nvfp4"] {
         for (name, out_dim, in_dim) in SHAPES {
-            let l = linear(format, out_dim, in_dim);
-            let count = ROTATION_BYTES.div_ceil(l.weight_bytes()).max(2);
-            let mut copies: Vec<GpuLinear> =
-                (0..count).map(|_| backend.upload(&l).unwrap()).collect();
+            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
             let weight_bytes = copies[0].weight_bytes();
             for batch in batches() {
                 let x = backend
@@ -216,10 +225,7 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
     writeln!(md, "|---|---|---:|---:|---:|---:|").unwrap();
     for format in ["fp8-block128", "nvfp4"] {
         for (name, out_dim, in_dim) in SHAPES {
-            let l = linear(format, out_dim, in_dim);
-            let count = ROTATION_BYTES.div_ceil(l.weight_bytes()).max(2);
-            let mut copies: Vec<GpuLinear> =
-                (0..count).map(|_| backend.upload(&l).unwrap()).collect();
+            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
             let x = backend.upload_activations(&vec![0.5f32; in_dim]).unwrap();
             let mut y = backend.alloc_output(out_dim).unwrap();
             let mut row = format!("| {format} | {name} |");
