@@ -246,9 +246,20 @@ pub(crate) fn qa_module(
         return Ok(None);
     }
 
+    // `auto` keeps the randomized result here instead of falling back to the exact
+    // method: D_q is the LoRA plus the quantization error, whose flat tail keeps the
+    // randomized iteration from meeting its stopping rule, and the exact method (an f64
+    // Gram of the smaller side) then costs most of the extraction for the last 1% of the
+    // improvement (demo, NVFP4, rank 32: 98.9% of the exact method's error reduction at
+    // 0.54x auto's time; docs/extraction.md). A delta that does converge (a target equal
+    // to the base) gets the same factors as before.
+    let method = match ctx.method {
+        Method::Auto => Method::Randomized,
+        other => other,
+    };
     let params = FactorParams {
         max_rank: rank,
-        method: ctx.method,
+        method,
         floor: Some(if weights.is_some() {
             weighted_floor
         } else {
