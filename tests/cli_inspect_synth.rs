@@ -1,14 +1,9 @@
 //! End-to-end tests of `loraq synth` and `loraq inspect`.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn loraq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_loraq"))
-        .args(args)
-        .output()
-        .expect("run loraq")
-}
+use common::loraq;
+use std::path::Path;
 
 fn synth_tiny(out: &Path) {
     let o = loraq(&[

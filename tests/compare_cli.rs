@@ -2,17 +2,13 @@
 //! there): the binary on the committed answer files of tests/data/eval, checked
 //! against the oracle's expected JSON (scripts/eval_oracle.py).
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
+use common::{loraq, stderr};
 use serde_json::Value;
-
-fn loraq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_loraq"))
-        .args(args)
-        .output()
-        .expect("run loraq")
-}
 
 fn data(case: &str, file: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -29,10 +25,6 @@ fn expected(case: &str) -> Value {
 
 fn stdout(out: &Output) -> String {
     String::from_utf8(out.stdout.clone()).unwrap()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8(out.stderr.clone()).unwrap()
 }
 
 /// Same keys as the oracle (its `_` keys are extras); numbers within 1e-9 x max(1, |x|),

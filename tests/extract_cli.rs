@@ -3,26 +3,14 @@
 //! match it within the bf16 rounding floor, and every input that is not base + LoRA
 //! must be refused with no output directory left behind.
 
+mod common;
+
+use common::{loraq, s as path, stderr};
 use loraq_io::{Checkpoint, DType, LoraAdapter, TensorSpec, write_safetensors_file};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn loraq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_loraq"))
-        .args(args)
-        .output()
-        .expect("run loraq")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().expect("utf-8 temp path")
-}
 
 fn synth(out: &Path, preset: &str, seed: u64, extra: &[&str]) {
     let seed = seed.to_string();

@@ -5,31 +5,14 @@
 //! that checkpoint measures what the report says; calibration weighting minimizes the
 //! weighted error; bad targets and statistics are refused with no output.
 
+mod common;
+
+use common::{loraq, ok, s, stderr};
 use loraq_io::{Checkpoint, DType, ModuleName, TensorSpec, write_safetensors_file};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn loraq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_loraq"))
-        .args(args)
-        .output()
-        .expect("run loraq")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 temp path")
-}
-
-fn ok(o: Output) -> Output {
-    assert!(o.status.success(), "{}", stderr(&o));
-    o
-}
+use std::process::Output;
 
 /// A tiny synth pair: (guard, base, merged).
 fn tiny(seed: u64) -> (tempfile::TempDir, PathBuf, PathBuf) {

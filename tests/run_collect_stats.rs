@@ -3,22 +3,13 @@
 //! the same fixture and records (scripts/calibration_oracle.py), and answers that
 //! are the same with and without the flag.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
-fn loraq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_loraq"))
-        .args(args)
-        .output()
-        .expect("run loraq")
-}
+use common::{loraq, s};
+use std::path::{Path, PathBuf};
 
 fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/model")
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! Base + extracted adapter reproduces the merged model's answers: synth tiny pair,
 //! `loraq extract`, `loraq run` on both, `loraq compare` (no flips, tiny KL).
 
+mod common;
+
+use common::s;
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -16,10 +19,6 @@ fn loraq(args: &[&str]) -> Output {
         String::from_utf8_lossy(&o.stderr)
     );
     o
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 #[test]

@@ -2,24 +2,9 @@
 //! residual against the merge equals what `quant-error` computes for the same
 //! quantized weight plus the adapter (an independent code path in loraq-quant).
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn loraq(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_loraq"))
-        .args(args)
-        .output()
-        .expect("run loraq")
-}
-
-fn ok(o: Output) -> Output {
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    o
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
+use common::{loraq, ok, s};
 
 #[test]
 fn verify_decodes_a_quantized_base_and_agrees_with_quant_error() {
