@@ -11,11 +11,6 @@ use std::arch::x86_64::*;
 /// Elements between two software prefetches of a row (one 64-byte line of fp8 codes).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_EVERY: usize = 64;
-/// How far ahead (in elements) the prefetch reaches: the hardware prefetchers alone
-/// keep too few lines in flight for two interleaved row streams per core (measured:
-/// about 15% more throughput on the 17408x5120 decode bench).
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = 1024;
 
 /// Adds `sum_k D[row0 + r, k] * x[t * x_stride + k]` to `out[r * T + t]` for `r < nrows`.
 ///
@@ -124,7 +119,7 @@ unsafe fn rows_avx512<D: RowDecode, const R: usize, const T: usize>(
     while k < main {
         if k % PREFETCH_EVERY == 0 {
             for r in 0..R {
-                _mm_prefetch::<_MM_HINT_T0>(d.code_address(row0 + r, k + PREFETCH_AHEAD).cast());
+                super::prefetch_ahead(d.code_address(row0 + r, k));
             }
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
@@ -178,7 +173,7 @@ unsafe fn rows_avx2<D: RowDecode, const R: usize, const T: usize>(
     while k < main {
         if k % PREFETCH_EVERY == 0 {
             for r in 0..R {
-                _mm_prefetch::<_MM_HINT_T0>(d.code_address(row0 + r, k + PREFETCH_AHEAD).cast());
+                super::prefetch_ahead(d.code_address(row0 + r, k));
             }
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {

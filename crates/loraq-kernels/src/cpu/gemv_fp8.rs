@@ -18,9 +18,6 @@ use std::arch::x86_64::*;
 /// Elements between two software prefetches of a row (one 64-byte line of codes).
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_EVERY: usize = 64;
-/// How far ahead the prefetch reaches, in elements (see `gemv.rs`).
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = 1024;
 
 /// `2^e` for `-126 <= e <= 127`.
 fn pow2(e: i32) -> f32 {
@@ -224,10 +221,7 @@ impl Fp8BandedRows<'_> {
             while k < main {
                 if k % PREFETCH_EVERY == 0 {
                     for r in 0..R {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            cp.wrapping_add((row0 + r) * cols + k + PREFETCH_AHEAD)
-                                .cast(),
-                        );
+                        super::prefetch_ahead(cp.wrapping_add((row0 + r) * cols + k));
                     }
                 }
                 let mut xv = [_mm256_setzero_ps(); T];
@@ -273,10 +267,7 @@ impl Fp8BandedRows<'_> {
             while k < main {
                 if k % PREFETCH_EVERY == 0 {
                     for r in 0..R {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            cp.wrapping_add((row0 + r) * cols + k + PREFETCH_AHEAD)
-                                .cast(),
-                        );
+                        super::prefetch_ahead(cp.wrapping_add((row0 + r) * cols + k));
                     }
                 }
                 let mut xv = [_mm512_setzero_ps(); T];

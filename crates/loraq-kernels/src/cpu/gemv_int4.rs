@@ -13,10 +13,6 @@ use crate::weight::INT4_GROUP;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// How far ahead the prefetch reaches, in bytes of codes.
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = 512;
-
 /// INT4 rows with the per-group table decode.
 pub(crate) struct Int4TableRows<'a> {
     pub rows: Int4Rows<'a>,
@@ -83,10 +79,7 @@ impl Int4TableRows<'_> {
         unsafe {
             for c in 0..steps {
                 for r in 0..R {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        pp.wrapping_add((row0 + r) * row_bytes + c * 64 + PREFETCH_AHEAD)
-                            .cast(),
-                    );
+                    super::prefetch_ahead(pp.wrapping_add((row0 + r) * row_bytes + c * 64));
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let g = (row0 + r) * groups + c;

@@ -21,9 +21,6 @@ use std::arch::x86_64::*;
 const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
 /// Inputs per step.
 const STEP: usize = 128;
-/// How far ahead the prefetch reaches, in bytes of codes.
-#[cfg(target_arch = "x86_64")]
-const PREFETCH_AHEAD: usize = 512;
 
 /// NVFP4 rows with the de-interleaved decode.
 pub(crate) struct Nvfp4PairedRows<'a> {
@@ -139,10 +136,7 @@ impl Nvfp4PairedRows<'_> {
         unsafe {
             for c in 0..steps {
                 for r in 0..R {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        pp.wrapping_add((row0 + r) * row_bytes + c * 64 + PREFETCH_AHEAD)
-                            .cast(),
-                    );
+                    super::prefetch_ahead(pp.wrapping_add((row0 + r) * row_bytes + c * 64));
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     let raw = _mm512_loadu_si512(pp.add((row0 + r) * row_bytes + c * 64).cast());
