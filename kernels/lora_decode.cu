@@ -458,6 +458,363 @@ LORA_ENTRIES(1)
 LORA_ENTRIES(4)
 LORA_ENTRIES(16)
 
+// ---- Tensor-core decode, batch 5..16 (`{format}_tcdec_fused_b{8,16}`) ----
+//
+// The CUDA-core stream above multiplies every weight into every token with its own FMA
+// and re-reads x per row, which at 16 tokens makes it compute- and L1-bound. Here a warp
+// computes 16 weight rows x NB tokens with mma.m16n8k16 (weight rows as M, tokens as N,
+// NB / 8 n-tiles), the weights dequantized to bf16 in registers (exact: E4M3 values, and
+// E2M1 times their E4M3 block scale, fit bf16; fp8's 128x128 tile multiplier is applied
+// to each 128-wide chunk's product instead).
+//
+// K order: the sum over a chunk does not care in which order its products are taken, so
+// the mma's k-slots are mapped to memory so that every lane's operands are contiguous. In
+// the chunk at k0 (128 wide), lane (g = lane / 4, q = lane % 4) holds rows g and g + 8 at
+// k0 + 32q .. k0 + 32q + 32 (two 16-weight pieces, one load each), and mma step s (0..7)
+// takes its k-slots {2q, 2q+1} from k0 + 32q + 4s + {0, 1} and {2q+8, 2q+9} from
+// k0 + 32q + 4s + {2, 3}: per step the slots cover 16 distinct k, over the 8 steps all
+// 128. The activations use the same map (lane (g, q) reads token g's 32 values at
+// k0 + 32q), so every product pairs the right weight and activation.
+//
+// Work: a block (4 warps) owns 16-row tiles (tile = block, block + blocks, ...; the host
+// sizes the grid so every block gets the same count), its warps split each tile's chunks
+// (warp w: chunks w, w + 4, ...) with two chunks of loads in flight ahead of the one being
+// multiplied, and sum their partial tiles through shared memory; warp 0 writes y.
+//
+// LoRA: the first `shrink_blocks` blocks compute t = s * A x the same way (A's rows are
+// the tile rows), split over K into slices of `slice_chunks` chunks, each slice's partial
+// sums in `part`; the block finishing a tile's last slice (ticket counter per tile, reset
+// by that block) adds the slices into t and releases the launch counter. Base warps add
+// the expand B t into their tile before the block reduction (t as a bf16 hi + lo pair, so
+// about 16 significant bits; B's rows are bf16), after one acquire of the counter. Ranks
+// must be multiples of 16 (host); every block is co-resident (host).
+#define TC_CHUNK 128
+
+// 16 consecutive weights of one row as loaded, and the factor folded into them.
+template <class W>
+struct TcPiece {
+    typename W::Chunk::Raw raw;
+    float scale;
+};
+
+// The per-16-weights factor that is exact in bf16 once folded into the weights (NVFP4's
+// E4M3 block scale, times 2^14 for Nvfp4Chunk's scaled decode), or 1.
+__device__ __forceinline__ float tc_piece_scale(const Fp8Block128Weight&, int, int) { return 1.0f; }
+__device__ __forceinline__ float tc_piece_scale(const Nvfp4Weight& w, int row, int k) { return w.chunk_scale(row, k); }
+__device__ __forceinline__ float tc_piece_scale(const Bf16Weight&, int, int) { return 1.0f; }
+
+// The factor of a whole 16-row x 128 chunk product (fp8-block128's tile multiplier:
+// tiles start at multiples of 16 rows and chunks at multiples of 128 inputs, so neither
+// crosses a 128 x 128 block), or 1.
+__device__ __forceinline__ float tc_chunk_scale(const Fp8Block128Weight& w, int row, int k) { return w.scale(row, k); }
+__device__ __forceinline__ float tc_chunk_scale(const Nvfp4Weight&, int, int) { return 1.0f; }
+__device__ __forceinline__ float tc_chunk_scale(const Bf16Weight&, int, int) { return 1.0f; }
+
+template <class W>
+__device__ __forceinline__ TcPiece<W> tc_fetch(const W& w, int row, int k, bool valid) {
+    TcPiece<W> p;
+    p.raw = valid ? w.raw16(row, k) : W::Chunk::zero();
+    p.scale = valid ? tc_piece_scale(w, row, k) : 0.0f;
+    return p;
+}
+
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned int*>(&v);
+}
+
+// A piece as 8 bf16 pairs (weights 2i, 2i + 1 in word i, the lower in the low half).
+template <class W>
+__device__ __forceinline__ void tc_pairs(const TcPiece<W>& p, unsigned int* out) {
+    float v[16];
+    W::Chunk::decode(p.raw, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = pack_bf16x2(v[2 * i] * p.scale, v[2 * i + 1] * p.scale);
+}
+template <>
+__device__ __forceinline__ void tc_pairs<Bf16Weight>(const TcPiece<Bf16Weight>& p, unsigned int* out) {
+    const uint4 a = p.raw.a, b = p.raw.b;
+    out[0] = a.x;
+    out[1] = a.y;
+    out[2] = a.z;
+    out[3] = a.w;
+    out[4] = b.x;
+    out[5] = b.y;
+    out[6] = b.z;
+    out[7] = b.w;
+}
+
+// Token `token`'s bf16 activations at k .. k + 32 as 16 pairs; pieces at or past K and
+// tokens past the batch are zero.
+__device__ __forceinline__ void tc_x_pairs(const bf16* __restrict__ x, int K, int token, int batch, int k,
+                                           unsigned int (&out)[16]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int kh = k + 16 * h;
+        uint4 a = make_uint4(0, 0, 0, 0), b = a;
+        if (token < batch && kh < K) {
+            const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)token * K + kh);
+            a = __ldg(src);
+            b = __ldg(src + 1);
+        }
+        out[8 * h + 0] = a.x;
+        out[8 * h + 1] = a.y;
+        out[8 * h + 2] = a.z;
+        out[8 * h + 3] = a.w;
+        out[8 * h + 4] = b.x;
+        out[8 * h + 5] = b.y;
+        out[8 * h + 6] = b.z;
+        out[8 * h + 7] = b.w;
+    }
+}
+
+// Token `token`'s f32 LoRA intermediate at k .. k + 32 as bf16 hi and lo pairs (v = hi +
+// lo to about 16 bits), read through L2 (written by other blocks of this launch).
+__device__ __forceinline__ void tc_t_pairs(const float* t, int rank, int token, int batch, int k,
+                                           unsigned int (&hi)[16], unsigned int (&lo)[16]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int kh = k + 16 * h;
+        float v[16];
+        if (token < batch && kh < rank) {
+            load16_f32_cg(t + (size_t)token * rank + kh, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const __nv_bfloat162 top = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+            hi[8 * h + i] = *reinterpret_cast<const unsigned int*>(&top);
+            lo[8 * h + i] = pack_bf16x2(v[2 * i] - __low2float(top), v[2 * i + 1] - __high2float(top));
+        }
+    }
+}
+
+// acc[j] += rows {g, g + 8} x tokens of n-tile j over one chunk (the k map above).
+template <int NT>
+__device__ __forceinline__ void tc_mma_chunk(const unsigned int (&row_lo)[16], const unsigned int (&row_hi)[16],
+                                             const unsigned int (&xw)[NT][16], float (&acc)[NT][4]) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        const unsigned int a[4] = {row_lo[2 * s], row_hi[2 * s], row_lo[2 * s + 1], row_hi[2 * s + 1]};
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const unsigned int b[2] = {xw[j][2 * s], xw[j][2 * s + 1]};
+            mma_bf16_16816(acc[j], a, b);
+        }
+    }
+}
+
+// acc += this warp's chunks (first, first + stride, ... below chunk_end) of the 16-row
+// tile at row0 of w (rows past N are zero) times the tokens' activations, with two
+// chunks' loads in flight ahead of the one being multiplied.
+template <class W, int NT>
+__device__ __forceinline__ void tc_tile_chunks(const W& w, int row0, int N, int K, const bf16* __restrict__ x,
+                                               int batch, int first, int stride, int chunk_end, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const int r_lo = row0 + g, r_hi = row0 + g + 8;
+    const bool v_lo = r_lo < N, v_hi = r_hi < N;
+    auto fetch = [&](int c, TcPiece<W> (&p)[4], float& mult) {
+        const bool in = c < chunk_end;
+        const int k = c * TC_CHUNK + 32 * q;
+        p[0] = tc_fetch(w, r_lo, k, in && v_lo && k < K);
+        p[1] = tc_fetch(w, r_lo, k + 16, in && v_lo && k + 16 < K);
+        p[2] = tc_fetch(w, r_hi, k, in && v_hi && k < K);
+        p[3] = tc_fetch(w, r_hi, k + 16, in && v_hi && k + 16 < K);
+        mult = in ? tc_chunk_scale(w, row0, c * TC_CHUNK) : 0.0f;
+    };
+    TcPiece<W> cur[4], nxt[4], nxt2[4];
+    float cur_m, nxt_m, nxt2_m;
+    fetch(first, cur, cur_m);
+    fetch(first + stride, nxt, nxt_m);
+    for (int c = first; c < chunk_end; c += stride) {
+        fetch(c + 2 * stride, nxt2, nxt2_m);
+        unsigned int row_lo[16], row_hi[16];
+        tc_pairs<W>(cur[0], row_lo);
+        tc_pairs<W>(cur[1], row_lo + 8);
+        tc_pairs<W>(cur[2], row_hi);
+        tc_pairs<W>(cur[3], row_hi + 8);
+        unsigned int xw[NT][16];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) tc_x_pairs(x, K, 8 * j + g, batch, c * TC_CHUNK + 32 * q, xw[j]);
+        float part[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[j][e] = 0.0f;
+        tc_mma_chunk<NT>(row_lo, row_hi, xw, part);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(part[j][e], cur_m, acc[j][e]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            cur[i] = nxt[i];
+            nxt[i] = nxt2[i];
+        }
+        cur_m = nxt_m;
+        nxt_m = nxt2_m;
+    }
+}
+
+// acc += B[rows of the tile, this warp's rank chunks] t (t as hi + lo).
+template <int NT>
+__device__ __forceinline__ void tc_expand_chunks(const bf16* __restrict__ lora_b, int row0, int N, int rank,
+                                                 const float* t, int batch, int first, int stride,
+                                                 float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const int r_lo = row0 + g, r_hi = row0 + g + 8;
+    const Bf16Weight b{lora_b, rank, 1.0f};
+    for (int c = first; c * TC_CHUNK < rank; c += stride) {
+        const int k = c * TC_CHUNK + 32 * q;
+        unsigned int row_lo[16], row_hi[16];
+        tc_pairs<Bf16Weight>(tc_fetch(b, r_lo, k, r_lo < N && k < rank), row_lo);
+        tc_pairs<Bf16Weight>(tc_fetch(b, r_lo, k + 16, r_lo < N && k + 16 < rank), row_lo + 8);
+        tc_pairs<Bf16Weight>(tc_fetch(b, r_hi, k, r_hi < N && k < rank), row_hi);
+        tc_pairs<Bf16Weight>(tc_fetch(b, r_hi, k + 16, r_hi < N && k + 16 < rank), row_hi + 8);
+        unsigned int t_hi[NT][16], t_lo[NT][16];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) tc_t_pairs(t, rank, 8 * j + g, batch, k, t_hi[j], t_lo[j]);
+        tc_mma_chunk<NT>(row_lo, row_hi, t_hi, acc);
+        tc_mma_chunk<NT>(row_lo, row_hi, t_lo, acc);
+    }
+}
+
+template <class W, int NB>
+__device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, int K, W w,
+                                const bf16* __restrict__ lora_a, const bf16* __restrict__ lora_b, int rank,
+                                float t_scale, float* t, unsigned int* counter, unsigned int target,
+                                int shrink_blocks, int slice_chunks, float* part, unsigned int* tickets,
+                                bf16* __restrict__ y) {
+    constexpr int NT = NB / 8;
+    // [tile parity][warp][C register][lane]: the parity lets warps write the next tile's
+    // partial sums while warp 0 may still read this one's (one barrier per tile).
+    __shared__ float red[2][DECODE_WARPS][NT * 4][32];
+    __shared__ int last_slice;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, q = lane & 3;
+    const int chunks = (K + TC_CHUNK - 1) / TC_CHUNK;
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    if ((int)blockIdx.x < shrink_blocks) {
+        const int tiles = rank >> 4;
+        const int tile = blockIdx.x % tiles, slice = blockIdx.x / tiles, slices = shrink_blocks / tiles;
+        const int c0 = slice * slice_chunks;
+        const int c_end = min(c0 + slice_chunks, chunks);
+        const Bf16Weight a{lora_a, K, 1.0f};
+        tc_tile_chunks<Bf16Weight, NT>(a, tile * 16, rank, K, x, batch, c0 + warp, DECODE_WARPS, c_end, acc);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[0][warp][j * 4 + e][lane] = acc[j][e];
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = 0.0f;
+#pragma unroll
+                    for (int ww = 0; ww < DECODE_WARPS; ++ww) v += red[0][ww][j * 4 + e][lane];
+                    const int token = 8 * j + 2 * q + (e & 1);
+                    const int row = tile * 16 + g + (e >= 2 ? 8 : 0);
+                    if (token < batch) part[((size_t)slice * NB + token) * rank + row] = v;
+                }
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last_slice = atomicAdd(tickets + tile, 1u) == (unsigned int)(slices - 1);
+        __syncthreads();
+        if (last_slice) {
+            __threadfence();
+            for (int i = threadIdx.x; i < batch * 16; i += blockDim.x) {
+                const int token = i >> 4, row = tile * 16 + (i & 15);
+                float v = 0.0f;
+                for (int s = 0; s < slices; ++s) v += __ldcg(part + ((size_t)s * NB + token) * rank + row);
+                t[(size_t)token * rank + row] = v * t_scale;
+            }
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                tickets[tile] = 0;
+                atomicAdd(counter, 1u);
+            }
+        }
+        return;
+    }
+    const int block = blockIdx.x - shrink_blocks, blocks = gridDim.x - shrink_blocks;
+    const int tiles = (N + 15) >> 4;
+    bool waited = false;
+    int parity = 0;
+    for (int tile = block; tile < tiles; tile += blocks) {
+        const int row0 = tile * 16;
+        tc_tile_chunks<W, NT>(w, row0, N, K, x, batch, warp, DECODE_WARPS, chunks, acc);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] *= w.global;
+        if (rank > 0 && warp * TC_CHUNK < rank) {
+            if (!waited) {
+                // Acquire: every shrink tile of this launch has been published.
+                if (lane == 0) {
+                    while ((int)(*reinterpret_cast<const volatile unsigned int*>(counter) - target) < 0)
+                        __nanosleep(100);
+                    __threadfence();
+                }
+                __syncwarp();
+                waited = true;
+            }
+            tc_expand_chunks<NT>(lora_b, row0, N, rank, t, batch, warp, DECODE_WARPS, acc);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                red[parity][warp][j * 4 + e][lane] = acc[j][e];
+                acc[j][e] = 0.0f;
+            }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = 0.0f;
+#pragma unroll
+                    for (int ww = 0; ww < DECODE_WARPS; ++ww) v += red[parity][ww][j * 4 + e][lane];
+                    const int token = 8 * j + 2 * q + (e & 1);
+                    const int row = row0 + g + (e >= 2 ? 8 : 0);
+                    if (token < batch && row < N) y[(size_t)token * N + row] = __float2bfloat16_rn(v);
+                }
+        }
+        parity ^= 1;
+    }
+}
+
+#define TC_ENTRIES(NAME, WTYPE, MAKE_W, NB)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 2) NAME##_tcdec_fused_b##NB(                            \
+        const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales, float w_global,   \
+        const bf16* lora_a, const bf16* lora_b, int rank, float t_scale, float* t, unsigned int* counter,    \
+        unsigned int target, int shrink_blocks, int slice_chunks, float* part, unsigned int* tickets,        \
+        bf16* y) {                                                                                           \
+        WTYPE w = MAKE_W;                                                                                    \
+        tc_fused_kernel<WTYPE, NB>(x, batch, N, K, w, lora_a, lora_b, rank, t_scale, t, counter, target,     \
+                                   shrink_blocks, slice_chunks, part, tickets, y);                           \
+    }
+
+TC_ENTRIES(bf16, Bf16Weight, MAKE_BF16, 8)
+TC_ENTRIES(bf16, Bf16Weight, MAKE_BF16, 16)
+TC_ENTRIES(fp8b128, Fp8Block128Weight, MAKE_FP8, 8)
+TC_ENTRIES(fp8b128, Fp8Block128Weight, MAKE_FP8, 16)
+TC_ENTRIES(nvfp4, Nvfp4Weight, MAKE_NVFP4, 8)
+TC_ENTRIES(nvfp4, Nvfp4Weight, MAKE_NVFP4, 16)
+
 // The card's read ceiling for the benchmark's "% of measured read" column: a plain
 // grid-stride stream of 16-byte loads, four in flight per thread, that only XORs the
 // data (the impossible-value store keeps the loads alive).

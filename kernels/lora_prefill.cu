@@ -90,17 +90,6 @@ __device__ __forceinline__ unsigned int smem_u32(const bf16* p) {
     return *reinterpret_cast<const unsigned int*>(p);
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
-// g = lane / 4, q = lane % 4; A regs = rows {g, g+8} x cols {2q, 2q+8} (pairs);
-// B regs = k {2q, 2q+8} (pairs) x col g; C = rows {g, g+8} x cols {2q, 2q+1}.
 __device__ __forceinline__ void mma_tile(const TileSmem& s, WarpAcc& acc) {
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;

@@ -293,3 +293,16 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+
+// ---- Tensor cores (sm_80+): C[16x8] += A[16x16] B[16x8], bf16 in, f32 accumulate.
+// Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
+// g = lane / 4, q = lane % 4; A regs = {row g, row g+8, row g, row g+8} x k pairs {2q,
+// 2q, 2q+8, 2q+8} (+0, +1 in each register, the lower k in the low half); B regs = k
+// pairs {2q, 2q+8} x column g; C = rows {g, g, g+8, g+8} x columns {2q, 2q+1, 2q, 2q+1}.
+__device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}

@@ -242,6 +242,56 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
     std::fs::write(path, md).unwrap();
 }
 
+/// The tensor-core decode ([`GpuMode::FusedTensorCoreDecode`]) against the CUDA-core
+/// fused decode and the unfused baseline at 8 and 16 tokens, appended to the table.
+fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
+    let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4800.0);
+    let mut md = std::fs::read_to_string(path).unwrap_or_default();
+    writeln!(
+        md,
+        "\nTensor-core decode (`GpuMode::FusedTensorCoreDecode`) against the CUDA-core fused decode and the unfused baseline:\n"
+    )
+    .unwrap();
+    writeln!(
+        md,
+        "| base | shape | batch | tensor-core us | GB/s | % of peak | CUDA-core fused us | unfused us | speedup vs CUDA-core fused | vs unfused |"
+    )
+    .unwrap();
+    writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|").unwrap();
+    for format in ["fp8-block128", "nvfp4"] {
+        for (name, out_dim, in_dim) in SHAPES {
+            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
+            let weight_bytes = copies[0].weight_bytes();
+            for batch in [8usize, 16] {
+                let x = backend
+                    .upload_activations(&vec![0.5f32; batch * in_dim])
+                    .unwrap();
+                let mut y = backend.alloc_output(batch * out_dim).unwrap();
+                let mut time = |mode| time_ms(backend, &mut copies, &x, batch, &mut y, mode);
+                let tc = time(GpuMode::FusedTensorCoreDecode);
+                let fused = time(GpuMode::Fused);
+                let unfused = time(GpuMode::Unfused);
+                let gbps = weight_bytes as f64 / (tc * 1e-3) / 1e9;
+                let row = format!(
+                    "| {format} | {name} | {batch} | {:.1} | {gbps:.0} | {:.0}% | {:.1} | {:.1} | {:.2}x | {:.2}x |",
+                    tc * 1e3,
+                    100.0 * gbps / peak,
+                    fused * 1e3,
+                    unfused * 1e3,
+                    fused / tc,
+                    unfused / tc
+                );
+                eprintln!("{row}");
+                writeln!(md, "{row}").unwrap();
+                std::fs::write(path, &md).unwrap();
+            }
+        }
+    }
+}
+
 fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
     let mut group = c.benchmark_group("gpu_decode_r256");
     group
@@ -258,7 +308,16 @@ fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
                 .upload_activations(&vec![0.5f32; batch * in_dim])
                 .unwrap();
             let mut y = backend.alloc_output(batch * out_dim).unwrap();
-            for mode in [GpuMode::Fused, GpuMode::Unfused] {
+            let modes: &[GpuMode] = if batch > 4 {
+                &[
+                    GpuMode::Fused,
+                    GpuMode::Unfused,
+                    GpuMode::FusedTensorCoreDecode,
+                ]
+            } else {
+                &[GpuMode::Fused, GpuMode::Unfused]
+            };
+            for &mode in modes {
                 let id = BenchmarkId::new(format!("{format}/{mode:?}"), batch);
                 group.bench_function(id, |b| {
                     b.iter(|| {
@@ -300,6 +359,7 @@ fn main() {
     if let Ok(path) = std::env::var("LORAQ_GPU_TABLE") {
         write_table(&backend, &path);
         explore_decode_grid(&mut backend, &path);
+        compare_tensor_core_decode(&backend, &path);
     }
     if std::env::var("LORAQ_GPU_TABLE_ONLY").is_ok_and(|v| v == "1") {
         return;

@@ -10,6 +10,7 @@
 
 use crate::error::{KernelError, Result};
 use crate::linear::QuantLoraLinear;
+use crate::lora::MAX_RANK;
 use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
 use crate::weight::BaseWeight;
 use cudarc::driver::{
@@ -30,6 +31,10 @@ pub const DECODE_MAX_BATCH: usize = 16;
 /// Token counts the decode kernels are instantiated for (`lora_decode.cu`).
 const DECODE_BATCHES: [usize; 3] = [1, 4, 16];
 const TC_TILE: usize = 64;
+/// Inputs per chunk of the tensor-core decode (`TC_CHUNK` in lora_decode.cu).
+const TC_DECODE_CHUNK: usize = 128;
+/// Chunks per slice of the tensor-core decode's shrink, when the grid has room.
+const TC_SHRINK_SLICE_CHUNKS: usize = 8;
 /// Threads of a decode block (`DECODE_WARPS` in lora_decode.cu).
 const DECODE_THREADS: u32 = 128;
 
@@ -68,6 +73,12 @@ pub enum GpuMode {
     Fused,
     /// Base product, LoRA shrink, LoRA expand as three launches (the baseline).
     Unfused,
+    /// As `Fused`, but batches of 5..=16 tokens with a rank that is a multiple of 16 (or
+    /// no LoRA) run the tensor-core decode (`{format}_tcdec_fused_b{8,16}` in
+    /// lora_decode.cu: 16 weight rows x the tokens per mma, one launch with the shrink).
+    /// Not yet the default: written without a GPU at hand, it becomes the default for
+    /// those batches once `scripts/gpu-check.sh` has shown it correct and faster.
+    FusedTensorCoreDecode,
 }
 
 /// A device, its stream and the loaded kernels.
@@ -376,6 +387,8 @@ impl CudaBackend {
             t: s.alloc_zeros::<f32>(16).map_err(&up)?,
             counter: s.alloc_zeros::<u32>(1).map_err(&up)?,
             counter_value: 0,
+            tc_part: s.alloc_zeros::<f32>(16).map_err(&up)?,
+            tc_tickets: s.alloc_zeros::<u32>(MAX_RANK.div_ceil(16)).map_err(&up)?,
             placeholder: s.alloc_zeros::<u16>(16).map_err(&up)?,
             weight_bytes: linear.weight_bytes(),
         })
@@ -403,6 +416,10 @@ pub struct GpuLinear {
     /// Monotonic release counter of the fused decode kernel.
     counter: CudaSlice<u32>,
     counter_value: u32,
+    /// Tensor-core decode: the shrink's per-slice partial sums `[slices, 16, rank]`
+    /// (grown on demand) and one ticket per 16 rows of `A` (left at 0 by every launch).
+    tc_part: CudaSlice<f32>,
+    tc_tickets: CudaSlice<u32>,
     /// Stands in for absent LoRA operands (the kernels never read it when rank is 0).
     placeholder: CudaSlice<u16>,
     weight_bytes: usize,
@@ -474,6 +491,12 @@ impl GpuLinear {
         y: &mut CudaSlice<u16>,
         mode: GpuMode,
     ) -> Result<()> {
+        if mode == GpuMode::FusedTensorCoreDecode
+            && batch > 4
+            && self.forward_decode_tc(backend, x, batch, y)?
+        {
+            return Ok(());
+        }
         let nb = DECODE_BATCHES
             .iter()
             .copied()
@@ -494,7 +517,7 @@ impl GpuLinear {
         let stream = &backend.stream;
         let launch = driver_err("launching a decode kernel");
         match (mode, &self.lora) {
-            (GpuMode::Fused, lora) => {
+            (GpuMode::Fused | GpuMode::FusedTensorCoreDecode, lora) => {
                 let (f, resident) = backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
                 let (rank, scale) = lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
                 let shrink_blocks = rank.div_ceil(rows_per_block);
@@ -580,6 +603,95 @@ impl GpuLinear {
         Ok(())
     }
 
+    /// The tensor-core decode (see [`GpuMode::FusedTensorCoreDecode`]); `Ok(false)`
+    /// when this linear does not qualify (rank not a multiple of 16, or the shrink would
+    /// not leave room for co-resident base blocks), and the caller runs the CUDA-core
+    /// kernel instead.
+    fn forward_decode_tc(
+        &mut self,
+        backend: &CudaBackend,
+        x: &CudaSlice<u16>,
+        batch: usize,
+        y: &mut CudaSlice<u16>,
+    ) -> Result<bool> {
+        let (rank, scale) = self.lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
+        if !rank.is_multiple_of(16) || batch > 16 {
+            return Ok(false);
+        }
+        let nb = if batch <= 8 { 8 } else { 16 };
+        let (f, resident) = backend.decode_fn(&format!("{}_tcdec_fused_b{nb}", self.format))?;
+        let chunks = self.k.div_ceil(TC_DECODE_CHUNK);
+        let rank_tiles = rank / 16;
+        // The shrink is split over the in-dim into slices of about TC_SHRINK_SLICE_CHUNKS
+        // chunks (two per warp) so it is done early in the base stream, using at most a
+        // quarter of the co-resident blocks.
+        let (slices, slice_chunks) = match (resident / 4).checked_div(rank_tiles) {
+            None => (0, chunks),
+            Some(most) => {
+                let slices = chunks
+                    .div_ceil(TC_SHRINK_SLICE_CHUNKS)
+                    .clamp(1, most.max(1));
+                let slice_chunks = chunks.div_ceil(slices);
+                (chunks.div_ceil(slice_chunks), slice_chunks)
+            }
+        };
+        let shrink_blocks = rank_tiles * slices;
+        if shrink_blocks >= resident {
+            return Ok(false);
+        }
+        // Every block gets the same number of 16-row tiles (the last may have fewer).
+        let tiles = self.n.div_ceil(16);
+        let per_block = tiles.div_ceil(resident - shrink_blocks);
+        let base_blocks = tiles.div_ceil(per_block);
+        let stream = &backend.stream;
+        if self.tc_part.len() < slices * 16 * rank {
+            self.tc_part = stream
+                .alloc_zeros::<f32>(slices * 16 * rank)
+                .map_err(driver_err("allocating the shrink's partial sums"))?;
+        }
+        self.counter_value = self.counter_value.wrapping_add(rank_tiles as u32);
+        let target = self.counter_value;
+        let (batch_i, n_i, k_i, rank_i, shrink_i, slice_i) = (
+            as_i32(batch, "batch")?,
+            as_i32(self.n, "out_dim")?,
+            as_i32(self.k, "in_dim")?,
+            as_i32(rank, "rank")?,
+            as_i32(shrink_blocks, "shrink blocks")?,
+            as_i32(slice_chunks, "shrink slice")?,
+        );
+        let (a, b) = match &self.lora {
+            Some(l) => (&l.a, &l.b),
+            None => (&self.placeholder, &self.placeholder),
+        };
+        let mut builder = stream.launch_builder(&f);
+        builder
+            .arg(x)
+            .arg(&batch_i)
+            .arg(&n_i)
+            .arg(&k_i)
+            .arg(&self.codes)
+            .arg(&self.scales)
+            .arg(&self.global)
+            .arg(a)
+            .arg(b)
+            .arg(&rank_i)
+            .arg(&scale)
+            .arg(&mut self.t)
+            .arg(&mut self.counter)
+            .arg(&target)
+            .arg(&shrink_i)
+            .arg(&slice_i)
+            .arg(&mut self.tc_part)
+            .arg(&mut self.tc_tickets)
+            .arg(y);
+        // SAFETY: argument list matches `{format}_tcdec_fused_b{NB}` in lora_decode.cu;
+        // t holds batch * rank floats (forward), tc_part slices * 16 * rank, tc_tickets
+        // one per 16 rows of A up to MAX_RANK; every block is co-resident.
+        unsafe { builder.launch(grid_1d(shrink_blocks + base_blocks, DECODE_THREADS)) }
+            .map_err(driver_err("launching the tensor-core decode kernel"))?;
+        Ok(true)
+    }
+
     fn forward_prefill(
         &mut self,
         backend: &CudaBackend,
@@ -631,7 +743,7 @@ impl GpuLinear {
                 // The tensor-core kernel scales the whole tile by the global scale, so the
                 // fused path pre-divides the LoRA intermediate by it.
                 let t_scale = match mode {
-                    GpuMode::Fused => l.scale / self.global,
+                    GpuMode::Fused | GpuMode::FusedTensorCoreDecode => l.scale / self.global,
                     GpuMode::Unfused => l.scale,
                 };
                 let shrink = backend.prefill_fn("lora_tc_shrink")?;
@@ -647,7 +759,7 @@ impl GpuLinear {
                 // SAFETY: matches `lora_tc_shrink`; t holds batch * rank floats.
                 unsafe { builder.launch(grid(l.rank)) }.map_err(&launch)?;
                 match mode {
-                    GpuMode::Fused => {
+                    GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
                         let mut builder = stream.launch_builder(&gemm);
                         builder
                             .arg(x)

@@ -43,14 +43,24 @@ fn gpu_matches_cpu_reference() {
     let mut failures = Vec::new();
     for format in [Format::Bf16, Format::Fp8Block128, Format::Nvfp4] {
         for (out_dim, in_dim) in [(200, 272), (129, 1040)] {
-            for rank in [0usize, 8, 37, 256] {
+            for rank in [0usize, 8, 37, 48, 256] {
                 let linear = random_linear(format, out_dim, in_dim, rank, 42 + rank as u64);
                 let mut gpu = backend.upload(&linear).unwrap();
-                for batch in [1usize, 3, 16, 17, 100] {
+                for batch in [1usize, 3, 6, 16, 17, 100] {
                     let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
                     let (want, magnitude) =
                         forward_reference_with_magnitude(&linear, &x, batch).unwrap();
-                    for mode in [GpuMode::Fused, GpuMode::Unfused] {
+                    // The tensor-core decode only differs from Fused at 5..=16 tokens.
+                    let modes: &[GpuMode] = if (5..=16).contains(&batch) {
+                        &[
+                            GpuMode::Fused,
+                            GpuMode::Unfused,
+                            GpuMode::FusedTensorCoreDecode,
+                        ]
+                    } else {
+                        &[GpuMode::Fused, GpuMode::Unfused]
+                    };
+                    for &mode in modes {
                         let config = format!(
                             "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {mode:?}"
                         );
@@ -100,20 +110,25 @@ fn gpu_matches_cpu_reference() {
     );
 }
 
-/// The fused decode kernel's release counter keeps working across many launches.
+/// The fused decode kernels' release counter (and the tensor-core decode's per-tile
+/// tickets, its shrink split into several slices at in-dim 2048) keep working across
+/// many launches.
 #[test]
 fn fused_decode_is_repeatable() {
     let Some(backend) = backend_or_skip() else {
         return;
     };
-    let linear = random_linear(Format::Fp8Block128, 300, 512, 64, 1);
+    let linear = random_linear(Format::Fp8Block128, 300, 2048, 64, 1);
     let mut gpu = backend.upload(&linear).unwrap();
-    let x = round_bf16(&random_activations(2 * 512, 5));
-    let first = gpu.forward_host(&backend, &x, 2, GpuMode::Fused).unwrap();
-    for _ in 0..50 {
-        assert_eq!(
-            gpu.forward_host(&backend, &x, 2, GpuMode::Fused).unwrap(),
-            first
-        );
+    for (batch, mode) in [(2, GpuMode::Fused), (12, GpuMode::FusedTensorCoreDecode)] {
+        let x = round_bf16(&random_activations(batch * 2048, 5));
+        let first = gpu.forward_host(&backend, &x, batch, mode).unwrap();
+        for _ in 0..50 {
+            assert_eq!(
+                gpu.forward_host(&backend, &x, batch, mode).unwrap(),
+                first,
+                "{mode:?} batch {batch}"
+            );
+        }
     }
 }
