@@ -761,10 +761,15 @@ __device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, in
             for (int e = 0; e < 4; ++e) acc[j][e] *= w.global;
         if (rank > 0 && warp * TC_CHUNK < rank) {
             if (!waited) {
-                // Acquire: every shrink tile of this launch has been published.
+                // Acquire: every shrink tile of this launch has been published. Bounded
+                // (2^34 cycles, seconds): should the release never come, the launch fails
+                // with an error instead of hanging the device.
                 if (lane == 0) {
-                    while ((int)(*reinterpret_cast<const volatile unsigned int*>(counter) - target) < 0)
+                    const long long start = clock64();
+                    while ((int)(*reinterpret_cast<const volatile unsigned int*>(counter) - target) < 0) {
                         __nanosleep(100);
+                        if (clock64() - start > (1ll << 34)) __trap();
+                    }
                     __threadfence();
                 }
                 __syncwarp();

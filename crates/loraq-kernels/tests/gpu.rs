@@ -29,43 +29,34 @@ fn round_bf16(x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Every format x mode x batch (decode and prefill) x rank, against the f64 reference
-/// on the same bf16-rounded activations. Tolerance: bf16 output rounding (2^-8 of |y|)
-/// plus 2^-8 of the magnitude sum (bf16 weights in the tensor-core path).
-#[test]
-fn gpu_matches_cpu_reference() {
-    let Some(backend) = backend_or_skip() else {
-        return;
-    };
-    eprintln!("device: {} ({})", backend.device_name(), backend.arch());
-    // Every configuration runs even after a failure, so one GPU run reports all of them.
+/// Runs every format x shape x rank x batch x mode against the f64 reference on the
+/// same bf16-rounded activations and returns (configurations checked, failures). Every
+/// configuration runs even after a failure, so one GPU run reports all of them.
+/// Tolerance: bf16 output rounding (2^-8 of |y|) plus 2^-8 of the magnitude sum (bf16
+/// weights in the tensor-core paths).
+fn check_against_reference(
+    backend: &CudaBackend,
+    ranks: &[usize],
+    batches: &[usize],
+    modes: &[GpuMode],
+) -> (usize, Vec<String>) {
     let mut checked = 0;
     let mut failures = Vec::new();
     for format in [Format::Bf16, Format::Fp8Block128, Format::Nvfp4] {
         for (out_dim, in_dim) in [(200, 272), (129, 1040)] {
-            for rank in [0usize, 8, 37, 48, 256] {
+            for &rank in ranks {
                 let linear = random_linear(format, out_dim, in_dim, rank, 42 + rank as u64);
                 let mut gpu = backend.upload(&linear).unwrap();
-                for batch in [1usize, 3, 6, 16, 17, 100] {
+                for &batch in batches {
                     let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
                     let (want, magnitude) =
                         forward_reference_with_magnitude(&linear, &x, batch).unwrap();
-                    // The tensor-core decode only differs from Fused at 5..=16 tokens.
-                    let modes: &[GpuMode] = if (5..=16).contains(&batch) {
-                        &[
-                            GpuMode::Fused,
-                            GpuMode::Unfused,
-                            GpuMode::FusedTensorCoreDecode,
-                        ]
-                    } else {
-                        &[GpuMode::Fused, GpuMode::Unfused]
-                    };
                     for &mode in modes {
                         let config = format!(
                             "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {mode:?}"
                         );
                         eprintln!("{config}");
-                        let got = match gpu.forward_host(&backend, &x, batch, mode) {
+                        let got = match gpu.forward_host(backend, &x, batch, mode) {
                             Ok(got) => got,
                             Err(e) => {
                                 failures.push(format!("{config}: {e}"));
@@ -96,11 +87,15 @@ fn gpu_matches_cpu_reference() {
             }
         }
     }
+    (checked, failures)
+}
+
+fn report(checked: usize, failures: &[String]) {
     eprintln!(
         "{checked} GPU configurations compared with the reference, {} failed",
         failures.len()
     );
-    for failure in &failures {
+    for failure in failures {
         eprintln!("FAILED {failure}");
     }
     assert!(
@@ -110,25 +105,62 @@ fn gpu_matches_cpu_reference() {
     );
 }
 
-/// The fused decode kernels' release counter (and the tensor-core decode's per-tile
-/// tickets, its shrink split into several slices at in-dim 2048) keep working across
-/// many launches.
+/// Every format x mode x batch (decode and prefill) x rank of the CUDA-core decode, the
+/// tensor-core prefill and the unfused baseline.
+#[test]
+fn gpu_matches_cpu_reference() {
+    let Some(backend) = backend_or_skip() else {
+        return;
+    };
+    eprintln!("device: {} ({})", backend.device_name(), backend.arch());
+    let (checked, failures) = check_against_reference(
+        &backend,
+        &[0, 8, 37, 48, 256],
+        &[1, 3, 6, 16, 17, 100],
+        &[GpuMode::Fused, GpuMode::Unfused],
+    );
+    report(checked, &failures);
+}
+
+/// The tensor-core decode (batch 5..16; ranks not a multiple of 16 fall back to the
+/// CUDA-core kernel). Named to run after the other tests (libtest runs them in name
+/// order with one thread), so a fault in this newer kernel cannot hide their results.
+#[test]
+fn tensor_core_decode_matches_cpu_reference() {
+    let Some(backend) = backend_or_skip() else {
+        return;
+    };
+    let (checked, failures) = check_against_reference(
+        &backend,
+        &[0, 8, 48, 256],
+        &[5, 8, 9, 16],
+        &[GpuMode::FusedTensorCoreDecode],
+    );
+    report(checked, &failures);
+}
+
+/// The fused decode kernel's release counter keeps working across many launches.
 #[test]
 fn fused_decode_is_repeatable() {
+    repeatable(2, GpuMode::Fused);
+}
+
+/// The same for the tensor-core decode, whose shrink is split into several slices at
+/// in-dim 2048 (per-tile tickets, reset by every launch).
+#[test]
+fn tensor_core_decode_is_repeatable() {
+    repeatable(12, GpuMode::FusedTensorCoreDecode);
+}
+
+fn repeatable(batch: usize, mode: GpuMode) {
     let Some(backend) = backend_or_skip() else {
         return;
     };
     let linear = random_linear(Format::Fp8Block128, 300, 2048, 64, 1);
     let mut gpu = backend.upload(&linear).unwrap();
-    for (batch, mode) in [(2, GpuMode::Fused), (12, GpuMode::FusedTensorCoreDecode)] {
-        let x = round_bf16(&random_activations(batch * 2048, 5));
-        let first = gpu.forward_host(&backend, &x, batch, mode).unwrap();
-        for _ in 0..50 {
-            assert_eq!(
-                gpu.forward_host(&backend, &x, batch, mode).unwrap(),
-                first,
-                "{mode:?} batch {batch}"
-            );
-        }
+    let x = round_bf16(&random_activations(batch * 2048, 5));
+    let first = gpu.forward_host(&backend, &x, batch, mode).unwrap();
+    for _ in 0..50 {
+        assert_eq!(gpu.forward_host(&backend, &x, batch, mode).unwrap(), first);
     }
 }
