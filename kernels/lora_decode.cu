@@ -400,7 +400,9 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
     extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_fused_b##NB(                              \
         const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
         float w_global, const bf16* lora_a, const bf16* lora_b, int rank, float t_scale, float* t,     \
-        unsigned int* counter, unsigned int target, int shrink_blocks, bf16* y) {                      \
+        unsigned int* counter, unsigned int target, int shrink_blocks, int /* slice_chunks */,        \
+        float* /* part */, unsigned int* /* tickets */, bf16* y) {                                     \
+        /* The tensor-core decode's arguments too (unused here): one launch path. */                  \
         WTYPE w = MAKE_W;                                                                              \
         fused_kernel<WTYPE, NB>(x, batch, N, K, w, lora_a, lora_b, rank, t_scale, t, counter, target, \
                                 shrink_blocks, y);                                                     \
@@ -683,6 +685,35 @@ __device__ __forceinline__ void tc_expand_chunks(const bf16* __restrict__ lora_b
     }
 }
 
+// Adds the block's 4 partial tiles (each warp's acc, which is then zeroed) through
+// `red` (one barrier) and hands warp 0's lanes every (token, row offset, sum) of the
+// 16-row tile to `store`.
+template <int NT, class Store>
+__device__ __forceinline__ void tc_block_reduce(float (&red)[DECODE_WARPS][NT * 4][32], float (&acc)[NT][4],
+                                                Store store) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            red[warp][j * 4 + e][lane] = acc[j][e];
+            acc[j][e] = 0.0f;
+        }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = 0.0f;
+#pragma unroll
+                for (int w = 0; w < DECODE_WARPS; ++w) v += red[w][j * 4 + e][lane];
+                // C fragment: rows g, g + 8; columns (tokens) 2q, 2q + 1.
+                store(8 * j + 2 * (lane & 3) + (e & 1), (lane >> 2) + (e >= 2 ? 8 : 0), v);
+            }
+    }
+}
+
 template <class W, int NB>
 __device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, int K, W w,
                                 const bf16* __restrict__ lora_a, const bf16* __restrict__ lora_b, int rank,
@@ -695,7 +726,6 @@ __device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, in
     __shared__ float red[2][DECODE_WARPS][NT * 4][32];
     __shared__ int last_slice;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, q = lane & 3;
     const int chunks = (K + TC_CHUNK - 1) / TC_CHUNK;
     float acc[NT][4];
 #pragma unroll
@@ -709,24 +739,9 @@ __device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, in
         const int c_end = min(c0 + slice_chunks, chunks);
         const Bf16Weight a{lora_a, K, 1.0f};
         tc_tile_chunks<Bf16Weight, NT>(a, tile * 16, rank, K, x, batch, c0 + warp, DECODE_WARPS, c_end, acc);
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) red[0][warp][j * 4 + e][lane] = acc[j][e];
-        __syncthreads();
-        if (warp == 0) {
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float v = 0.0f;
-#pragma unroll
-                    for (int ww = 0; ww < DECODE_WARPS; ++ww) v += red[0][ww][j * 4 + e][lane];
-                    const int token = 8 * j + 2 * q + (e & 1);
-                    const int row = tile * 16 + g + (e >= 2 ? 8 : 0);
-                    if (token < batch) part[((size_t)slice * NB + token) * rank + row] = v;
-                }
-        }
+        tc_block_reduce<NT>(red[0], acc, [&](int token, int row, float v) {
+            if (token < batch) part[((size_t)slice * NB + token) * rank + tile * 16 + row] = v;
+        });
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) last_slice = atomicAdd(tickets + tile, 1u) == (unsigned int)(slices - 1);
@@ -777,27 +792,9 @@ __device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, in
             }
             tc_expand_chunks<NT>(lora_b, row0, N, rank, t, batch, warp, DECODE_WARPS, acc);
         }
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                red[parity][warp][j * 4 + e][lane] = acc[j][e];
-                acc[j][e] = 0.0f;
-            }
-        __syncthreads();
-        if (warp == 0) {
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float v = 0.0f;
-#pragma unroll
-                    for (int ww = 0; ww < DECODE_WARPS; ++ww) v += red[parity][ww][j * 4 + e][lane];
-                    const int token = 8 * j + 2 * q + (e & 1);
-                    const int row = row0 + g + (e >= 2 ? 8 : 0);
-                    if (token < batch && row < N) y[(size_t)token * N + row] = __float2bfloat16_rn(v);
-                }
-        }
+        tc_block_reduce<NT>(red[parity], acc, [&](int token, int row, float v) {
+            if (token < batch && row0 + row < N) y[(size_t)token * N + row0 + row] = __float2bfloat16_rn(v);
+        });
         parity ^= 1;
     }
 }

@@ -431,6 +431,19 @@ fn as_i32(v: usize, what: &'static str) -> Result<i32> {
     })
 }
 
+/// How one fused decode launch is laid out.
+struct FusedLaunch {
+    function: CudaFunction,
+    /// Blocks computing the LoRA shrink (first in the grid).
+    shrink_blocks: usize,
+    /// Blocks streaming the base (after them).
+    base_blocks: usize,
+    /// Increments of the release counter the shrink makes when it is complete.
+    releases: usize,
+    /// Tensor-core decode: in-dim chunks per shrink slice (0 for the CUDA-core kernel).
+    slice_chunks: usize,
+}
+
 fn grid_1d(blocks: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks.max(1) as u32, 1, 1),
@@ -491,12 +504,6 @@ impl GpuLinear {
         y: &mut CudaSlice<u16>,
         mode: GpuMode,
     ) -> Result<()> {
-        if mode == GpuMode::FusedTensorCoreDecode
-            && batch > 4
-            && self.forward_decode_tc(backend, x, batch, y)?
-        {
-            return Ok(());
-        }
         let nb = DECODE_BATCHES
             .iter()
             .copied()
@@ -516,24 +523,46 @@ impl GpuLinear {
         let needed_blocks = self.n.div_ceil(rows_per_block);
         let stream = &backend.stream;
         let launch = driver_err("launching a decode kernel");
+        let tensor_cores = match mode {
+            GpuMode::FusedTensorCoreDecode if batch > 4 => {
+                let rank = self.lora.as_ref().map_or(0, |l| l.rank);
+                self.plan_tensor_core_decode(backend, batch, rank)?
+            }
+            _ => None,
+        };
         match (mode, &self.lora) {
             (GpuMode::Fused | GpuMode::FusedTensorCoreDecode, lora) => {
-                let (f, resident) = backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
                 let (rank, scale) = lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
-                let shrink_blocks = rank.div_ceil(rows_per_block);
-                // Every block co-resident: the base blocks wait for the shrink blocks.
-                let base_blocks = needed_blocks.min(resident.saturating_sub(shrink_blocks).max(1));
-                self.counter_value = self.counter_value.wrapping_add(shrink_blocks as u32);
-                let (rank_i, shrink_i) = (
+                let plan = match tensor_cores {
+                    Some(plan) => plan,
+                    None => {
+                        let (function, resident) =
+                            backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
+                        let shrink_blocks = rank.div_ceil(rows_per_block);
+                        FusedLaunch {
+                            function,
+                            shrink_blocks,
+                            // Every block co-resident: the base blocks wait for the shrink.
+                            base_blocks: needed_blocks
+                                .min(resident.saturating_sub(shrink_blocks).max(1)),
+                            // One release per shrink block.
+                            releases: shrink_blocks,
+                            slice_chunks: 0,
+                        }
+                    }
+                };
+                self.counter_value = self.counter_value.wrapping_add(plan.releases as u32);
+                let (rank_i, shrink_i, slice_i) = (
                     as_i32(rank, "rank")?,
-                    as_i32(shrink_blocks, "shrink blocks")?,
+                    as_i32(plan.shrink_blocks, "shrink blocks")?,
+                    as_i32(plan.slice_chunks, "shrink slice")?,
                 );
                 let target = self.counter_value;
                 let (a, b) = match lora {
                     Some(l) => (&l.a, &l.b),
                     None => (&self.placeholder, &self.placeholder),
                 };
-                let mut builder = stream.launch_builder(&f);
+                let mut builder = stream.launch_builder(&plan.function);
                 builder
                     .arg(x)
                     .arg(&batch_i)
@@ -550,10 +579,15 @@ impl GpuLinear {
                     .arg(&mut self.counter)
                     .arg(&target)
                     .arg(&shrink_i)
+                    .arg(&slice_i)
+                    .arg(&mut self.tc_part)
+                    .arg(&mut self.tc_tickets)
                     .arg(y);
-                // SAFETY: argument list matches `{format}_fused_b{NB}` in lora_decode.cu;
-                // buffers are sized as checked above.
-                unsafe { builder.launch(grid_1d(shrink_blocks + base_blocks, threads)) }
+                // SAFETY: argument list matches `{format}_fused_b{NB}` and
+                // `{format}_tcdec_fused_b{NB}` in lora_decode.cu; t holds batch * rank
+                // floats (forward), tc_part the tensor-core plan's slices * 16 * rank,
+                // tc_tickets one per 16 rows of A up to MAX_RANK; the grid is co-resident.
+                unsafe { builder.launch(grid_1d(plan.shrink_blocks + plan.base_blocks, threads)) }
                     .map_err(&launch)?;
             }
             (GpuMode::Unfused, lora) => {
@@ -603,23 +637,22 @@ impl GpuLinear {
         Ok(())
     }
 
-    /// The tensor-core decode (see [`GpuMode::FusedTensorCoreDecode`]); `Ok(false)`
-    /// when this linear does not qualify (rank not a multiple of 16, or the shrink would
-    /// not leave room for co-resident base blocks), and the caller runs the CUDA-core
-    /// kernel instead.
-    fn forward_decode_tc(
+    /// The tensor-core decode's launch (see [`GpuMode::FusedTensorCoreDecode`]), its
+    /// partial-sum buffer grown to fit; `None` when this linear does not qualify (rank
+    /// not a multiple of 16, or the shrink would leave no room for co-resident base
+    /// blocks), and the caller runs the CUDA-core kernel instead.
+    fn plan_tensor_core_decode(
         &mut self,
         backend: &CudaBackend,
-        x: &CudaSlice<u16>,
         batch: usize,
-        y: &mut CudaSlice<u16>,
-    ) -> Result<bool> {
-        let (rank, scale) = self.lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
+        rank: usize,
+    ) -> Result<Option<FusedLaunch>> {
         if !rank.is_multiple_of(16) || batch > 16 {
-            return Ok(false);
+            return Ok(None);
         }
         let nb = if batch <= 8 { 8 } else { 16 };
-        let (f, resident) = backend.decode_fn(&format!("{}_tcdec_fused_b{nb}", self.format))?;
+        let (function, resident) =
+            backend.decode_fn(&format!("{}_tcdec_fused_b{nb}", self.format))?;
         let chunks = self.k.div_ceil(TC_DECODE_CHUNK);
         let rank_tiles = rank / 16;
         // The shrink is split over the in-dim into slices of about TC_SHRINK_SLICE_CHUNKS
@@ -637,59 +670,25 @@ impl GpuLinear {
         };
         let shrink_blocks = rank_tiles * slices;
         if shrink_blocks >= resident {
-            return Ok(false);
+            return Ok(None);
         }
         // Every block gets the same number of 16-row tiles (the last may have fewer).
         let tiles = self.n.div_ceil(16);
         let per_block = tiles.div_ceil(resident - shrink_blocks);
-        let base_blocks = tiles.div_ceil(per_block);
-        let stream = &backend.stream;
         if self.tc_part.len() < slices * 16 * rank {
-            self.tc_part = stream
+            self.tc_part = backend
+                .stream
                 .alloc_zeros::<f32>(slices * 16 * rank)
                 .map_err(driver_err("allocating the shrink's partial sums"))?;
         }
-        self.counter_value = self.counter_value.wrapping_add(rank_tiles as u32);
-        let target = self.counter_value;
-        let (batch_i, n_i, k_i, rank_i, shrink_i, slice_i) = (
-            as_i32(batch, "batch")?,
-            as_i32(self.n, "out_dim")?,
-            as_i32(self.k, "in_dim")?,
-            as_i32(rank, "rank")?,
-            as_i32(shrink_blocks, "shrink blocks")?,
-            as_i32(slice_chunks, "shrink slice")?,
-        );
-        let (a, b) = match &self.lora {
-            Some(l) => (&l.a, &l.b),
-            None => (&self.placeholder, &self.placeholder),
-        };
-        let mut builder = stream.launch_builder(&f);
-        builder
-            .arg(x)
-            .arg(&batch_i)
-            .arg(&n_i)
-            .arg(&k_i)
-            .arg(&self.codes)
-            .arg(&self.scales)
-            .arg(&self.global)
-            .arg(a)
-            .arg(b)
-            .arg(&rank_i)
-            .arg(&scale)
-            .arg(&mut self.t)
-            .arg(&mut self.counter)
-            .arg(&target)
-            .arg(&shrink_i)
-            .arg(&slice_i)
-            .arg(&mut self.tc_part)
-            .arg(&mut self.tc_tickets)
-            .arg(y);
-        // SAFETY: argument list matches `{format}_tcdec_fused_b{NB}` in lora_decode.cu;
-        // t holds batch * rank floats (forward), tc_part slices * 16 * rank, tc_tickets
-        // one per 16 rows of A up to MAX_RANK; every block is co-resident.
-        unsafe { builder.launch(grid_1d(shrink_blocks + base_blocks, DECODE_THREADS)) }
-            .map_err(driver_err("launching the tensor-core decode kernel"))?;
-        Ok(true)
+        Ok(Some(FusedLaunch {
+            function,
+            shrink_blocks,
+            base_blocks: tiles.div_ceil(per_block),
+            // One release per 16 rows of A (by the block finishing its last slice).
+            releases: rank_tiles,
+            slice_chunks,
+        }))
     }
 
     fn forward_prefill(
