@@ -151,6 +151,16 @@ template <class W>
 struct Stages {
     static constexpr int value = sizeof(typename W::Slot) > 16 ? 3 : 4;
 };
+// NVFP4 slots carry half of fp8's bytes per step, so its ring holds half as much data
+// in flight at the same depth; `scripts/gpu-check.sh` times deeper rings
+// (-DLORAQ_NVFP4_STAGES=6 and 8) beside this default as an experiment.
+#ifndef LORAQ_NVFP4_STAGES
+#define LORAQ_NVFP4_STAGES 4
+#endif
+template <>
+struct Stages<Nvfp4Weight> {
+    static constexpr int value = LORAQ_NVFP4_STAGES;
+};
 
 // Position in a warp's sequence of (row group, chunk) steps, advanced without division.
 struct StreamCursor {

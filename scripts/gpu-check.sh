@@ -4,7 +4,8 @@
 # 5120->10240, 5120->6144) at rank 256, batch 1/4/16/128, fp8-block128 and nvfp4 bases,
 # fused vs unfused, and writes a Markdown report to the path given as argument.
 # Budget: under 8 minutes on an H200: build 200 s (skipped with prebuilt binaries),
-# tests 100 s, benchmark 150 s, each under its own timeout.
+# tests 100 s, benchmark 150 s, each under its own timeout, then an experiment (NVFP4
+# decode rings of 6 and 8 stages, batch 1, about 10 s) appended to the report.
 #
 # Usage:
 #   scripts/gpu-check.sh REPORT.md
@@ -40,11 +41,19 @@ find_nvrtc() {
     # CUDA_HOME / CUDA_PATH / /usr/local/cuda are searched by the binaries themselves.
 }
 
+# Ring depths of the NVFP4 decode timed as an experiment (the kernels' default is 4).
+NVFP4_STAGES_EXPERIMENT="6 8"
+
 if [[ "${1:-}" == "--prepare" ]]; then
     out="${2:?usage: gpu-check.sh --prepare DIR}"
     mkdir -p "$out"
     find_nvrtc
     cargo run --release -p loraq-kernels --example compile_kernels -- "$out/cubins"
+    # Experiment: deeper NVFP4 decode rings (timed after the report's main table).
+    for stages in $NVFP4_STAGES_EXPERIMENT; do
+        LORAQ_NVRTC_OPTIONS="-DLORAQ_NVFP4_STAGES=$stages" \
+            cargo run --release -p loraq-kernels --example compile_kernels -- "$out/cubins-nvfp4-stages$stages" sm_90a sm_100a sm_120a
+    done
     for kind in "--test gpu" "--bench gpu_linear"; do
         # shellcheck disable=SC2086
         bin=$(cargo test --release -p loraq-kernels --features cuda $kind --no-run --message-format=json 2>/dev/null \
@@ -101,6 +110,24 @@ if ! LORAQ_GPU_TABLE="$table" LORAQ_GPU_TABLE_ONLY=1 timeout 150 "${bench_cmd[@]
     bench_status=FAILED
 fi
 
+# Experiment: the NVFP4 batch-1 decode with deeper rings (cubins compiled with
+# -DLORAQ_NVFP4_STAGES=N, by --prepare or here with NVRTC), main table only.
+experiment="$log_dir/experiment.md"
+for stages in $NVFP4_STAGES_EXPERIMENT; do
+    cubins="${prebuilt:-$log_dir}/cubins-nvfp4-stages$stages"
+    if [[ ! -d "$cubins" ]]; then
+        [[ -z "${prebuilt:-}" ]] || continue
+        LORAQ_NVRTC_OPTIONS="-DLORAQ_NVFP4_STAGES=$stages" timeout 60 \
+            cargo run --release -p loraq-kernels --example compile_kernels -- "$cubins" >/dev/null 2>&1 || continue
+    fi
+    echo "== experiment: NVFP4 decode ring of $stages stages"
+    part="$log_dir/stages$stages.md"
+    if LORAQ_CUBIN_DIR="$cubins" LORAQ_GPU_TABLE="$part" LORAQ_GPU_TABLE_ONLY=1 LORAQ_GPU_FORMATS=nvfp4 \
+        LORAQ_GPU_BATCHES=1 LORAQ_GPU_SECTIONS=main timeout 30 "${bench_cmd[@]}" >>"$log_dir/bench.log" 2>&1; then
+        { echo; echo "NVFP4 decode ring of $stages stages (default 4), batch 1:"; echo; grep '^|' "$part"; } >>"$experiment"
+    fi
+done
+
 {
     echo "# loraq-kernels GPU check"
     echo
@@ -112,6 +139,7 @@ fi
     echo "- wall time: $(( $(date +%s) - start )) s"
     echo
     if [[ -s "$table" ]]; then cat "$table"; else echo "(no table: see the bench log below)"; tail -n 30 "$log_dir/bench.log" | sed 's/^/    /'; fi
+    if [[ -s "$experiment" ]]; then echo; echo "## Experiment: deeper NVFP4 decode rings"; cat "$experiment"; fi
     echo
     echo "## test log (tail)"
     echo

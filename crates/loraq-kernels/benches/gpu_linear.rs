@@ -6,7 +6,11 @@
 //!   the peak, fused vs unfused speedup) to `path`;
 //! - `LORAQ_GPU_PEAK_GBPS`: peak memory bandwidth of the card (default 4800, H200);
 //! - `LORAQ_GPU_TABLE_ONLY=1`: write the table and skip the criterion groups;
-//! - `LORAQ_GPU_BATCHES=1,4`: only these batch sizes in the table.
+//! - `LORAQ_GPU_BATCHES=1,4`: only these batch sizes in the table;
+//! - `LORAQ_GPU_FORMATS=nvfp4`: only these base formats (fp8-block128, nvfp4);
+//! - `LORAQ_GPU_SECTIONS=main`: only these parts of the table (`main`: the fused vs
+//!   unfused table, `grid`: blocks per SM, `tc`: the tensor-core decode), for probe
+//!   and experiment runs.
 //!
 //! Skips (prints why) without a CUDA driver or NVRTC.
 
@@ -36,6 +40,25 @@ fn batches() -> Vec<usize> {
         .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect())
         .filter(|b: &Vec<usize>| !b.is_empty())
         .unwrap_or_else(|| BATCHES.to_vec())
+}
+
+/// A comma-separated list from environment variable `name`, or `default`.
+fn env_list(name: &str, default: &[&'static str]) -> Vec<String> {
+    std::env::var(name)
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .filter(|v: &Vec<String>| !v.is_empty())
+        .unwrap_or_else(|| default.iter().map(|s| s.to_string()).collect())
+}
+
+/// The base formats benchmarked (`LORAQ_GPU_FORMATS`).
+fn formats() -> Vec<String> {
+    env_list("LORAQ_GPU_FORMATS", &["fp8-block128", "nvfp4"])
 }
 
 fn random_bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8) -> Vec<u8> {
@@ -171,7 +194,8 @@ fn write_table(backend: &CudaBackend, path: &str) {
     )
     .unwrap();
     writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|").unwrap();
-    for format in ["fp8-block128", "nvfp4"] {
+    for format in formats() {
+        let format = format.as_str();
         for (name, out_dim, in_dim) in SHAPES {
             let mut copies = rotation_copies(backend, format, out_dim, in_dim);
             let weight_bytes = copies[0].weight_bytes();
@@ -223,7 +247,8 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
     )
     .unwrap();
     writeln!(md, "|---|---|---:|---:|---:|---:|").unwrap();
-    for format in ["fp8-block128", "nvfp4"] {
+    for format in formats() {
+        let format = format.as_str();
         for (name, out_dim, in_dim) in SHAPES {
             let mut copies = rotation_copies(backend, format, out_dim, in_dim);
             let x = backend.upload_activations(&vec![0.5f32; in_dim]).unwrap();
@@ -261,7 +286,8 @@ fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
     )
     .unwrap();
     writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|").unwrap();
-    for format in ["fp8-block128", "nvfp4"] {
+    for format in formats() {
+        let format = format.as_str();
         for (name, out_dim, in_dim) in SHAPES {
             let mut copies = rotation_copies(backend, format, out_dim, in_dim);
             let weight_bytes = copies[0].weight_bytes();
@@ -298,7 +324,8 @@ fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
         .sample_size(10)
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(500));
-    for format in ["fp8-block128", "nvfp4"] {
+    for format in formats() {
+        let format = format.as_str();
         let (out_dim, in_dim) = (17408, 5120);
         let l = linear(format, out_dim, in_dim);
         let mut gpu = backend.upload(&l).unwrap();
@@ -357,9 +384,17 @@ fn main() {
         }
     }
     if let Ok(path) = std::env::var("LORAQ_GPU_TABLE") {
-        write_table(&backend, &path);
-        explore_decode_grid(&mut backend, &path);
-        compare_tensor_core_decode(&backend, &path);
+        let sections = env_list("LORAQ_GPU_SECTIONS", &["main", "grid", "tc"]);
+        let wants = |name: &str| sections.iter().any(|s| s == name);
+        if wants("main") {
+            write_table(&backend, &path);
+        }
+        if wants("grid") {
+            explore_decode_grid(&mut backend, &path);
+        }
+        if wants("tc") {
+            compare_tensor_core_decode(&backend, &path);
+        }
     }
     if std::env::var("LORAQ_GPU_TABLE_ONLY").is_ok_and(|v| v == "1") {
         return;
