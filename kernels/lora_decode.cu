@@ -470,7 +470,7 @@ LORA_ENTRIES(1)
 LORA_ENTRIES(4)
 LORA_ENTRIES(16)
 
-// ---- Tensor-core decode, batch 5..16 (`{format}_tcdec_fused_b{8,16}`) ----
+// ---- Tensor-core decode, batch 1..16 (`{format}_tcdec_fused_b{8,16}`) ----
 //
 // The CUDA-core stream above multiplies every weight into every token with its own FMA
 // and re-reads x per row, which at 16 tokens makes it compute- and L1-bound. Here a warp

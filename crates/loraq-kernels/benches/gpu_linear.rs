@@ -268,7 +268,7 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
 }
 
 /// The tensor-core decode ([`GpuMode::FusedTensorCoreDecode`]) against the CUDA-core
-/// fused decode and the unfused baseline at 8 and 16 tokens, appended to the table.
+/// fused decode and the unfused baseline at 1, 4, 8 and 16 tokens, appended to the table.
 fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
     let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
         .ok()
@@ -291,7 +291,7 @@ fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
         for (name, out_dim, in_dim) in SHAPES {
             let mut copies = rotation_copies(backend, format, out_dim, in_dim);
             let weight_bytes = copies[0].weight_bytes();
-            for batch in [8usize, 16] {
+            for batch in [1usize, 4, 8, 16] {
                 let x = backend
                     .upload_activations(&vec![0.5f32; batch * in_dim])
                     .unwrap();
@@ -335,16 +335,11 @@ fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
                 .upload_activations(&vec![0.5f32; batch * in_dim])
                 .unwrap();
             let mut y = backend.alloc_output(batch * out_dim).unwrap();
-            let modes: &[GpuMode] = if batch > 4 {
-                &[
-                    GpuMode::Fused,
-                    GpuMode::Unfused,
-                    GpuMode::FusedTensorCoreDecode,
-                ]
-            } else {
-                &[GpuMode::Fused, GpuMode::Unfused]
-            };
-            for &mode in modes {
+            for mode in [
+                GpuMode::Fused,
+                GpuMode::Unfused,
+                GpuMode::FusedTensorCoreDecode,
+            ] {
                 let id = BenchmarkId::new(format!("{format}/{mode:?}"), batch);
                 group.bench_function(id, |b| {
                     b.iter(|| {

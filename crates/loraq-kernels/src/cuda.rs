@@ -73,8 +73,8 @@ pub enum GpuMode {
     Fused,
     /// Base product, LoRA shrink, LoRA expand as three launches (the baseline).
     Unfused,
-    /// As `Fused`, but batches of 5..=16 tokens with a rank that is a multiple of 16 (or
-    /// no LoRA) run the tensor-core decode (`{format}_tcdec_fused_b{8,16}` in
+    /// As `Fused`, but decode batches (up to 16 tokens) with a rank that is a multiple of
+    /// 16 (or no LoRA) run the tensor-core decode (`{format}_tcdec_fused_b{8,16}` in
     /// lora_decode.cu: 16 weight rows x the tokens per mma, one launch with the shrink).
     /// Not yet the default: written without a GPU at hand, it becomes the default for
     /// those batches once `scripts/gpu-check.sh` has shown it correct and faster.
@@ -524,7 +524,7 @@ impl GpuLinear {
         let stream = &backend.stream;
         let launch = driver_err("launching a decode kernel");
         let tensor_cores = match mode {
-            GpuMode::FusedTensorCoreDecode if batch > 4 => {
+            GpuMode::FusedTensorCoreDecode => {
                 let rank = self.lora.as_ref().map_or(0, |l| l.rank);
                 self.plan_tensor_core_decode(backend, batch, rank)?
             }
