@@ -16,8 +16,8 @@
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, CpuOptions, Fp8Block128Weight, Int4G128Weight, LoraAdapter, Nvfp4Weight,
-    QuantLoraLinear,
+    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Int4G128Weight, LoraAdapter,
+    Mxfp4Weight, Nvfp4Weight, QuantLoraLinear,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -78,10 +78,30 @@ fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
         random_bytes(groups, 5, |b| b & 0x0F),
     )
     .unwrap();
+    // MXFP4: E8M0 scales 2^-10 .. 2^-5 (codes 117 ..= 122).
+    let mxfp4 = Mxfp4Weight::new(
+        OUT,
+        IN,
+        random_bytes(OUT * IN / 2, 6, |b| b),
+        random_bytes(OUT * IN / 32, 7, |b| 117 + b % 6),
+    )
+    .unwrap();
+    // The unquantized base for comparison: bf16 values of about +-0.03.
+    let bf16_base = Bf16Weight::new(
+        OUT,
+        IN,
+        random_bytes(OUT * IN, 8, |b| b)
+            .into_iter()
+            .map(|b| bf16::from_f32((f32::from(b) - 127.5) / 4096.0))
+            .collect(),
+    )
+    .unwrap();
     [
         ("fp8-block128", BaseWeight::Fp8Block128(fp8)),
         ("nvfp4", BaseWeight::Nvfp4(nvfp4)),
         ("int4-g128", BaseWeight::Int4G128(int4)),
+        ("mxfp4", BaseWeight::Mxfp4(mxfp4)),
+        ("bf16", BaseWeight::Bf16(bf16_base)),
     ]
     .into_iter()
     .map(|(name, base)| (name, QuantLoraLinear::new(base, Some(lora())).unwrap()))

@@ -7,8 +7,8 @@ mod common;
 use common::{FORMATS, Format, assert_close, legal_in_dim, random_activations, random_linear};
 use loraq_kernels::reference::forward_reference_with_magnitude;
 use loraq_kernels::{
-    ActivationQuant, BaseWeight, CpuOptions, Fp8Block128Weight, Isa, Nvfp4Weight, Parallelism,
-    QuantLoraLinear,
+    ActivationQuant, BaseWeight, CpuOptions, Fp8Block128Weight, Isa, Mxfp4Weight, Nvfp4Weight,
+    Parallelism, QuantLoraLinear,
 };
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -253,6 +253,40 @@ fn nvfp4_tails_and_large_global_scale() {
                 &x,
                 &format!("nvfp4 in {in_dim} global {global:e} batch {batch}"),
             );
+        }
+    }
+}
+
+/// MXFP4 block scales at the ends of E8M0's range, code 0 (2^-127, an f32 subnormal)
+/// included, through the AVX-512 step loop (one whole 128-input step and 96 trailing
+/// inputs) and the generic decoders; activations scaled so every output is a normal
+/// f32 far above the comparison's absolute floor.
+#[test]
+fn mxfp4_extreme_block_scales_match_reference() {
+    let (out_dim, in_dim) = (37, 224);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for (code, x_scale) in [(0u8, 1e30f32), (1, 1e30), (127, 1.0), (200, 1e-20)] {
+        let packed: Vec<u8> = (0..out_dim * in_dim / 2).map(|_| rng.random()).collect();
+        let scales = vec![code; out_dim * in_dim / 32];
+        let base = Mxfp4Weight::new(out_dim, in_dim, packed, scales).unwrap();
+        let linear = QuantLoraLinear::new(BaseWeight::Mxfp4(base), None).unwrap();
+        for batch in [1usize, 3] {
+            let x: Vec<f32> = random_activations(batch * in_dim, u64::from(code))
+                .iter()
+                .map(|v| v * x_scale)
+                .collect();
+            let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+            assert!(want.iter().all(|v| v.is_normal() || *v == 0.0));
+            for isa in Isa::available() {
+                let mut y = vec![f32::NAN; batch * out_dim];
+                let opts = CpuOptions {
+                    isa: Some(isa),
+                    parallelism: Parallelism::Sequential,
+                };
+                linear.forward(&x, batch, &mut y, opts).unwrap();
+                let context = format!("mxfp4 scale code {code} batch {batch} {}", isa.name());
+                assert_close(&y, &want, &magnitude, REL_TOL, &context);
+            }
         }
     }
 }

@@ -10,14 +10,13 @@
 //! a running worker that never blocks.
 //!
 //! The base rows come from a [`BaseKernel`]: the format-specific loops of
-//! [`super::gemv_fp8`], [`super::gemv_nvfp4`] and [`super::gemv_int4`] on AVX-512, the generic
+//! [`super::gemv_fp8`], [`super::gemv_fp4`] and [`super::gemv_int4`] on AVX-512, the generic
 //! [`super::gemv::dot_rows`] otherwise.
 
 use super::decode::{Bf16Rows, RowDecode};
 use super::gemv;
+use super::gemv_fp4::PairedRows;
 use super::gemv_fp8::{BandActivations, Fp8BandedRows};
-use super::gemv_int4::Int4TableRows;
-use super::gemv_nvfp4::Nvfp4PairedRows;
 use super::{Isa, Parallelism};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -118,46 +117,18 @@ impl BaseKernel for Fp8Kernel<'_> {
     }
 }
 
-/// NVFP4 through the reordered-activation AVX-512 loop.
+/// NVFP4, MXFP4 and INT4 group 128 through their reordered-activation AVX-512 loops.
 #[cfg(target_arch = "x86_64")]
-pub(crate) struct Nvfp4Kernel<'a> {
-    pub weight: Nvfp4PairedRows<'a>,
-    /// Reordered activations, `[T, cols]`.
+pub(crate) struct PairedKernel<W: PairedRows> {
+    pub weight: W,
+    /// Reordered activations, `[T, cols]` ([`super::gemv_fp4::deinterleave`]).
     pub x_paired: Vec<f32>,
 }
 
 #[cfg(target_arch = "x86_64")]
-impl BaseKernel for Nvfp4Kernel<'_> {
+impl<W: PairedRows> BaseKernel for PairedKernel<W> {
     fn rows(&self) -> usize {
-        self.weight.rows.rows
-    }
-    fn chunk_rows(&self) -> usize {
-        64
-    }
-    fn dot_chunk<const T: usize>(
-        &self,
-        row0: usize,
-        nrows: usize,
-        out: &mut [f32],
-        _: &mut Scratch,
-    ) {
-        self.weight
-            .dot_rows_avx512::<T>(row0, nrows, &self.x_paired, out);
-    }
-}
-
-/// INT4 group 128 through the per-group table AVX-512 loop.
-#[cfg(target_arch = "x86_64")]
-pub(crate) struct Int4Kernel<'a> {
-    pub weight: Int4TableRows<'a>,
-    /// Reordered activations, `[T, cols]` (the NVFP4 loop's order).
-    pub x_paired: Vec<f32>,
-}
-
-#[cfg(target_arch = "x86_64")]
-impl BaseKernel for Int4Kernel<'_> {
-    fn rows(&self) -> usize {
-        self.weight.rows.rows
+        self.weight.rows()
     }
     fn chunk_rows(&self) -> usize {
         64

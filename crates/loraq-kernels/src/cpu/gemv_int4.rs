@@ -1,5 +1,5 @@
 //! Decode rows of an INT4 group-128 weight, one group (128 inputs, 64 bytes) per step,
-//! against the same reordered activation as the NVFP4 loop ([`super::gemv_nvfp4`]).
+//! against the same reordered activation as the NVFP4 loop ([`super::gemv_fp4`]).
 //!
 //! The step's 64 bytes are loaded as 16 dword lanes; nibble `q` of every lane comes from
 //! a shift by `4q` and one `vpermps` on a 16-entry table that already holds the group's
@@ -8,6 +8,7 @@
 //! Inputs past the last whole group go through the generic 16-wide and scalar decode.
 
 use super::decode::{Int4Rows, RowDecode};
+use super::gemv_fp4::PairedRows;
 use crate::weight::INT4_GROUP;
 
 #[cfg(target_arch = "x86_64")]
@@ -18,47 +19,29 @@ pub(crate) struct Int4TableRows<'a> {
     pub rows: Int4Rows<'a>,
 }
 
-impl Int4TableRows<'_> {
-    /// Adds `sum_k W[row0 + r, k] x_t[k]` to `out[r * T + t]` for `r < nrows`, `xd`
-    /// being [`super::gemv_nvfp4::deinterleave`]`(x)` (`[T, cols]`). AVX-512F/BW; the
-    /// caller checked the CPU has them.
+impl PairedRows for Int4TableRows<'_> {
+    fn rows(&self) -> usize {
+        self.rows.rows
+    }
+    fn cols(&self) -> usize {
+        self.rows.cols
+    }
     #[cfg(target_arch = "x86_64")]
-    pub(crate) fn dot_rows_avx512<const T: usize>(
+    unsafe fn rows_avx512<const R: usize, const T: usize>(
         &self,
         row0: usize,
-        nrows: usize,
         xd: &[f32],
         out: &mut [f32],
     ) {
-        let cols = self.rows.cols;
-        assert!(row0 + nrows <= self.rows.rows);
-        assert!(out.len() >= nrows * T);
-        assert!(xd.len() >= T * cols);
-        let mut r = 0;
-        if T <= 2 {
-            while r + 4 <= nrows {
-                // SAFETY: AVX-512 F/BW detected by the caller; bounds asserted above.
-                unsafe { self.rows_avx512::<4, T>(row0 + r, xd, &mut out[r * T..]) };
-                r += 4;
-            }
-        }
-        if T <= 4 {
-            while r + 2 <= nrows {
-                // SAFETY: as above.
-                unsafe { self.rows_avx512::<2, T>(row0 + r, xd, &mut out[r * T..]) };
-                r += 2;
-            }
-        }
-        while r < nrows {
-            // SAFETY: as above.
-            unsafe { self.rows_avx512::<1, T>(row0 + r, xd, &mut out[r * T..]) };
-            r += 1;
-        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rows_avx512_impl::<R, T>(row0, xd, out) }
     }
+}
 
+impl Int4TableRows<'_> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn rows_avx512<const R: usize, const T: usize>(
+    unsafe fn rows_avx512_impl<const R: usize, const T: usize>(
         &self,
         row0: usize,
         xd: &[f32],

@@ -12,9 +12,9 @@ pub(crate) mod decode;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
+pub(crate) mod gemv_fp4;
 pub(crate) mod gemv_fp8;
 pub(crate) mod gemv_int4;
-pub(crate) mod gemv_nvfp4;
 
 use crate::error::Result;
 use crate::linear::QuantLoraLinear;
@@ -181,21 +181,29 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
                 scale_cols: w.scale_cols(),
             }),
         },
-        BaseWeight::Nvfp4(w) => v.visit(&Nvfp4Rows {
-            packed: &w.packed,
-            block_scales: &w.block_scales,
-            scale_table: linear.scale_table(),
-            rows: w.out_dim,
-            cols: w.in_dim,
-        }),
-        BaseWeight::Mxfp4(w) => v.visit(&Mxfp4Rows {
-            packed: &w.packed,
-            block_scales: &w.block_scales,
-            scale_table: linear.scale_table(),
-            rows: w.out_dim,
-            cols: w.in_dim,
-        }),
+        BaseWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
+        BaseWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
         BaseWeight::Int4G128(w) => v.visit(&int4_rows(w)),
+    }
+}
+
+fn nvfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a crate::weight::Nvfp4Weight) -> Nvfp4Rows<'a> {
+    Nvfp4Rows {
+        packed: &w.packed,
+        block_scales: &w.block_scales,
+        scale_table: linear.scale_table(),
+        rows: w.out_dim,
+        cols: w.in_dim,
+    }
+}
+
+fn mxfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a crate::weight::Mxfp4Weight) -> Mxfp4Rows<'a> {
+    Mxfp4Rows {
+        packed: &w.packed,
+        block_scales: &w.block_scales,
+        scale_table: linear.scale_table(),
+        rows: w.out_dim,
+        cols: w.in_dim,
     }
 }
 
@@ -416,26 +424,30 @@ fn decode_base<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         match linear.base() {
-            BaseWeight::Nvfp4(w) if gemv_nvfp4::nvfp4_paired_usable(w.global_scale) => {
-                let kernel = fused::Nvfp4Kernel {
-                    weight: gemv_nvfp4::Nvfp4PairedRows {
-                        rows: Nvfp4Rows {
-                            packed: &w.packed,
-                            block_scales: &w.block_scales,
-                            scale_table: linear.scale_table(),
-                            rows: w.out_dim,
-                            cols: w.in_dim,
-                        },
-                        global_rebiased: w.global_scale * f32::from_bits((127 + 120) << 23),
+            BaseWeight::Nvfp4(w) if gemv_fp4::nvfp4_paired_usable(w.global_scale) => {
+                let kernel = fused::PairedKernel {
+                    weight: gemv_fp4::PairedFp4Rows {
+                        rows: nvfp4_rows(linear, w),
+                        scale_multiplier: gemv_fp4::nvfp4_scale_multiplier(w.global_scale),
                     },
-                    x_paired: gemv_nvfp4::deinterleave(xq, T, in_dim, in_dim),
+                    x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
+                };
+                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+            }
+            BaseWeight::Mxfp4(w) => {
+                let kernel = fused::PairedKernel {
+                    weight: gemv_fp4::PairedFp4Rows {
+                        rows: mxfp4_rows(linear, w),
+                        scale_multiplier: 1.0,
+                    },
+                    x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
             BaseWeight::Int4G128(w) => {
-                let kernel = fused::Int4Kernel {
+                let kernel = fused::PairedKernel {
                     weight: gemv_int4::Int4TableRows { rows: int4_rows(w) },
-                    x_paired: gemv_nvfp4::deinterleave(xq, T, in_dim, in_dim),
+                    x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
