@@ -177,21 +177,8 @@ impl<const BLOCK: usize> PairedRows for PairedFp4Rows<'_, BLOCK> {
     }
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn rows_avx512<const R: usize, const T: usize>(
-        &self,
-        row0: usize,
-        xd: &[f32],
-        out: &mut [f32],
-    ) {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.rows_avx512_impl::<R, T>(row0, xd, out) }
-    }
-}
-
-impl<const BLOCK: usize> PairedFp4Rows<'_, BLOCK> {
-    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn rows_avx512_impl<const R: usize, const T: usize>(
+    unsafe fn rows_avx512<const R: usize, const T: usize>(
         &self,
         row0: usize,
         xd: &[f32],

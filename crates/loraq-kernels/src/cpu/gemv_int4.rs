@@ -27,21 +27,8 @@ impl PairedRows for Int4TableRows<'_> {
         self.rows.cols
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn rows_avx512<const R: usize, const T: usize>(
-        &self,
-        row0: usize,
-        xd: &[f32],
-        out: &mut [f32],
-    ) {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.rows_avx512_impl::<R, T>(row0, xd, out) }
-    }
-}
-
-impl Int4TableRows<'_> {
-    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn rows_avx512_impl<const R: usize, const T: usize>(
+    unsafe fn rows_avx512<const R: usize, const T: usize>(
         &self,
         row0: usize,
         xd: &[f32],
