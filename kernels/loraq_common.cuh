@@ -136,6 +136,7 @@ struct Bf16Chunk {
 
 // ---- Asynchronous copies (sm_80+): global -> shared without passing through registers,
 // so a lane can keep several chunks in flight while it computes on earlier ones.
+#ifndef LORAQ_HOST_EMULATION
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
@@ -153,6 +154,15 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#else
+// Host emulation (crates/loraq-kernels/host_emulation): the copy completes at once.
+inline void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void cp_async8(void* dst, const void* src) { std::memcpy(dst, src, 8); }
+inline void cp_async4(void* dst, const void* src) { std::memcpy(dst, src, 4); }
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {}
+#endif
 
 struct Bf16Weight {
     typedef Bf16Chunk Chunk;
@@ -299,6 +309,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 // g = lane / 4, q = lane % 4; A regs = {row g, row g+8, row g, row g+8} x k pairs {2q,
 // 2q, 2q+8, 2q+8} (+0, +1 in each register, the lower k in the low half); B regs = k
 // pairs {2q, 2q+8} x column g; C = rows {g, g, g+8, g+8} x columns {2q, 2q+1, 2q, 2q+1}.
+#ifdef LORAQ_HOST_EMULATION
+inline void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) { emu_mma_bf16_16816(c, a, b); }
+#else
 __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -306,3 +319,4 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned int* a, 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#endif

@@ -9,6 +9,7 @@
 //! accumulation is f32; the LoRA intermediate `s * A x` is f32.
 
 use crate::error::{KernelError, Result};
+use crate::launch_plan::{self, FusedPlan};
 use crate::linear::QuantLoraLinear;
 use crate::lora::MAX_RANK;
 use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
@@ -27,16 +28,10 @@ use std::sync::{Arc, Mutex};
 pub const CUBIN_DIR_ENV: &str = "LORAQ_CUBIN_DIR";
 
 /// Largest batch of the decode kernels; larger batches use the tensor-core kernels.
-pub const DECODE_MAX_BATCH: usize = 16;
-/// Token counts the decode kernels are instantiated for (`lora_decode.cu`).
-const DECODE_BATCHES: [usize; 3] = [1, 4, 16];
+pub const DECODE_MAX_BATCH: usize = launch_plan::DECODE_MAX_BATCH;
 const TC_TILE: usize = 64;
-/// Inputs per chunk of the tensor-core decode (`TC_CHUNK` in lora_decode.cu).
-const TC_DECODE_CHUNK: usize = 128;
-/// Chunks per slice of the tensor-core decode's shrink, when the grid has room.
-const TC_SHRINK_SLICE_CHUNKS: usize = 8;
 /// Threads of a decode block (`DECODE_WARPS` in lora_decode.cu).
-const DECODE_THREADS: u32 = 128;
+const DECODE_THREADS: u32 = launch_plan::DECODE_THREADS as u32;
 
 fn driver_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
     move |e| KernelError::Cuda {
@@ -431,19 +426,6 @@ fn as_i32(v: usize, what: &'static str) -> Result<i32> {
     })
 }
 
-/// How one fused decode launch is laid out.
-struct FusedLaunch {
-    function: CudaFunction,
-    /// Blocks computing the LoRA shrink (first in the grid).
-    shrink_blocks: usize,
-    /// Blocks streaming the base (after them).
-    base_blocks: usize,
-    /// Increments of the release counter the shrink makes when it is complete.
-    releases: usize,
-    /// Tensor-core decode: in-dim chunks per shrink slice (0 for the CUDA-core kernel).
-    slice_chunks: usize,
-}
-
 fn grid_1d(blocks: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks.max(1) as u32, 1, 1),
@@ -504,53 +486,46 @@ impl GpuLinear {
         y: &mut CudaSlice<u16>,
         mode: GpuMode,
     ) -> Result<()> {
-        let nb = DECODE_BATCHES
-            .iter()
-            .copied()
-            .find(|&b| b >= batch)
-            .unwrap_or(DECODE_MAX_BATCH);
-        // Mirrors RowsPerWarp in lora_decode.cu.
-        let rows_per_warp = if nb <= 4 { 2 } else { 1 };
-        let warps = DECODE_THREADS as usize / 32;
-        let rows_per_block = warps * rows_per_warp;
         let threads = DECODE_THREADS;
         let (batch_i, n_i, k_i) = (
             as_i32(batch, "batch")?,
             as_i32(self.n, "out_dim")?,
             as_i32(self.k, "in_dim")?,
         );
-        // Blocks the base stream needs at most (one row group per warp).
-        let needed_blocks = self.n.div_ceil(rows_per_block);
         let stream = &backend.stream;
         let launch = driver_err("launching a decode kernel");
-        let tensor_cores = match mode {
-            GpuMode::FusedTensorCoreDecode => {
-                let rank = self.lora.as_ref().map_or(0, |l| l.rank);
-                self.plan_tensor_core_decode(backend, batch, rank)?
-            }
-            _ => None,
-        };
-        match (mode, &self.lora) {
-            (GpuMode::Fused | GpuMode::FusedTensorCoreDecode, lora) => {
-                let (rank, scale) = lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
-                let plan = match tensor_cores {
-                    Some(plan) => plan,
+        let (rank, scale) = self.lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
+        // The CUDA-core plan at this batch (also the unfused kernels' instantiation).
+        let cuda_core = launch_plan::cuda_core_plan(self.n, batch, rank, 0);
+        let nb = cuda_core.nb;
+        match mode {
+            GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
+                let tensor_cores = match mode {
+                    GpuMode::FusedTensorCoreDecode => {
+                        let tc_nb = if batch <= 8 { 8 } else { 16 };
+                        let (f, resident) =
+                            backend.decode_fn(&format!("{}_tcdec_fused_b{tc_nb}", self.format))?;
+                        launch_plan::tensor_core_plan(self.n, self.k, batch, rank, resident)
+                            .map(|plan| (f, plan))
+                    }
+                    _ => None,
+                };
+                let (function, plan): (CudaFunction, FusedPlan) = match tensor_cores {
+                    Some(chosen) => chosen,
                     None => {
-                        let (function, resident) =
+                        let (f, resident) =
                             backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
-                        let shrink_blocks = rank.div_ceil(rows_per_block);
-                        FusedLaunch {
-                            function,
-                            shrink_blocks,
-                            // Every block co-resident: the base blocks wait for the shrink.
-                            base_blocks: needed_blocks
-                                .min(resident.saturating_sub(shrink_blocks).max(1)),
-                            // One release per shrink block.
-                            releases: shrink_blocks,
-                            slice_chunks: 0,
-                        }
+                        (
+                            f,
+                            launch_plan::cuda_core_plan(self.n, batch, rank, resident),
+                        )
                     }
                 };
+                if self.tc_part.len() < plan.slices * 16 * rank {
+                    self.tc_part = stream
+                        .alloc_zeros::<f32>(plan.slices * 16 * rank)
+                        .map_err(driver_err("allocating the shrink's partial sums"))?;
+                }
                 self.counter_value = self.counter_value.wrapping_add(plan.releases as u32);
                 let (rank_i, shrink_i, slice_i) = (
                     as_i32(rank, "rank")?,
@@ -558,11 +533,11 @@ impl GpuLinear {
                     as_i32(plan.slice_chunks, "shrink slice")?,
                 );
                 let target = self.counter_value;
-                let (a, b) = match lora {
+                let (a, b) = match &self.lora {
                     Some(l) => (&l.a, &l.b),
                     None => (&self.placeholder, &self.placeholder),
                 };
-                let mut builder = stream.launch_builder(&plan.function);
+                let mut builder = stream.launch_builder(&function);
                 builder
                     .arg(x)
                     .arg(&batch_i)
@@ -585,14 +560,18 @@ impl GpuLinear {
                     .arg(y);
                 // SAFETY: argument list matches `{format}_fused_b{NB}` and
                 // `{format}_tcdec_fused_b{NB}` in lora_decode.cu; t holds batch * rank
-                // floats (forward), tc_part the tensor-core plan's slices * 16 * rank,
-                // tc_tickets one per 16 rows of A up to MAX_RANK; the grid is co-resident.
+                // floats (forward), tc_part the plan's slices * 16 * rank, tc_tickets one
+                // per 16 rows of A up to MAX_RANK; the grid is co-resident.
                 unsafe { builder.launch(grid_1d(plan.shrink_blocks + plan.base_blocks, threads)) }
                     .map_err(&launch)?;
             }
-            (GpuMode::Unfused, lora) => {
+            GpuMode::Unfused => {
                 let (f, resident) = backend.decode_fn(&format!("{}_base_b{nb}", self.format))?;
-                let base_blocks = needed_blocks.min(resident);
+                let base_blocks =
+                    launch_plan::cuda_core_plan(self.n, batch, 0, resident).base_blocks;
+                // With no cap on co-residency: a block per 4 row groups of the expand, per
+                // 4 warps' rows of A for the shrink.
+                let uncapped = launch_plan::cuda_core_plan(self.n, batch, rank, usize::MAX);
                 let mut builder = stream.launch_builder(&f);
                 builder
                     .arg(x)
@@ -605,7 +584,7 @@ impl GpuLinear {
                     .arg(&mut *y);
                 // SAFETY: matches `{format}_base_b{NB}`.
                 unsafe { builder.launch(grid_1d(base_blocks, threads)) }.map_err(&launch)?;
-                if let Some(l) = lora {
+                if let Some(l) = &self.lora {
                     let rank_i = as_i32(l.rank, "rank")?;
                     let (shrink, _) = backend.decode_fn(&format!("lora_shrink_b{nb}"))?;
                     let mut builder = stream.launch_builder(&shrink);
@@ -618,7 +597,7 @@ impl GpuLinear {
                         .arg(&l.scale)
                         .arg(&mut self.t);
                     // SAFETY: matches `lora_shrink_b{NB}`.
-                    unsafe { builder.launch(grid_1d(l.rank.div_ceil(rows_per_block), threads)) }
+                    unsafe { builder.launch(grid_1d(uncapped.shrink_blocks, threads)) }
                         .map_err(&launch)?;
                     let (expand, _) = backend.decode_fn(&format!("lora_expand_b{nb}"))?;
                     let mut builder = stream.launch_builder(&expand);
@@ -630,65 +609,12 @@ impl GpuLinear {
                         .arg(&rank_i)
                         .arg(y);
                     // SAFETY: matches `lora_expand_b{NB}`.
-                    unsafe { builder.launch(grid_1d(needed_blocks, threads)) }.map_err(&launch)?;
+                    unsafe { builder.launch(grid_1d(uncapped.base_blocks, threads)) }
+                        .map_err(&launch)?;
                 }
             }
         }
         Ok(())
-    }
-
-    /// The tensor-core decode's launch (see [`GpuMode::FusedTensorCoreDecode`]), its
-    /// partial-sum buffer grown to fit; `None` when this linear does not qualify (rank
-    /// not a multiple of 16, or the shrink would leave no room for co-resident base
-    /// blocks), and the caller runs the CUDA-core kernel instead.
-    fn plan_tensor_core_decode(
-        &mut self,
-        backend: &CudaBackend,
-        batch: usize,
-        rank: usize,
-    ) -> Result<Option<FusedLaunch>> {
-        if !rank.is_multiple_of(16) || batch > 16 {
-            return Ok(None);
-        }
-        let nb = if batch <= 8 { 8 } else { 16 };
-        let (function, resident) =
-            backend.decode_fn(&format!("{}_tcdec_fused_b{nb}", self.format))?;
-        let chunks = self.k.div_ceil(TC_DECODE_CHUNK);
-        let rank_tiles = rank / 16;
-        // The shrink is split over the in-dim into slices of about TC_SHRINK_SLICE_CHUNKS
-        // chunks (two per warp) so it is done early in the base stream, using at most a
-        // quarter of the co-resident blocks.
-        let (slices, slice_chunks) = match (resident / 4).checked_div(rank_tiles) {
-            None => (0, chunks),
-            Some(most) => {
-                let slices = chunks
-                    .div_ceil(TC_SHRINK_SLICE_CHUNKS)
-                    .clamp(1, most.max(1));
-                let slice_chunks = chunks.div_ceil(slices);
-                (chunks.div_ceil(slice_chunks), slice_chunks)
-            }
-        };
-        let shrink_blocks = rank_tiles * slices;
-        if shrink_blocks >= resident {
-            return Ok(None);
-        }
-        // Every block gets the same number of 16-row tiles (the last may have fewer).
-        let tiles = self.n.div_ceil(16);
-        let per_block = tiles.div_ceil(resident - shrink_blocks);
-        if self.tc_part.len() < slices * 16 * rank {
-            self.tc_part = backend
-                .stream
-                .alloc_zeros::<f32>(slices * 16 * rank)
-                .map_err(driver_err("allocating the shrink's partial sums"))?;
-        }
-        Ok(Some(FusedLaunch {
-            function,
-            shrink_blocks,
-            base_blocks: tiles.div_ceil(per_block),
-            // One release per 16 rows of A (by the block finishing its last slice).
-            releases: rank_tiles,
-            slice_chunks,
-        }))
     }
 
     fn forward_prefill(

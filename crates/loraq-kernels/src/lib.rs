@@ -15,6 +15,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+#[cfg(any(feature = "cuda", test))]
+mod launch_plan;
 pub mod linear;
 pub mod lora;
 pub mod nvrtc;
