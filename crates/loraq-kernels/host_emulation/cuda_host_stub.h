@@ -22,7 +22,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 // Shared memory: one static per function (template instance); blocks run one at a time.
 #define __shared__ static
 

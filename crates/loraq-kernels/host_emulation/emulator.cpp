@@ -1,21 +1,28 @@
-// Runs one fused decode kernel of kernels/lora_decode.cu on the CPU (see
-// cuda_host_stub.h): blocks one after another in grid order (shrink blocks first, so the
-// base blocks' wait for the release counter always ends), each as 128 OS threads with
-// real barriers for __syncthreads / __syncwarp and warp-collective shuffles and mma.
+// Runs kernels of kernels/lora_decode.cu and kernels/lora_prefill.cu on the CPU (see
+// cuda_host_stub.h): a sequence of launches over shared buffers, as the launcher queues
+// them on one stream. A launch runs its blocks one after another in grid order (shrink
+// blocks first, so a fused decode's base blocks find the release counter set), each as
+// 128 OS threads with real barriers for __syncthreads / __syncwarp and warp-collective
+// shuffles and mma.
 //
 //   emulator INPUT OUTPUT
 //
-// INPUT (little-endian, written by the loraq-kernels host_emulation tests): the kernel's
-// name (u32 length + bytes); i32 batch, N, K, rank, shrink_blocks, base_blocks,
-// slice_chunks, target, part_floats; f32 w_global, t_scale; then five u64-length-prefixed
-// byte arrays: codes, scales, x (bf16), lora_a (bf16), lora_b (bf16). OUTPUT: y, bf16
-// [batch, N].
+// INPUT (little-endian, written by the loraq-kernels host_emulation tests):
+//   u32 buffer count, then per buffer: u64 byte length + the bytes (its initial content)
+//   u32 launch count, then per launch: u32 name length + name, u32 grid x, u32 grid y,
+//       u32 argument count, then per argument: u8 kind (0 buffer: u32 index; 1 i32;
+//       2 f32; 3 u32) and its 4-byte value
+//   u32 index of the buffer written to OUTPUT
+//   u32 count of (u32 buffer index, u32 expected first word) checks made after the last
+//       launch (the release counter reached its target, the shrink tickets are back at 0)
 #include "cuda_host_stub.h"
 
 #include "lora_decode.cu"
+#include "lora_prefill.cu"
 
 #include <barrier>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -79,20 +86,69 @@ void emu_mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) 
     __syncwarp();
 }
 
-typedef void (*FusedKernel)(const bf16*, int, int, int, const void*, const void*, float, const bf16*,
-                            const bf16*, int, float, float*, unsigned int*, unsigned int, int, int, float*,
-                            unsigned int*, bf16*);
+namespace {
+// One argument of a launch: a buffer's base address or a 4-byte scalar.
+struct Arg {
+    unsigned char kind;
+    unsigned int bits;
+    void* ptr;
+    int i() const { return (int)bits; }
+    unsigned int u() const { return bits; }
+    float f() const { return __uint_as_float(bits); }
+    template <class T>
+    T* p() const {
+        return static_cast<T*>(ptr);
+    }
+};
+typedef std::vector<Arg> Args;
 
-#define ENTRY(name) {#name, name}
-static const std::map<std::string, FusedKernel> kKernels = {
-    ENTRY(bf16_fused_b1),           ENTRY(bf16_fused_b4),           ENTRY(bf16_fused_b16),
-    ENTRY(fp8b128_fused_b1),        ENTRY(fp8b128_fused_b4),        ENTRY(fp8b128_fused_b16),
-    ENTRY(nvfp4_fused_b1),          ENTRY(nvfp4_fused_b4),          ENTRY(nvfp4_fused_b16),
-    ENTRY(bf16_tcdec_fused_b8),     ENTRY(bf16_tcdec_fused_b16),    ENTRY(fp8b128_tcdec_fused_b8),
-    ENTRY(fp8b128_tcdec_fused_b16), ENTRY(nvfp4_tcdec_fused_b8),    ENTRY(nvfp4_tcdec_fused_b16),
+// Each kernel signature of the .cu files, as a call on an argument list.
+template <class F>
+std::function<void(const Args&)> fused(F f) {
+    return [f](const Args& a) {
+        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].i(), a[4].p<const void>(), a[5].p<const void>(), a[6].f(),
+          a[7].p<const bf16>(), a[8].p<const bf16>(), a[9].i(), a[10].f(), a[11].p<float>(), a[12].p<unsigned int>(),
+          a[13].u(), a[14].i(), a[15].i(), a[16].p<float>(), a[17].p<unsigned int>(), a[18].p<bf16>());
+    };
+}
+template <class F>
+std::function<void(const Args&)> base(F f) {
+    return [f](const Args& a) {
+        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].i(), a[4].p<const void>(), a[5].p<const void>(), a[6].f(),
+          a[7].p<bf16>());
+    };
+}
+template <class F>
+std::function<void(const Args&)> shrink(F f) {
+    return [f](const Args& a) {
+        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].p<const bf16>(), a[4].i(), a[5].f(), a[6].p<float>());
+    };
+}
+template <class F>
+std::function<void(const Args&)> expand(F f) {
+    return [f](const Args& a) {
+        f(a[0].p<const float>(), a[1].i(), a[2].i(), a[3].p<const bf16>(), a[4].i(), a[5].p<bf16>());
+    };
+}
+template <class F>
+std::function<void(const Args&)> tc_gemm(F f) {
+    return [f](const Args& a) {
+        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].p<const void>(), a[4].p<const void>(), a[5].f(), a[6].i(),
+          a[7].p<const float>(), a[8].p<const bf16>(), a[9].i(), a[10].p<bf16>(), a[11].i());
+    };
+}
+
+#define K(wrap, name) {#name, wrap(name)}
+#define FORMATS(wrap, suffix) K(wrap, bf16_##suffix), K(wrap, fp8b128_##suffix), K(wrap, nvfp4_##suffix)
+const std::map<std::string, std::function<void(const Args&)>> kKernels = {
+    FORMATS(fused, fused_b1),       FORMATS(fused, fused_b4),       FORMATS(fused, fused_b16),
+    FORMATS(fused, tcdec_fused_b8), FORMATS(fused, tcdec_fused_b16), FORMATS(base, base_b1),
+    FORMATS(base, base_b4),         FORMATS(base, base_b16),        FORMATS(tc_gemm, tc_gemm),
+    K(shrink, lora_shrink_b1),      K(shrink, lora_shrink_b4),      K(shrink, lora_shrink_b16),
+    K(expand, lora_expand_b1),      K(expand, lora_expand_b4),      K(expand, lora_expand_b16),
+    K(shrink, lora_tc_shrink),
 };
 
-namespace {
 struct Reader {
     std::ifstream in;
     template <class T>
@@ -105,17 +161,52 @@ struct Reader {
         }
         return v;
     }
-    std::vector<unsigned char> bytes() {
-        const auto len = get<unsigned long long>();
-        // At least 16 bytes, so an empty operand is still a valid (never read) pointer.
-        std::vector<unsigned char> v(std::max<unsigned long long>(len, 16));
-        in.read(reinterpret_cast<char*>(v.data()), (std::streamsize)len);
-        if (!in) {
-            std::fprintf(stderr, "emulator: input truncated\n");
-            std::exit(2);
-        }
-        return v;
+    std::string string() {
+        std::string s(get<unsigned int>(), '\0');
+        in.read(s.data(), (std::streamsize)s.size());
+        return s;
     }
+};
+
+// 128 threads kept for the whole run; each block is one round: the main thread
+// publishes it, all threads run it, and the round's end barrier hands back.
+class BlockRunner {
+   public:
+    BlockRunner() : start_(kThreads + 1), end_(kThreads + 1) {
+        block_barrier = std::make_unique<std::barrier<>>(kThreads);
+        for (auto& w : warp_barrier) w = std::make_unique<std::barrier<>>(32);
+        for (int thread = 0; thread < kThreads; ++thread) {
+            threads_.emplace_back([this, thread] {
+                threadIdx = {(unsigned int)thread, 0, 0};
+                for (;;) {
+                    start_.arrive_and_wait();
+                    if (!kernel_) return;
+                    blockIdx = block_;
+                    (*kernel_)(*args_);
+                    end_.arrive_and_wait();
+                }
+            });
+        }
+    }
+    ~BlockRunner() {
+        kernel_ = nullptr;
+        start_.arrive_and_wait();
+        for (auto& th : threads_) th.join();
+    }
+    void run(const std::function<void(const Args&)>& kernel, const Args& args, unsigned int bx, unsigned int by) {
+        kernel_ = &kernel;
+        args_ = &args;
+        block_ = {bx, by, 0};
+        start_.arrive_and_wait();
+        end_.arrive_and_wait();
+    }
+
+   private:
+    std::barrier<> start_, end_;
+    std::vector<std::thread> threads_;
+    const std::function<void(const Args&)>* kernel_ = nullptr;
+    const Args* args_ = nullptr;
+    dim3_emu block_{};
 };
 }  // namespace
 
@@ -125,58 +216,50 @@ int main(int argc, char** argv) {
         return 2;
     }
     Reader r{std::ifstream(argv[1], std::ios::binary)};
-    const auto name_len = r.get<unsigned int>();
-    std::string name(name_len, '\0');
-    r.in.read(name.data(), name_len);
-    const auto kernel = kKernels.find(name);
-    if (kernel == kKernels.end()) {
-        std::fprintf(stderr, "emulator: no kernel %s\n", name.c_str());
-        return 2;
+    // Buffers 16-byte aligned (vector loads), at least 64 bytes, so an empty operand is
+    // still a valid (never read) pointer.
+    std::vector<std::vector<uint4>> buffers(r.get<unsigned int>());
+    std::vector<unsigned long long> sizes;
+    for (auto& b : buffers) {
+        const auto len = r.get<unsigned long long>();
+        sizes.push_back(len);
+        b.assign(std::max<unsigned long long>((len + 15) / 16, 4), make_uint4(0, 0, 0, 0));
+        r.in.read(reinterpret_cast<char*>(b.data()), (std::streamsize)len);
     }
-    const int batch = r.get<int>(), n = r.get<int>(), k = r.get<int>(), rank = r.get<int>();
-    const int shrink_blocks = r.get<int>(), base_blocks = r.get<int>(), slice_chunks = r.get<int>();
-    const unsigned int target = (unsigned int)r.get<int>();
-    const int part_floats = r.get<int>();
-    const float w_global = r.get<float>(), t_scale = r.get<float>();
-    auto codes = r.bytes(), scales = r.bytes(), x = r.bytes(), lora_a = r.bytes(), lora_b = r.bytes();
-
-    std::vector<float> t((size_t)std::max(1, batch * rank), 0.0f);
-    std::vector<float> part((size_t)std::max(16, part_floats), 0.0f);
-    std::vector<unsigned int> tickets(64, 0);
-    unsigned int counter = 0;
-    std::vector<bf16> y((size_t)batch * n, __float2bfloat16_rn(NAN));
-
-    const int grid = shrink_blocks + base_blocks;
-    gridDim = {(unsigned int)grid, 1, 1};
-    blockDim = {kThreads, 1, 1};
-    for (int block = 0; block < grid; ++block) {
-        block_barrier = std::make_unique<std::barrier<>>(kThreads);
-        for (auto& w : warp_barrier) w = std::make_unique<std::barrier<>>(32);
-        std::vector<std::thread> threads;
-        threads.reserve(kThreads);
-        for (int thread = 0; thread < kThreads; ++thread) {
-            threads.emplace_back([&, block, thread] {
-                threadIdx = {(unsigned int)thread, 0, 0};
-                blockIdx = {(unsigned int)block, 0, 0};
-                kernel->second(reinterpret_cast<const bf16*>(x.data()), batch, n, k, codes.data(), scales.data(),
-                               w_global, reinterpret_cast<const bf16*>(lora_a.data()),
-                               reinterpret_cast<const bf16*>(lora_b.data()), rank, t_scale, t.data(), &counter,
-                               target, shrink_blocks, slice_chunks, part.data(), tickets.data(), y.data());
-            });
+    BlockRunner runner;
+    const unsigned int launches = r.get<unsigned int>();
+    for (unsigned int l = 0; l < launches; ++l) {
+        const std::string name = r.string();
+        const auto kernel = kKernels.find(name);
+        if (kernel == kKernels.end()) {
+            std::fprintf(stderr, "emulator: no kernel %s\n", name.c_str());
+            return 2;
         }
-        for (auto& th : threads) th.join();
-    }
-    for (unsigned int ticket : tickets) {
-        if (ticket != 0) {
-            std::fprintf(stderr, "emulator: a shrink ticket was left at %u\n", ticket);
-            return 3;
+        const unsigned int gx = r.get<unsigned int>(), gy = r.get<unsigned int>();
+        Args args(r.get<unsigned int>());
+        for (auto& a : args) {
+            a.kind = r.get<unsigned char>();
+            a.bits = r.get<unsigned int>();
+            a.ptr = a.kind == 0 ? (void*)buffers.at(a.bits).data() : nullptr;
         }
+        gridDim = {gx, gy, 1};
+        blockDim = {kThreads, 1, 1};
+        for (unsigned int by = 0; by < gy; ++by)
+            for (unsigned int bx = 0; bx < gx; ++bx) runner.run(kernel->second, args, bx, by);
     }
-    if (counter != target) {
-        std::fprintf(stderr, "emulator: release counter %u, expected %u\n", counter, target);
-        return 3;
+    const unsigned int output = r.get<unsigned int>();
+    const unsigned int checks = r.get<unsigned int>();
+    for (unsigned int c = 0; c < checks; ++c) {
+        const unsigned int buffer = r.get<unsigned int>(), expected = r.get<unsigned int>();
+        const unsigned int* words = reinterpret_cast<const unsigned int*>(buffers.at(buffer).data());
+        for (unsigned long long i = 0; i < std::max<unsigned long long>(sizes[buffer] / 4, 1); ++i) {
+            if (words[i] != (i == 0 ? expected : 0u)) {
+                std::fprintf(stderr, "emulator: buffer %u word %llu is %u after the launches\n", buffer, i, words[i]);
+                return 3;
+            }
+        }
     }
     std::ofstream out(argv[2], std::ios::binary);
-    out.write(reinterpret_cast<const char*>(y.data()), (std::streamsize)(y.size() * sizeof(bf16)));
+    out.write(reinterpret_cast<const char*>(buffers.at(output).data()), (std::streamsize)sizes[output]);
     return out ? 0 : 2;
 }

@@ -232,25 +232,129 @@ mod host_emulation {
         QuantLoraLinear::new(base, lora).unwrap()
     }
 
-    fn push_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
-        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-        out.extend_from_slice(bytes);
-    }
-
     fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
         v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect()
     }
 
-    /// Runs `plan` for `linear` on `x` (`batch` tokens, bf16 values) in the emulator;
-    /// returns y as f32.
+    /// An argument of an emulated launch.
+    #[derive(Clone, Copy)]
+    enum Arg {
+        Buf(u32),
+        I(usize),
+        F(f32),
+        U(usize),
+    }
+
+    /// Buffers and a sequence of launches for the emulator (its input format).
+    #[derive(Default)]
+    struct Job {
+        buffers: Vec<Vec<u8>>,
+        launches: Vec<u8>,
+        count: u32,
+    }
+
+    impl Job {
+        fn buffer(&mut self, bytes: Vec<u8>) -> Arg {
+            self.buffers.push(bytes);
+            Arg::Buf(self.buffers.len() as u32 - 1)
+        }
+
+        fn zeros(&mut self, bytes: usize) -> Arg {
+            self.buffer(vec![0; bytes])
+        }
+
+        fn launch(&mut self, name: &str, grid: (usize, usize), args: &[Arg]) {
+            let l = &mut self.launches;
+            l.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            l.extend_from_slice(name.as_bytes());
+            for v in [grid.0, grid.1, args.len()] {
+                l.extend_from_slice(&u32::try_from(v).unwrap().to_le_bytes());
+            }
+            for arg in args {
+                let (kind, bits) = match *arg {
+                    Arg::Buf(i) => (0u8, i),
+                    Arg::I(v) => (1, i32::try_from(v).unwrap() as u32),
+                    Arg::F(v) => (2, v.to_bits()),
+                    Arg::U(v) => (3, u32::try_from(v).unwrap()),
+                };
+                l.push(kind);
+                l.extend_from_slice(&bits.to_le_bytes());
+            }
+            self.count += 1;
+        }
+
+        /// Runs the launches; returns buffer `output`. `checks`: buffers whose first
+        /// word must then equal the value and every other word 0.
+        fn run(self, exe: &Path, tag: &str, output: Arg, checks: &[(Arg, u32)]) -> Vec<u8> {
+            let index = |a: Arg| match a {
+                Arg::Buf(i) => i,
+                _ => unreachable!("not a buffer"),
+            };
+            let mut input = Vec::new();
+            input.extend_from_slice(&(self.buffers.len() as u32).to_le_bytes());
+            for b in &self.buffers {
+                input.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                input.extend_from_slice(b);
+            }
+            input.extend_from_slice(&self.count.to_le_bytes());
+            input.extend_from_slice(&self.launches);
+            input.extend_from_slice(&index(output).to_le_bytes());
+            input.extend_from_slice(&(checks.len() as u32).to_le_bytes());
+            for &(buffer, expected) in checks {
+                input.extend_from_slice(&index(buffer).to_le_bytes());
+                input.extend_from_slice(&expected.to_le_bytes());
+            }
+            let dir = exe.parent().unwrap();
+            let stem = format!(
+                "{}-{}",
+                tag.replace([' ', '=', '/'], "_"),
+                std::process::id()
+            );
+            let (in_path, out_path) = (
+                dir.join(format!("{stem}.in")),
+                dir.join(format!("{stem}.out")),
+            );
+            std::fs::write(&in_path, input).unwrap();
+            let out = Command::new(exe)
+                .arg(&in_path)
+                .arg(&out_path)
+                .output()
+                .unwrap();
+            std::fs::remove_file(&in_path).unwrap();
+            assert!(
+                out.status.success(),
+                "{tag}: emulator failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let bytes = std::fs::read(&out_path).unwrap();
+            std::fs::remove_file(&out_path).unwrap();
+            bytes
+        }
+    }
+
+    /// Which launch sequence to emulate (as `cuda.rs` queues them).
+    #[derive(Clone, Copy, Debug)]
+    enum Sequence {
+        /// One fused decode launch laid out by a plan.
+        Fused(&'static str),
+        /// Decode base, shrink, expand.
+        UnfusedDecode,
+        /// Prefill: tensor-core shrink, then base + expand in one tensor-core pass.
+        FusedPrefill,
+        /// Prefill: base, shrink, expand.
+        UnfusedPrefill,
+    }
+
+    /// Runs `path` for `linear` on `x` (`batch` tokens, bf16 values) in the emulator;
+    /// returns y as f32, or `None` where the path does not apply.
     fn run(
         exe: &Path,
         format: &str,
-        plan: &FusedPlan,
+        path: Sequence,
         linear: &QuantLoraLinear,
         x: &[f32],
         batch: usize,
-    ) -> Vec<f32> {
+    ) -> Option<Vec<f32>> {
         let (n, k) = (linear.out_dim(), linear.in_dim());
         let (codes, scales, global) = match linear.base() {
             BaseWeight::Bf16(w) => (bf16_bytes(&w.data), Vec::new(), 1.0f32),
@@ -266,55 +370,134 @@ mod host_emulation {
             Some(l) => (l.rank, l.scale, bf16_bytes(&l.a), bf16_bytes(&l.b)),
             None => (0, 0.0, Vec::new(), Vec::new()),
         };
-        let name = format!("{format}_{}_b{}", plan.kind, plan.nb);
-        let mut input = Vec::new();
-        input.extend_from_slice(&(name.len() as u32).to_le_bytes());
-        input.extend_from_slice(name.as_bytes());
-        let ints = [
-            batch,
-            n,
-            k,
-            rank,
-            plan.shrink_blocks,
-            plan.base_blocks,
-            plan.slice_chunks,
-            plan.releases,
-            plan.slices * 16 * rank,
-        ];
-        for v in ints {
-            input.extend_from_slice(&i32::try_from(v).unwrap().to_le_bytes());
-        }
-        input.extend_from_slice(&global.to_le_bytes());
-        input.extend_from_slice(&scale.to_le_bytes());
-        push_bytes(&mut input, &codes);
-        push_bytes(&mut input, &scales);
+        let mut job = Job::default();
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        push_bytes(&mut input, &bf16_bytes(&xb));
-        push_bytes(&mut input, &a);
-        push_bytes(&mut input, &b);
-        let dir = exe.parent().unwrap();
-        let tag = format!("{name}-{n}x{k}-r{rank}-b{batch}-{}", std::process::id());
-        let (in_path, out_path) = (
-            dir.join(format!("{tag}.in")),
-            dir.join(format!("{tag}.out")),
+        let (xa, codes, scales) = (
+            job.buffer(bf16_bytes(&xb)),
+            job.buffer(codes),
+            job.buffer(scales),
         );
-        std::fs::write(&in_path, input).unwrap();
-        let out = Command::new(exe)
-            .arg(&in_path)
-            .arg(&out_path)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{tag}: emulator failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let y = std::fs::read(&out_path).unwrap();
-        std::fs::remove_file(&in_path).unwrap();
-        std::fs::remove_file(&out_path).unwrap();
-        y.chunks_exact(2)
-            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect()
+        let (la, lb) = (job.buffer(a), job.buffer(b));
+        let t = job.zeros(4 * batch * rank.max(1));
+        let y = job.zeros(2 * batch * n);
+        let (bt, nt, kt, rt) = (Arg::I(batch), Arg::I(n), Arg::I(k), Arg::I(rank));
+        let mut checks = Vec::new();
+        let tag = match path {
+            Sequence::Fused(kind) => {
+                let plan = match kind {
+                    "tcdec_fused" => tensor_core_plan(n, k, batch, rank, RESIDENT)?,
+                    _ => cuda_core_plan(n, batch, rank, RESIDENT),
+                };
+                let counter = job.zeros(4);
+                let part = job.zeros(4 * plan.slices * 16 * rank);
+                let tickets = job.zeros(4 * 32);
+                let name = format!("{format}_{}_b{}", plan.kind, plan.nb);
+                job.launch(
+                    &name,
+                    (plan.shrink_blocks + plan.base_blocks, 1),
+                    &[
+                        xa,
+                        bt,
+                        nt,
+                        kt,
+                        codes,
+                        scales,
+                        Arg::F(global),
+                        la,
+                        lb,
+                        rt,
+                        Arg::F(scale),
+                        t,
+                        counter,
+                        Arg::U(plan.releases),
+                        Arg::I(plan.shrink_blocks),
+                        Arg::I(plan.slice_chunks),
+                        part,
+                        tickets,
+                        y,
+                    ],
+                );
+                checks.push((counter, plan.releases as u32));
+                checks.push((tickets, 0));
+                format!("{format} {n}x{k} r={rank} batch={batch} {plan:?}")
+            }
+            Sequence::UnfusedDecode => {
+                let nb = cuda_core_plan(n, batch, rank, RESIDENT).nb;
+                let base_blocks = cuda_core_plan(n, batch, 0, RESIDENT).base_blocks;
+                let uncapped = cuda_core_plan(n, batch, rank, usize::MAX);
+                let base = [xa, bt, nt, kt, codes, scales, Arg::F(global), y];
+                job.launch(&format!("{format}_base_b{nb}"), (base_blocks, 1), &base);
+                if rank > 0 {
+                    let shrink = [xa, bt, kt, la, rt, Arg::F(scale), t];
+                    job.launch(
+                        &format!("lora_shrink_b{nb}"),
+                        (uncapped.shrink_blocks, 1),
+                        &shrink,
+                    );
+                    let expand = [t, bt, nt, lb, rt, y];
+                    job.launch(
+                        &format!("lora_expand_b{nb}"),
+                        (uncapped.base_blocks, 1),
+                        &expand,
+                    );
+                }
+                format!("{format} {n}x{k} r={rank} batch={batch} unfused decode b{nb}")
+            }
+            Sequence::FusedPrefill | Sequence::UnfusedPrefill => {
+                let fused = matches!(path, Sequence::FusedPrefill);
+                let tiles = |cols: usize| (cols.div_ceil(64), batch.div_ceil(64));
+                if rank > 0 {
+                    // The fused pass scales the whole tile by the global scale.
+                    let t_scale = if fused { scale / global } else { scale };
+                    job.launch(
+                        "lora_tc_shrink",
+                        tiles(rank),
+                        &[xa, bt, kt, la, rt, Arg::F(t_scale), t],
+                    );
+                }
+                let lora_rank = if fused { rank } else { 0 };
+                let gemm = [
+                    xa,
+                    bt,
+                    kt,
+                    codes,
+                    scales,
+                    Arg::F(global),
+                    nt,
+                    t,
+                    lb,
+                    Arg::I(lora_rank),
+                    y,
+                    Arg::I(0),
+                ];
+                job.launch(&format!("{format}_tc_gemm"), tiles(n), &gemm);
+                if !fused && rank > 0 {
+                    let expand = [
+                        xa,
+                        bt,
+                        Arg::I(0),
+                        la,
+                        la,
+                        Arg::F(1.0),
+                        nt,
+                        t,
+                        lb,
+                        rt,
+                        y,
+                        Arg::I(1),
+                    ];
+                    job.launch("bf16_tc_gemm", tiles(n), &expand);
+                }
+                format!("{format} {n}x{k} r={rank} batch={batch} {path:?}")
+            }
+        };
+        let bytes = job.run(exe, &tag, y, &checks);
+        Some(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+        )
     }
 
     /// Every output within bf16 rounding of |y| plus 2^-8 of the magnitude sum (the
@@ -341,7 +524,7 @@ mod host_emulation {
         })
     }
 
-    fn check(kernels: &str, ranks: &[usize], batches: &[usize], shapes: &[(usize, usize)]) {
+    fn check(path: Sequence, ranks: &[usize], batches: &[usize], shapes: &[(usize, usize)]) {
         let Some(exe) = emulator() else {
             return;
         };
@@ -352,21 +535,16 @@ mod host_emulation {
                 for &rank in ranks {
                     let linear = random_linear(format, n, k, rank, 7 + rank as u64);
                     for &batch in batches {
-                        let plan = match kernels {
-                            "tcdec_fused" => match tensor_core_plan(n, k, batch, rank, RESIDENT) {
-                                Some(plan) => plan,
-                                None => continue,
-                            },
-                            _ => cuda_core_plan(n, batch, rank, RESIDENT),
-                        };
                         let mut rng = ChaCha8Rng::seed_from_u64(batch as u64);
                         let x: Vec<f32> = (0..batch * k)
                             .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32())
                             .collect();
+                        let Some(got) = run(exe, format, path, &linear, &x, batch) else {
+                            continue;
+                        };
                         let (want, magnitude) =
                             forward_reference_with_magnitude(&linear, &x, batch).unwrap();
-                        let got = run(exe, format, &plan, &linear, &x, batch);
-                        let tag = format!("{format} {n}x{k} r={rank} batch={batch} {plan:?}");
+                        let tag = format!("{format} {n}x{k} r={rank} batch={batch} {path:?}");
                         failures.extend(compare(&tag, &got, &want, &magnitude));
                         checked += 1;
                     }
@@ -374,7 +552,7 @@ mod host_emulation {
             }
         }
         eprintln!(
-            "{checked} emulated launches of {kernels}, {} failed",
+            "{checked} emulated runs of {path:?}, {} failed",
             failures.len()
         );
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -385,17 +563,31 @@ mod host_emulation {
     fn tensor_core_decode_matches_reference() {
         // Rank 48 at in-dim 1040 splits the shrink into 2 slices; 200 and 129 rows leave
         // a partial 16-row tile; in-dims 272 and 1040 a partial 128-wide chunk.
+        let shapes = [(200, 272), (129, 1040)];
         check(
-            "tcdec_fused",
+            Sequence::Fused("tcdec_fused"),
             &[0, 48, 256],
             &[1, 6, 9, 16],
-            &[(200, 272), (129, 1040)],
+            &shapes,
         );
     }
 
     #[test]
     fn cuda_core_decode_matches_reference() {
-        check("fused", &[0, 37, 256], &[1, 3, 16], &[(200, 272)]);
+        check(
+            Sequence::Fused("fused"),
+            &[0, 37, 256],
+            &[1, 3, 16],
+            &[(200, 272)],
+        );
+        check(Sequence::UnfusedDecode, &[0, 37], &[1, 16], &[(129, 1040)]);
+    }
+
+    #[test]
+    fn prefill_matches_reference() {
+        for path in [Sequence::FusedPrefill, Sequence::UnfusedPrefill] {
+            check(path, &[0, 37, 256], &[17, 100], &[(200, 272)]);
+        }
     }
 
     #[test]
