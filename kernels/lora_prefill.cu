@@ -34,34 +34,49 @@ __device__ __forceinline__ void store16_bf16(bf16* dst, const float* v) {
     }
 }
 
-__device__ __forceinline__ void zero16_bf16(bf16* dst) {
-#pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-        *reinterpret_cast<__nv_bfloat162*>(dst + i) = __floats2bfloat162_rn(0.0f, 0.0f);
+// One thread's share of a BM x BK slice of X (bf16 rows) and a BN x BK slice of W, as
+// loaded from global memory: row threadIdx / 2, columns (threadIdx % 2) * 16 .. + 16.
+// Fetched one slice ahead, so the loads are in flight while the tensor cores work on
+// the slice before. Requires K % 16 == 0.
+template <class W>
+struct StagedSlice {
+    uint4 x0, x1;
+    typename W::Chunk::Raw w;
+    float w_scale;
+};
+
+template <class W>
+__device__ __forceinline__ StagedSlice<W> fetch_slice(const bf16* x, int M, int K, const W& w, int N, int m0,
+                                                      int n0, int k0) {
+    const int r = threadIdx.x >> 1;
+    const int k = k0 + (threadIdx.x & 1) * 16;
+    StagedSlice<W> st;
+    st.x0 = st.x1 = make_uint4(0, 0, 0, 0);
+    if (m0 + r < M && k < K) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)(m0 + r) * K + k);
+        st.x0 = __ldg(src);
+        st.x1 = __ldg(src + 1);
     }
+    const bool w_valid = n0 + r < N && k < K;
+    st.w = w_valid ? w.raw16(n0 + r, k) : W::Chunk::zero();
+    st.w_scale = w_valid ? w.chunk_scale(n0 + r, k) : 0.0f;
+    return st;
 }
 
-// Loads a BM x BK slice of X (bf16 rows) and a BN x BK slice of W into shared memory.
-// Thread i handles row i / 2, columns (i % 2) * 16 .. + 16. Requires K % 16 == 0.
+// Dequantizes a fetched slice into shared memory (bf16; the weight times its chunk scale,
+// as W::load16 computes it).
 template <class W>
-__device__ __forceinline__ void load_tiles(TileSmem& s, const bf16* x, int M, int K, const W& w, int N,
-                                           int m0, int n0, int k0) {
+__device__ __forceinline__ void store_slice(TileSmem& s, const StagedSlice<W>& st) {
     const int r = threadIdx.x >> 1;
     const int c = (threadIdx.x & 1) * 16;
-    const int k = k0 + c;
+    uint4* xs = reinterpret_cast<uint4*>(&s.xs[r][c]);
+    xs[0] = st.x0;
+    xs[1] = st.x1;
     float v[16];
-    if (m0 + r < M && k < K) {
-        load16_bf16(x + (size_t)(m0 + r) * K + k, v);
-        store16_bf16(&s.xs[r][c], v);
-    } else {
-        zero16_bf16(&s.xs[r][c]);
-    }
-    if (n0 + r < N && k < K) {
-        w.load16(n0 + r, k, v);
-        store16_bf16(&s.ws[r][c], v);
-    } else {
-        zero16_bf16(&s.ws[r][c]);
-    }
+    W::Chunk::decode(st.w, v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] *= st.w_scale;
+    store16_bf16(&s.ws[r][c], v);
 }
 
 // LoRA slice: X side from the f32 intermediate T (hi or lo bf16 part), W side from B.
@@ -135,7 +150,10 @@ __device__ __forceinline__ void store_out(float* y, size_t i, float v, int accum
 template <class W, class OutT>
 __device__ void tc_gemm(const bf16* __restrict__ x, int M, int K, W w, int N, const float* t,
                         const bf16* __restrict__ lora_b, int rank, OutT* y, float out_scale, int accumulate) {
-    __shared__ __align__(16) TileSmem s;
+    // Two slices: the tensor cores read one while the next is stored into the other, so
+    // one barrier per slice suffices (a buffer is rewritten only after every thread has
+    // passed the barrier that ended its last read).
+    __shared__ __align__(16) TileSmem s[2];
     const int m0 = blockIdx.y * BM;
     const int n0 = blockIdx.x * BN;
     WarpAcc acc;
@@ -146,18 +164,26 @@ __device__ void tc_gemm(const bf16* __restrict__ x, int M, int K, W w, int N, co
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc.c[i][j][e] = 0.0f;
 
-    for (int k0 = 0; k0 < K; k0 += BK) {
-        load_tiles(s, x, M, K, w, N, m0, n0, k0);
+    if (K > 0) {
+        StagedSlice<W> staged = fetch_slice(x, M, K, w, N, m0, n0, 0);
+        store_slice(s[0], staged);
         __syncthreads();
-        mma_tile(s, acc);
-        __syncthreads();
+        int cur = 0;
+        for (int k0 = 0; k0 < K; k0 += BK) {
+            const bool more = k0 + BK < K;
+            if (more) staged = fetch_slice(x, M, K, w, N, m0, n0, k0 + BK);
+            mma_tile(s[cur], acc);
+            if (more) store_slice(s[cur ^ 1], staged);
+            __syncthreads();
+            cur ^= 1;
+        }
     }
     if (rank > 0 && t != nullptr) {
         for (int part = 0; part < 2; ++part) {
             for (int k0 = 0; k0 < rank; k0 += BK) {
-                load_lora_tiles(s, t, M, rank, lora_b, N, m0, n0, k0, part == 1);
+                load_lora_tiles(s[0], t, M, rank, lora_b, N, m0, n0, k0, part == 1);
                 __syncthreads();
-                mma_tile(s, acc);
+                mma_tile(s[0], acc);
                 __syncthreads();
             }
         }
