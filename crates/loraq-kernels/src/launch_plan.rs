@@ -112,13 +112,14 @@ pub(crate) fn tensor_core_plan(
     })
 }
 
-/// The decode kernels run on the CPU through `host_emulation/` (g++ compiles
-/// `kernels/lora_decode.cu` against stand-ins for the CUDA headers; one OS thread per
-/// CUDA thread, real barriers, warp-collective mma and shuffles), laid out by the plans
-/// above with a small device (few co-resident blocks, so blocks take several tiles and
-/// the tensor-core shrink several slices), against the f64 reference. Checks the
-/// kernels' logic wherever a C++ compiler exists, without a GPU; the memory model and
-/// the real compiler's code are left to `tests/gpu.rs` on a device.
+/// The kernels run on the CPU through `host_emulation/` (g++ compiles `kernels/*.cu`
+/// against stand-ins for the CUDA headers; one thread per CUDA thread, real barriers,
+/// warp-collective mma and shuffles), in the launch sequences `cuda.rs` queues, the
+/// decode laid out by the plans above on a small device (few co-resident blocks, so
+/// blocks take several tiles and the tensor-core shrink several slices), against the
+/// f64 reference. Checks the kernels' logic wherever a C++ compiler exists, without a
+/// GPU; the memory model and the real compiler's code are left to `tests/gpu.rs` on a
+/// device.
 #[cfg(test)]
 mod host_emulation {
     use super::*;
@@ -148,13 +149,17 @@ mod host_emulation {
                 let emulation = crate_dir.join("host_emulation");
                 let kernels = crate_dir.join("../../kernels");
                 let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                for source in [
-                    emulation.join("emulator.cpp"),
-                    emulation.join("cuda_host_stub.h"),
-                    kernels.join("lora_decode.cu"),
-                    kernels.join("loraq_common.cuh"),
-                ] {
-                    std::fs::read(&source).unwrap().hash(&mut hasher);
+                // Every source of the emulator: a change to any rebuilds it.
+                for dir in [&emulation, &kernels] {
+                    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+                        .unwrap()
+                        .map(|e| e.unwrap().path())
+                        .collect();
+                    files.sort();
+                    for file in files {
+                        file.hash(&mut hasher);
+                        std::fs::read(&file).unwrap().hash(&mut hasher);
+                    }
                 }
                 let dir = std::env::temp_dir()
                     .join(format!("loraq-host-emulation-{:016x}", hasher.finish()));
