@@ -46,29 +46,55 @@ pub(crate) fn decode_segment<D: RowDecode>(
 ) {
     let end = k0 + out.len();
     assert!(row < d.rows() && end <= d.cols());
-    let mut k = k0;
-    match isa {
+    let k = match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if k0.is_multiple_of(16) => {
-            while k + 16 <= end {
-                // SAFETY: detected ISA; k % 16 == 0 and k + 16 <= cols.
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(k - k0), d.load16(row, k)) };
-                k += 16;
-            }
-        }
+        // SAFETY: detected ISA; bounds asserted above.
+        Isa::Avx512 if k0.is_multiple_of(16) => unsafe { decode_avx512(d, row, k0, out) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if k0.is_multiple_of(8) => {
-            while k + 8 <= end {
-                // SAFETY: detected ISA; k % 8 == 0 and k + 8 <= cols.
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(k - k0), d.load8(row, k)) };
-                k += 8;
-            }
-        }
-        _ => {}
-    }
+        // SAFETY: as above.
+        Isa::Avx2 if k0.is_multiple_of(8) => unsafe { decode_avx2(d, row, k0, out) },
+        _ => k0,
+    };
     for (o, kk) in out[k - k0..].iter_mut().zip(k..end) {
         *o = d.get(row, kk);
     }
+}
+
+/// The whole 16-wide steps of [`decode_segment`]; returns where they stopped. Compiled
+/// for AVX-512 so the decoder's `load16` and the store inline into the loop (called
+/// from a function without the feature, each was an out-of-line call: a third of the
+/// time of a 20-token prefill).
+///
+/// # Safety
+/// The CPU has AVX-512F/BW; `k0 % 16 == 0`; `row` and `k0 .. k0 + out.len()` in range.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn decode_avx512<D: RowDecode>(d: &D, row: usize, k0: usize, out: &mut [f32]) -> usize {
+    let end = k0 + out.len();
+    let mut k = k0;
+    while k + 16 <= end {
+        // SAFETY: k % 16 == 0 and k + 16 <= cols (caller).
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(k - k0), d.load16(row, k)) };
+        k += 16;
+    }
+    k
+}
+
+/// [`decode_avx512`] for AVX2 (8-wide steps).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `k0 % 8 == 0`; `row` and `k0 .. k0 + out.len()` in range.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_avx2<D: RowDecode>(d: &D, row: usize, k0: usize, out: &mut [f32]) -> usize {
+    let end = k0 + out.len();
+    let mut k = k0;
+    while k + 8 <= end {
+        // SAFETY: k % 8 == 0 and k + 8 <= cols (caller).
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(k - k0), d.load8(row, k)) };
+        k += 8;
+    }
+    k
 }
 
 /// `y_block[t * nr + j] = sum over segments of sum_k W_s[o0 + j, k] x_s[t, k]` for
