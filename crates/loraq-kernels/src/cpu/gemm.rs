@@ -138,11 +138,29 @@ fn run_segment<D: RowDecode>(
     while k0 < k_total {
         let kc = KC.min(k_total - k0);
         // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk].
-        panel[..kc * nr].fill(0.0);
-        for j in 0..nrows {
-            decode_segment(isa, seg.weight, o0 + j, k0, &mut row_buf[..kc]);
-            for (kk, &v) in row_buf[..kc].iter().enumerate() {
-                panel[kk * nr + j] = v;
+        let packed = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if nrows == nr && k0.is_multiple_of(16) => {
+                // SAFETY: detected ISA; rows o0 .. o0 + 32 and inputs k0 .. k0 + kc exist.
+                unsafe { pack_panel_avx512(seg.weight, o0, k0, kc, panel) }
+            }
+            _ => 0,
+        };
+        if packed < kc {
+            if packed == 0 {
+                panel[..kc * nr].fill(0.0);
+            }
+            for j in 0..nrows {
+                decode_segment(
+                    isa,
+                    seg.weight,
+                    o0 + j,
+                    k0 + packed,
+                    &mut row_buf[..kc - packed],
+                );
+                for (kk, &v) in row_buf[..kc - packed].iter().enumerate() {
+                    panel[(packed + kk) * nr + j] = v;
+                }
             }
         }
         let mut t0 = 0;
@@ -167,6 +185,86 @@ fn run_segment<D: RowDecode>(
         }
         k0 += kc;
     }
+}
+
+/// Fills `panel[kk * 32 + j] = W[o0 + j, k0 + kk]` for the 32 rows of a full AVX-512
+/// block and `kk` below the largest multiple of 16 within `kc`, 16 x 16 at a time: 16
+/// rows decoded into registers and transposed there (unpack, 64-bit unpack, two 128-bit
+/// shuffles), instead of 256 scattered scalar stores. Returns how many inputs it packed.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW; rows `o0 .. o0 + 32` and inputs `k0 .. k0 + kc` exist;
+/// `k0 % 16 == 0`; `panel` holds `kc * 32` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_panel_avx512<D: RowDecode>(
+    d: &D,
+    o0: usize,
+    k0: usize,
+    kc: usize,
+    panel: &mut [f32],
+) -> usize {
+    const NR: usize = 32;
+    let whole = kc / 16 * 16;
+    debug_assert!(panel.len() >= kc * NR);
+    let pp = panel.as_mut_ptr();
+    for group in 0..NR / 16 {
+        let mut kk0 = 0;
+        while kk0 < whole {
+            // SAFETY: rows and inputs in range (caller); stores within kc * 32.
+            unsafe {
+                let v: [__m512; 16] =
+                    std::array::from_fn(|r| d.load16(o0 + 16 * group + r, k0 + kk0));
+                let t = transpose16(v);
+                for (c, col) in t.iter().enumerate() {
+                    _mm512_storeu_ps(pp.add((kk0 + c) * NR + 16 * group), *col);
+                }
+            }
+            kk0 += 16;
+        }
+    }
+    whole
+}
+
+/// The transpose of a 16 x 16 f32 matrix held as 16 row vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose16(v: [__m512; 16]) -> [__m512; 16] {
+    // Rows 2i, 2i + 1 interleaved: lane L of a[2i] holds (r2i k4L, r2i+1 k4L, r2i k4L+1,
+    // r2i+1 k4L+1), a[2i + 1] the same for k4L+2, k4L+3.
+    let mut a = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    // Lane L of b[4i + m]: column 4L + m of rows 4i .. 4i + 3.
+    let mut b = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        let pd = |x: __m512| _mm512_castps_pd(x);
+        let (a0, a1, a2, a3) = (
+            pd(a[4 * i]),
+            pd(a[4 * i + 1]),
+            pd(a[4 * i + 2]),
+            pd(a[4 * i + 3]),
+        );
+        b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+        b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+        b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+        b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+    }
+    // Gather lane L of b[m], b[4 + m], b[8 + m], b[12 + m]: column 4L + m, all 16 rows.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for m in 0..4 {
+        let even_lo = _mm512_shuffle_f32x4::<0x88>(b[m], b[4 + m]);
+        let odd_lo = _mm512_shuffle_f32x4::<0xDD>(b[m], b[4 + m]);
+        let even_hi = _mm512_shuffle_f32x4::<0x88>(b[8 + m], b[12 + m]);
+        let odd_hi = _mm512_shuffle_f32x4::<0xDD>(b[8 + m], b[12 + m]);
+        t[m] = _mm512_shuffle_f32x4::<0x88>(even_lo, even_hi);
+        t[8 + m] = _mm512_shuffle_f32x4::<0xDD>(even_lo, even_hi);
+        t[4 + m] = _mm512_shuffle_f32x4::<0x88>(odd_lo, odd_hi);
+        t[12 + m] = _mm512_shuffle_f32x4::<0xDD>(odd_lo, odd_hi);
+    }
+    t
 }
 
 fn micro_scalar(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
@@ -248,6 +346,36 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &m
         for (t, a) in acc.iter().enumerate() {
             _mm256_storeu_ps(yp.add(t * NR), a[0]);
             _mm256_storeu_ps(yp.add(t * NR + 8), a[1]);
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transpose16_transposes() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+            eprintln!("skipped: no AVX-512");
+            return;
+        }
+        let m: Vec<f32> = (0..256).map(|i| i as f32).collect();
+        // SAFETY: AVX-512 detected; 16 loads of 16 values from a 256-value buffer.
+        let t = unsafe {
+            transpose16(std::array::from_fn(|r| {
+                _mm512_loadu_ps(m.as_ptr().add(16 * r))
+            }))
+        };
+        let mut out = vec![0f32; 256];
+        for (c, col) in t.iter().enumerate() {
+            // SAFETY: AVX-512 detected; 16 stores into a 256-value buffer.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *col) };
+        }
+        for r in 0..16 {
+            for c in 0..16 {
+                assert_eq!(out[16 * c + r], m[16 * r + c], "row {r} column {c}");
+            }
         }
     }
 }
