@@ -144,6 +144,11 @@ fn run_segment<D: RowDecode>(
                 // SAFETY: detected ISA; rows o0 .. o0 + 32 and inputs k0 .. k0 + kc exist.
                 unsafe { pack_panel_avx512(seg.weight, o0, k0, kc, panel) }
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if nrows == nr && k0.is_multiple_of(8) => {
+                // SAFETY: detected ISA; rows o0 .. o0 + 16 and inputs k0 .. k0 + kc exist.
+                unsafe { pack_panel_avx2(seg.weight, o0, k0, kc, panel) }
+            }
             _ => 0,
         };
         if packed < kc {
@@ -267,6 +272,74 @@ fn transpose16(v: [__m512; 16]) -> [__m512; 16] {
     t
 }
 
+/// [`pack_panel_avx512`] for the 16-row AVX2 blocks, 8 x 8 at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; rows `o0 .. o0 + 16` and inputs `k0 .. k0 + kc` exist;
+/// `k0 % 8 == 0`; `panel` holds `kc * 16` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_panel_avx2<D: RowDecode>(
+    d: &D,
+    o0: usize,
+    k0: usize,
+    kc: usize,
+    panel: &mut [f32],
+) -> usize {
+    const NR: usize = 16;
+    let whole = kc / 8 * 8;
+    debug_assert!(panel.len() >= kc * NR);
+    let pp = panel.as_mut_ptr();
+    for group in 0..NR / 8 {
+        let mut kk0 = 0;
+        while kk0 < whole {
+            // SAFETY: rows and inputs in range (caller); stores within kc * 16.
+            unsafe {
+                let v: [__m256; 8] = std::array::from_fn(|r| d.load8(o0 + 8 * group + r, k0 + kk0));
+                let t = transpose8(v);
+                for (c, col) in t.iter().enumerate() {
+                    _mm256_storeu_ps(pp.add((kk0 + c) * NR + 8 * group), *col);
+                }
+            }
+            kk0 += 8;
+        }
+    }
+    whole
+}
+
+/// The transpose of an 8 x 8 f32 matrix held as 8 row vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
+    // As transpose16 within each 128-bit half, then the halves exchanged.
+    let mut a = [_mm256_setzero_ps(); 8];
+    for i in 0..4 {
+        a[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    // Half H of b[4i + m]: column 4H + m of rows 4i .. 4i + 3.
+    let mut b = [_mm256_setzero_ps(); 8];
+    for i in 0..2 {
+        let pd = |x: __m256| _mm256_castps_pd(x);
+        let (a0, a1, a2, a3) = (
+            pd(a[4 * i]),
+            pd(a[4 * i + 1]),
+            pd(a[4 * i + 2]),
+            pd(a[4 * i + 3]),
+        );
+        b[4 * i] = _mm256_castpd_ps(_mm256_unpacklo_pd(a0, a2));
+        b[4 * i + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a0, a2));
+        b[4 * i + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(a1, a3));
+        b[4 * i + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(a1, a3));
+    }
+    let mut t = [_mm256_setzero_ps(); 8];
+    for m in 0..4 {
+        t[m] = _mm256_permute2f128_ps::<0x20>(b[m], b[4 + m]);
+        t[4 + m] = _mm256_permute2f128_ps::<0x31>(b[m], b[4 + m]);
+    }
+    t
+}
+
 fn micro_scalar(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
     const MR: usize = 4;
     const NR: usize = 8;
@@ -353,6 +426,31 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &m
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transpose8_transposes() {
+        if !is_x86_feature_detected!("avx2") {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        let m: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        // SAFETY: AVX2 detected; 8 loads of 8 values from a 64-value buffer.
+        let t = unsafe {
+            transpose8(std::array::from_fn(|r| {
+                _mm256_loadu_ps(m.as_ptr().add(8 * r))
+            }))
+        };
+        let mut out = vec![0f32; 64];
+        for (c, col) in t.iter().enumerate() {
+            // SAFETY: AVX2 detected; 8 stores into a 64-value buffer.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), *col) };
+        }
+        for r in 0..8 {
+            for c in 0..8 {
+                assert_eq!(out[8 * c + r], m[8 * r + c], "row {r} column {c}");
+            }
+        }
+    }
 
     #[test]
     fn transpose16_transposes() {
