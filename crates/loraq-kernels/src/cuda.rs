@@ -496,9 +496,7 @@ impl GpuLinear {
         let stream = &backend.stream;
         let launch = driver_err("launching a decode kernel");
         let (rank, scale) = self.lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
-        // The CUDA-core plan at this batch (also the unfused kernels' instantiation).
-        let cuda_core = launch_plan::cuda_core_plan(self.n, batch, rank, 0);
-        let nb = cuda_core.nb;
+        let nb = launch_plan::cuda_core_instance(batch);
         match mode {
             GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
                 let tensor_cores = match mode {

@@ -36,15 +36,21 @@ pub(crate) struct FusedPlan {
     pub slices: usize,
 }
 
+/// The token count of the CUDA-core decode instantiation (`_b{NB}`: fused, base, LoRA
+/// shrink and expand) serving `batch` tokens.
+pub(crate) fn cuda_core_instance(batch: usize) -> usize {
+    DECODE_BATCHES
+        .iter()
+        .copied()
+        .find(|&b| b >= batch)
+        .unwrap_or(DECODE_MAX_BATCH)
+}
+
 /// The CUDA-core fused decode (`{format}_fused_b{NB}`) of `batch` tokens (1..=16) over
 /// an `n x k` weight with a rank-`rank` LoRA, `resident` blocks of it fitting on the
 /// device at once.
 pub(crate) fn cuda_core_plan(n: usize, batch: usize, rank: usize, resident: usize) -> FusedPlan {
-    let nb = DECODE_BATCHES
-        .iter()
-        .copied()
-        .find(|&b| b >= batch)
-        .unwrap_or(DECODE_MAX_BATCH);
+    let nb = cuda_core_instance(batch);
     // Mirrors RowsPerWarp in lora_decode.cu.
     let rows_per_warp = if nb <= 4 { 2 } else { 1 };
     let rows_per_block = DECODE_THREADS / 32 * rows_per_warp;
@@ -427,7 +433,7 @@ mod host_emulation {
                 format!("{format} {n}x{k} r={rank} batch={batch} {plan:?}")
             }
             Sequence::UnfusedDecode => {
-                let nb = cuda_core_plan(n, batch, rank, RESIDENT).nb;
+                let nb = cuda_core_instance(batch);
                 let base_blocks = cuda_core_plan(n, batch, 0, RESIDENT).base_blocks;
                 let uncapped = cuda_core_plan(n, batch, rank, usize::MAX);
                 let base = [xa, bt, nt, kt, codes, scales, Arg::F(global), y];

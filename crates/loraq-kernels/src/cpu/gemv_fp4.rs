@@ -92,14 +92,10 @@ pub(crate) struct PairedFp4Rows<'a, const BLOCK: usize> {
     pub scale_multiplier: f32,
 }
 
-/// Whether the paired decoder can serve an NVFP4 weight with this global scale.
-pub(crate) fn nvfp4_paired_usable(global_scale: f32) -> bool {
-    (global_scale * E4M3_REBIAS).is_finite()
-}
-
-/// The `scale_multiplier` of an NVFP4 weight's [`PairedFp4Rows`].
-pub(crate) fn nvfp4_scale_multiplier(global_scale: f32) -> f32 {
-    global_scale * E4M3_REBIAS
+/// The `scale_multiplier` of an NVFP4 weight's [`PairedFp4Rows`], `global_scale *
+/// 2^120`; `None` where that is not finite and the paired decoder cannot serve it.
+pub(crate) fn nvfp4_scale_multiplier(global_scale: f32) -> Option<f32> {
+    Some(global_scale * E4M3_REBIAS).filter(|m| m.is_finite())
 }
 
 /// `x` (`[T, cols]`, rows `x_stride` apart) reordered step by step (position `16q + i`

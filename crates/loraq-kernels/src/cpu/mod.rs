@@ -423,18 +423,22 @@ fn decode_base<const T: usize>(
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
-        match linear.base() {
-            BaseWeight::Nvfp4(w) if gemv_fp4::nvfp4_paired_usable(w.global_scale) => {
+        let nvfp4_multiplier = match linear.base() {
+            BaseWeight::Nvfp4(w) => gemv_fp4::nvfp4_scale_multiplier(w.global_scale),
+            _ => None,
+        };
+        match (linear.base(), nvfp4_multiplier) {
+            (BaseWeight::Nvfp4(w), Some(scale_multiplier)) => {
                 let kernel = fused::PairedKernel {
                     weight: gemv_fp4::PairedFp4Rows {
                         rows: nvfp4_rows(linear, w),
-                        scale_multiplier: gemv_fp4::nvfp4_scale_multiplier(w.global_scale),
+                        scale_multiplier,
                     },
                     x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
-            BaseWeight::Mxfp4(w) => {
+            (BaseWeight::Mxfp4(w), _) => {
                 let kernel = fused::PairedKernel {
                     weight: gemv_fp4::PairedFp4Rows {
                         rows: mxfp4_rows(linear, w),
@@ -444,7 +448,7 @@ fn decode_base<const T: usize>(
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
-            BaseWeight::Int4G128(w) => {
+            (BaseWeight::Int4G128(w), _) => {
                 let kernel = fused::PairedKernel {
                     weight: gemv_int4::Int4TableRows { rows: int4_rows(w) },
                     x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
