@@ -113,11 +113,19 @@ pub(crate) fn gemm_block<D1: RowDecode, D2: RowDecode>(
     assert!(nrows <= nr && n_padded.is_multiple_of(mr));
     assert_eq!(y_block.len(), n_padded * nr);
     y_block.fill(0.0);
-    let mut panel = vec![0f32; KC * nr];
-    run_segment(isa, o0, nrows, n_padded, first, &mut panel, y_block);
-    if let Some(s) = second {
-        run_segment(isa, o0, nrows, n_padded, s, &mut panel, y_block);
+    // One panel per worker thread, reused by every block it computes (run_segment
+    // writes every entry the micro-kernel reads, so no clearing between blocks).
+    thread_local! {
+        static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    PANEL.with_borrow_mut(|panel| {
+        panel.resize(KC * nr, 0.0);
+        let panel = &mut panel[..KC * nr];
+        run_segment(isa, o0, nrows, n_padded, first, panel, y_block);
+        if let Some(s) = second {
+            run_segment(isa, o0, nrows, n_padded, s, panel, y_block);
+        }
+    });
 }
 
 fn run_segment<D: RowDecode>(
