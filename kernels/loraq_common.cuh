@@ -72,12 +72,17 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(unsigned int pair) {
     return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
-// Two E2M1 codes (one byte, even element in the low nibble) -> two f32 equal to
-// 2^-14 times their values: the code's exponent+mantissa bits go under f16's (subnormal
-// E2M1 0.5 lands on the f16 subnormal 2^-15, exactly), so no multiply is needed; the
-// caller folds 2^14 into the block scale.
-__device__ __forceinline__ float2 e2m1x2_to_float2_scaled(unsigned int byte) {
-    unsigned int bits = ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) | ((byte & 0x80u) << 24);
+// E2M1 codes n_j and n_{j+4} of one 32-bit word (8 codes, code i in bits 4i..4i+3) -> two
+// f32 equal to 2^-14 times their values. Shifted left by 4 (3 - j), the two codes sit at
+// the top of the word's 16-bit halves, signs already on f16's sign bits; the exponent and
+// mantissa bits then go under f16's with one more shift (subnormal E2M1 0.5 lands on the
+// f16 subnormal 2^-15, exactly), so a pair costs two shifts and one LOP3, and no multiply:
+// the caller folds 2^14 into the block scale. Pairing j with j + 4 (not 2j with 2j + 1)
+// is what lets both halves share one shift.
+template <int J>
+__device__ __forceinline__ float2 e2m1_pair_to_float2_scaled(unsigned int word) {
+    const unsigned int top = word << (4 * (3 - J));
+    const unsigned int bits = (top & 0x80008000u) | ((top >> 3) & 0x0E000E00u);
     return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 }
 
@@ -102,15 +107,20 @@ struct Nvfp4Chunk {
     typedef uint2 Raw;
     static __device__ __forceinline__ Raw zero() { return make_uint2(0, 0); }
     static __device__ __forceinline__ void decode(const Raw& v, float* out) {
-        const unsigned int words[2] = {v.x, v.y};
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                float2 pair = e2m1x2_to_float2_scaled(words[i] >> (8 * j));
-                out[8 * i + 2 * j] = pair.x;
-                out[8 * i + 2 * j + 1] = pair.y;
-            }
+        decode_word(v.x, out);
+        decode_word(v.y, out + 8);
+    }
+    static __device__ __forceinline__ void decode_word(unsigned int word, float* out) {
+        decode_pair<0>(word, out);
+        decode_pair<1>(word, out);
+        decode_pair<2>(word, out);
+        decode_pair<3>(word, out);
+    }
+    template <int J>
+    static __device__ __forceinline__ void decode_pair(unsigned int word, float* out) {
+        const float2 pair = e2m1_pair_to_float2_scaled<J>(word);
+        out[J] = pair.x;
+        out[J + 4] = pair.y;
     }
 };
 
