@@ -2,8 +2,8 @@
 //
 // Base stream: persistent warps (the grid is what is co-resident). A warp owns row groups
 // of R rows, g = warp, warp + warps_total, ...; each lane streams 16 weights of every row
-// per step (16-byte fp8 / 8-byte nvfp4 / 32-byte bf16 chunks, a warp covers 512 inputs)
-// through a per-lane shared-memory ring filled by cp.async, S - 1 steps ahead and across
+// per step (16-byte fp8 / 32-byte bf16 chunks, a warp covers 512 inputs; NVFP4: 32
+// weights, 16 bytes, 1024 inputs) through a per-lane shared-memory ring filled by cp.async, S - 1 steps ahead and across
 // group boundaries, so HBM stays busy while the warp decodes, reduces and writes. The
 // chunk is dequantized in registers (fp8 through the hardware E4M3 -> f16 conversion,
 // NVFP4 through f16 bit placement, its block scales riding in the ring too) and
@@ -143,17 +143,17 @@ __device__ __forceinline__ void shrink_rows(const bf16* lora_a, int rank, int K,
 #define LORAQ_DECODE_PROBE 0
 #endif
 
-// Stages of the per-lane shared-memory ring of the base stream: 4 x 16-byte slots per
-// row and lane (bf16 slots are 32 bytes: 3), i.e. three chunks per row in flight. More
-// only lengthens the memory queue: every load that is not in the ring (x, the fp8 tile
-// scales, the LoRA operands) then waits behind it.
+// Stages of the per-lane shared-memory ring of the base stream: 4 slots per row and lane
+// of 16 bytes of weights (bf16 slots are 32 bytes: 3), i.e. three steps per row in
+// flight. More only lengthens the memory queue: every load that is not in the ring (x,
+// the fp8 tile scales, the LoRA operands) then waits behind it.
 template <class W>
 struct Stages {
     static constexpr int value = sizeof(typename W::Slot) > 16 ? 3 : 4;
 };
-// NVFP4 slots carry half of fp8's bytes per step, so its ring holds half as much data
-// in flight at the same depth; `scripts/gpu-check.sh` times deeper rings
-// (-DLORAQ_NVFP4_STAGES=6 and 8) beside this default as an experiment.
+// NVFP4 slots are 32 bytes of shared memory but carry 16 bytes of codes, like fp8's;
+// `scripts/gpu-check.sh` times other depths (-DLORAQ_NVFP4_STAGES=3 and 6) beside this
+// default as an experiment.
 #ifndef LORAQ_NVFP4_STAGES
 #define LORAQ_NVFP4_STAGES 4
 #endif
@@ -176,6 +176,8 @@ struct StreamCursor {
 // The base stream of one warp: row groups g = warp_id, warp_id + warps_total, ... (R rows
 // each), every row's chunks in order, as ONE software pipeline across group boundaries:
 // each lane keeps S - 1 chunk copies (cp.async) in flight ahead of the chunk it decodes.
+// A chunk is W::PIECES pieces of 16 weights per lane (each piece with its own scale), so a
+// step of the warp covers 512 * W::PIECES inputs.
 // A lane only reads the slots it copied itself (no block barrier). When a group starts,
 // hook.begin(g) runs (the LoRA expand prefetches its B rows there, so they arrive during
 // the group's stream); after its last chunk, hook.end(g, acc) runs with acc warp-reduced
@@ -187,12 +189,14 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
     const int lane = threadIdx.x & 31;
     const int groups = (N + R - 1) / R;
     if (warp_id >= groups) return;
-    const int steps_per_group = (K + 511) / 512;
+    constexpr int LANE_SPAN = 16 * W::PIECES;
+    constexpr int WARP_SPAN = 32 * LANE_SPAN;
+    const int steps_per_group = (K + WARP_SPAN - 1) / WARP_SPAN;
     // ring layout: [S][R][32 lanes]
     StreamCursor fill{warp_id, 0};
     auto issue = [&](int stage) {
         if (fill.group < groups) {
-            const int k = fill.chunk * 512 + lane * 16;
+            const int k = fill.chunk * WARP_SPAN + lane * LANE_SPAN;
             Slot* slots = ring + stage * R * 32 + lane;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -227,18 +231,22 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
         stage = stage == S - 1 ? 0 : stage + 1;
         const int g = at.group;
         if (at.chunk == 0) hook.begin(g);
-        const int k = at.chunk * 512 + lane * 16;
-        if (k < K) {
+        const int k_step = at.chunk * WARP_SPAN + lane * LANE_SPAN;
+#pragma unroll
+        for (int p = 0; p < W::PIECES; ++p) {
+            const int k = k_step + 16 * p;
+            if (k >= K) break;
             float scale[R];
             float wv[R][16];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 scale[r] = g * R + r < N ? w.slot_scale(slot[r], g * R + r, k) : 0.0f;
+                const typename W::Chunk::Raw raw = W::piece(slot[r], p);
 #if LORAQ_DECODE_PROBE == 0
-                W::Chunk::decode(slot[r].raw, wv[r]);
+                W::Chunk::decode(raw, wv[r]);
 #else
-                const unsigned int* words = reinterpret_cast<const unsigned int*>(&slot[r].raw);
-                constexpr int n_words = sizeof(slot[r].raw) / 4;
+                const unsigned int* words = reinterpret_cast<const unsigned int*>(&raw);
+                constexpr int n_words = sizeof(raw) / 4;
 #pragma unroll
                 for (int i = 0; i < 16; ++i) wv[r][i] = __uint_as_float(words[i % n_words] & 0x3FFFFFFFu);
 #endif
@@ -406,6 +414,15 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
                                ring[warp], store);
 }
 
+// Instruction census only (scripts/sass_census.py, never for results): the compiler may
+// assume in-dims that are multiples of 1024, so the stream loop it lays out is the path
+// every Qwen3.8-27B projection takes, without the branches for ragged in-dims.
+#ifdef LORAQ_CENSUS_ALIGNED
+#define CENSUS_ASSUME_ALIGNED(K) __builtin_assume(((K) & 1023) == 0)
+#else
+#define CENSUS_ASSUME_ALIGNED(K)
+#endif
+
 #define FORMAT_ENTRIES(NAME, WTYPE, MAKE_W, NB)                                                        \
     extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_fused_b##NB(                              \
         const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
@@ -414,6 +431,7 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
         float* /* part */, unsigned int* /* tickets */, bf16* y) {                                     \
         /* The tensor-core decode's arguments too (unused here): one launch path. */                  \
         WTYPE w = MAKE_W;                                                                              \
+        CENSUS_ASSUME_ALIGNED(K);                                                                      \
         fused_kernel<WTYPE, NB>(x, batch, N, K, w, lora_a, lora_b, rank, t_scale, t, counter, target, \
                                 shrink_blocks, y);                                                     \
     }                                                                                                  \
@@ -421,6 +439,7 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
         const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
         float w_global, bf16* y) {                                                                     \
         WTYPE w = MAKE_W;                                                                              \
+        CENSUS_ASSUME_ALIGNED(K);                                                                      \
         base_kernel<WTYPE, NB>(x, batch, N, K, w, y);                                                  \
     }
 

@@ -176,10 +176,13 @@ inline void cp_async_wait() {}
 
 struct Bf16Weight {
     typedef Bf16Chunk Chunk;
-    // One lane's 16 weights in the decode pipeline's shared-memory ring.
+    // One lane's 16 weights in the decode pipeline's shared-memory ring: PIECES pieces
+    // of 16 weights (each with its own scale) per lane and step.
+    static constexpr int PIECES = 1;
     struct __align__(16) Slot {
         Bf16Chunk::Raw raw;
     };
+    static __device__ __forceinline__ Bf16Chunk::Raw piece(const Slot& slot, int) { return slot.raw; }
     __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
         const bf16* src = w + (size_t)row * K + k;
         cp_async16(&dst->raw.a, src);
@@ -206,9 +209,11 @@ struct Bf16Weight {
 // fp8-block128: E4M3 codes [N, K], f32 multipliers [ceil(N/128), ceil(K/128)].
 struct Fp8Block128Weight {
     typedef Fp8Chunk Chunk;
+    static constexpr int PIECES = 1;
     struct __align__(16) Slot {
         uint4 raw;
     };
+    static __device__ __forceinline__ uint4 piece(const Slot& slot, int) { return slot.raw; }
     __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
         cp_async16(&dst->raw, q + (size_t)row * K + k);
     }
@@ -248,26 +253,44 @@ struct Fp8Block128Weight {
 // scales [N, K/16]; `global` is weight_scale_2.
 struct Nvfp4Weight {
     typedef Nvfp4Chunk Chunk;
-    // The block scales stream from HBM like the codes (1 byte per 16 weights), so they
-    // travel through the pipeline too: each lane copies the aligned 4-byte word holding
-    // its scale (possible when a row's scales start 4-byte aligned, K % 64 == 0; else the
-    // scale is read when the chunk is consumed).
+    // A lane takes 32 weights of a row per step (two 16-weight pieces, 16 bytes of codes):
+    // with 16 weights (8 bytes) per step, a lane spent as many instructions on the ring,
+    // its addresses and the loop per weight as on the decode itself, and its ring held
+    // half of fp8's bytes in flight. The block scales stream from HBM like the codes (1
+    // byte per 16 weights), so they travel through the ring too: each lane copies the
+    // aligned 4-byte word holding its two scales (possible when a row's scales start
+    // 4-byte aligned, K % 64 == 0; else each piece's scale is read when it is consumed).
+    static constexpr int PIECES = 2;
     struct __align__(16) Slot {
-        uint2 raw;
+        uint4 raw;
         unsigned int scale_word;
     };
+    static __device__ __forceinline__ uint2 piece(const Slot& slot, int p) {
+        return p == 0 ? make_uint2(slot.raw.x, slot.raw.y) : make_uint2(slot.raw.z, slot.raw.w);
+    }
     __device__ __forceinline__ bool scale_words_aligned() const { return ((K >> 4) & 3) == 0; }
+    // Weights [k, k + 32) of `row`, k % 32 == 0 and k < K; where K % 32 == 16 the last
+    // lane's second piece lies past the row: it is not copied, and never consumed.
     __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
-        cp_async8(&dst->raw, q + (size_t)row * (K >> 1) + (k >> 1));
+        const unsigned char* src = q + (size_t)row * (K >> 1) + (k >> 1);
+        if ((K & 31) == 0) {
+            cp_async16(&dst->raw, src);
+        } else {
+            // Rows start 8-byte aligned only.
+            cp_async8(&dst->raw.x, src);
+            if (k + 16 < K) cp_async8(&dst->raw.z, src + 8);
+        }
         if (scale_words_aligned()) {
+            // k / 16 is even, so both pieces' scales are in the same aligned word.
             const size_t index = (size_t)row * (K >> 4) + (k >> 4);
             cp_async4(&dst->scale_word, scales + (index & ~(size_t)3));
         }
     }
     static __device__ __forceinline__ void clear(Slot* dst) {
-        dst->raw = make_uint2(0, 0);
+        dst->raw = make_uint4(0, 0, 0, 0);
         dst->scale_word = 0;
     }
+    // The scale of the piece starting at k (k % 16 == 0) of a slot issued for this row.
     __device__ __forceinline__ float slot_scale(const Slot& slot, int row, int k) const {
         if (scale_words_aligned()) {
             const unsigned int byte = (slot.scale_word >> (8 * ((k >> 4) & 3))) & 0xFFu;

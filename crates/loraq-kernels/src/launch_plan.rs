@@ -592,6 +592,10 @@ mod host_emulation {
             &[(200, 272)],
         );
         check(Sequence::UnfusedDecode, &[0, 37], &[1, 16], &[(129, 1040)]);
+        // In-dim 2112 (K % 64 == 0, three 1024-wide NVFP4 steps, the last partial):
+        // NVFP4's 16-byte copies and block-scale words through the ring, which the
+        // in-dims above (K % 64 == 16) do not take.
+        check(Sequence::Fused("fused"), &[0, 256], &[1, 16], &[(72, 2112)]);
     }
 
     #[test]

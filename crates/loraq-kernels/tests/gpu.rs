@@ -43,7 +43,10 @@ fn check_against_reference(
     let mut checked = 0;
     let mut failures = Vec::new();
     for format in [Format::Bf16, Format::Fp8Block128, Format::Nvfp4] {
-        for (out_dim, in_dim) in [(200, 272), (129, 1040)] {
+        // In-dims 272 and 1040 (K % 64 == 16: a half-valid last NVFP4 lane step, block
+        // scales read at consumption) and 2112 (K % 64 == 0: NVFP4's 16-byte copies and
+        // scale words through the ring, the layout of every Qwen3.8-27B projection).
+        for (out_dim, in_dim) in [(200, 272), (129, 1040), (72, 2112)] {
             for &rank in ranks {
                 let linear = random_linear(format, out_dim, in_dim, rank, 42 + rank as u64);
                 let mut gpu = backend.upload(&linear).unwrap();
