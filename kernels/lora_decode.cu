@@ -214,6 +214,10 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
     };
 #pragma unroll
     for (int stage = 0; stage < S - 1; ++stage) issue(stage);
+    // Programmatic launch: the weights never change, so the first S - 1 steps are in
+    // flight before the previous kernel on the stream has finished; nothing else is
+    // touched before it has.
+    griddep_wait();
     float acc[R][NB];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -390,7 +394,11 @@ __device__ void fused_kernel(const bf16* __restrict__ x, int batch, int N, int K
     constexpr int S = Stages<W>::value;
     __shared__ typename W::Slot ring[DECODE_WARPS][S * R * 32];
     const int warp = threadIdx.x >> 5;
+    // The next programmatic launch may take the SM slots of blocks that have finished.
+    griddep_launch_dependents();
     if ((int)blockIdx.x < shrink_blocks) {
+        // x may be the previous kernel's output, and that kernel may still read t.
+        griddep_wait();
         shrink_rows<NB, R>(lora_a, rank, K, x, batch, t_scale, t, blockIdx.x * WARPS_PER_BLOCK + warp);
         __threadfence();
         __syncthreads();

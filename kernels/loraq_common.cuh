@@ -174,6 +174,30 @@ template <int N>
 inline void cp_async_wait() {}
 #endif
 
+// ---- Programmatic dependent launch (sm_90+). A kernel launched with programmatic stream
+// serialization may start while the previous kernel on its stream still runs: it must
+// call griddep_wait() before it reads anything that kernel writes (x) or writes anything
+// that kernel reads (t, y, the counter); read-only weights may be fetched before. Without
+// that launch attribute both are no-ops. griddep_launch_dependents() lets the next
+// programmatic launch be scheduled once every block of this grid has called it (its
+// blocks then take the SM slots this grid's blocks free as they finish).
+#ifndef LORAQ_HOST_EMULATION
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+#else
+// Host emulation runs launches one after another.
+inline void griddep_wait() {}
+inline void griddep_launch_dependents() {}
+#endif
+
 struct Bf16Weight {
     typedef Bf16Chunk Chunk;
     // One lane's 16 weights in the decode pipeline's shared-memory ring: PIECES pieces

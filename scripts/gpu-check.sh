@@ -3,9 +3,12 @@
 # reference, benchmarks the Qwen3.8-27B layer shapes (5120->17408, 17408->5120,
 # 5120->10240, 5120->6144) at rank 256, batch 1/4/16/128, fp8-block128 and nvfp4 bases,
 # fused vs unfused, and writes a Markdown report to the path given as argument.
-# Budget: under 8 minutes on an H200: build 200 s (skipped with prebuilt binaries),
-# tests 100 s, benchmark 150 s, each under its own timeout, then an experiment (NVFP4
-# decode rings of 3 and 6 stages, batch 1, about 10 s) appended to the report.
+# Budget: under 8 minutes on an H200, every step under its own timeout: build 150 s
+# (skipped with prebuilt binaries), tests 80 s, benchmark 90 s (main table and blocks
+# per SM) + 35 s (tensor-core decode) + 35 s (programmatic dependent launch), then an
+# experiment (NVFP4 decode rings of 3 and 6 stages, batch 1: 2 x (20 s compile where
+# not prebuilt + 20 s)) appended to the report: at most 470 s. With prebuilt binaries
+# the whole check took 12 s on the H200.
 #
 # Usage:
 #   scripts/gpu-check.sh REPORT.md
@@ -91,14 +94,14 @@ else
     command -v cargo >/dev/null 2>&1 || { echo "gpu-check: no cargo; use --prepare elsewhere and LORAQ_GPU_PREBUILT" >&2; exit 1; }
     find_nvrtc
     echo "== build (feature cuda)"
-    timeout 200 cargo build --release -p loraq-kernels --features cuda --tests --benches
+    timeout 150 cargo build --release -p loraq-kernels --features cuda --tests --benches
     test_cmd=(cargo test --release -p loraq-kernels --features cuda --test gpu -- --nocapture --test-threads=1)
     bench_cmd=(cargo bench -p loraq-kernels --features cuda --bench gpu_linear --)
 fi
 
 echo "== GPU kernels vs CPU reference"
 test_status=passed
-if ! timeout 100 "${test_cmd[@]}" 2>&1 | tee "$log_dir/test.log"; then
+if ! timeout 80 "${test_cmd[@]}" 2>&1 | tee "$log_dir/test.log"; then
     test_status=FAILED
 fi
 grep -q "skipped" "$log_dir/test.log" && test_status="SKIPPED ($(grep -m1 skipped "$log_dir/test.log"))"
@@ -106,9 +109,16 @@ grep -q "skipped" "$log_dir/test.log" && test_status="SKIPPED ($(grep -m1 skippe
 echo "== benchmark"
 table="$log_dir/table.md"
 bench_status=done
-if ! LORAQ_GPU_TABLE="$table" LORAQ_GPU_TABLE_ONLY=1 timeout 150 "${bench_cmd[@]}" 2>&1 | tee "$log_dir/bench.log"; then
-    bench_status=FAILED
-fi
+# One process per group of sections, each under its own timeout, the newest kernels
+# last: a kernel that faults (which ends its process's CUDA context) or hangs costs only
+# its own section. Every section appends to the table as it goes.
+for sections in "main,grid:90" "tc:35" "pdl:35"; do
+    if ! LORAQ_GPU_TABLE="$table" LORAQ_GPU_TABLE_ONLY=1 LORAQ_GPU_SECTIONS="${sections%:*}" \
+        timeout "${sections#*:}" "${bench_cmd[@]}" 2>&1 | tee -a "$log_dir/bench.log"; then
+        bench_status="FAILED (section ${sections%:*}; see the bench log)"
+        echo "gpu-check: benchmark section ${sections%:*} failed" | tee -a "$log_dir/bench.log"
+    fi
+done
 
 # Experiment: the NVFP4 batch-1 decode with deeper rings (cubins compiled with
 # -DLORAQ_NVFP4_STAGES=N, by --prepare or here with NVRTC), main table only.
@@ -117,13 +127,15 @@ for stages in $NVFP4_STAGES_EXPERIMENT; do
     cubins="${prebuilt:-$log_dir}/cubins-nvfp4-stages$stages"
     if [[ ! -d "$cubins" ]]; then
         [[ -z "${prebuilt:-}" ]] || continue
-        LORAQ_NVRTC_OPTIONS="-DLORAQ_NVFP4_STAGES=$stages" timeout 60 \
-            cargo run --release -p loraq-kernels --example compile_kernels -- "$cubins" >/dev/null 2>&1 || continue
+        # This device's architecture only (compute capability 9.0 -> sm_90a).
+        arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')a"
+        LORAQ_NVRTC_OPTIONS="-DLORAQ_NVFP4_STAGES=$stages" timeout 20 \
+            cargo run --release -p loraq-kernels --example compile_kernels -- "$cubins" "$arch" >/dev/null 2>&1 || continue
     fi
     echo "== experiment: NVFP4 decode ring of $stages stages"
     part="$log_dir/stages$stages.md"
     if LORAQ_CUBIN_DIR="$cubins" LORAQ_GPU_TABLE="$part" LORAQ_GPU_TABLE_ONLY=1 LORAQ_GPU_FORMATS=nvfp4 \
-        LORAQ_GPU_BATCHES=1 LORAQ_GPU_SECTIONS=main timeout 30 "${bench_cmd[@]}" >>"$log_dir/bench.log" 2>&1; then
+        LORAQ_GPU_BATCHES=1 LORAQ_GPU_SECTIONS=main timeout 20 "${bench_cmd[@]}" >>"$log_dir/bench.log" 2>&1; then
         { echo; echo "NVFP4 decode ring of $stages stages (default 4), batch 1:"; echo; grep '^|' "$part"; } >>"$experiment"
     fi
 done

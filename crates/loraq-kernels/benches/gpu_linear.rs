@@ -9,8 +9,8 @@
 //! - `LORAQ_GPU_BATCHES=1,4`: only these batch sizes in the table;
 //! - `LORAQ_GPU_FORMATS=nvfp4`: only these base formats (fp8-block128, nvfp4);
 //! - `LORAQ_GPU_SECTIONS=main`: only these parts of the table (`main`: the fused vs
-//!   unfused table, `grid`: blocks per SM, `tc`: the tensor-core decode), for probe
-//!   and experiment runs.
+//!   unfused table, `grid`: blocks per SM, `tc`: the tensor-core decode, `pdl`: the
+//!   fused decode with programmatic dependent launch), for probe and experiment runs.
 //!
 //! Skips (prints why) without a CUDA driver or NVRTC.
 
@@ -318,6 +318,59 @@ fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
     }
 }
 
+/// The CUDA-core fused decode launched with programmatic stream serialization
+/// ([`CudaBackend::set_programmatic_launch`]) against the plain launch, at 1, 4 and 16
+/// tokens, appended to the table: with back-to-back calls (each on its own weights, as
+/// the timed loop cycles through copies) a launch's blocks fetch their first weights
+/// while the previous launch drains.
+fn compare_programmatic_launch(backend: &mut CudaBackend, path: &str) {
+    let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4800.0);
+    let mut md = std::fs::read_to_string(path).unwrap_or_default();
+    writeln!(
+        md,
+        "\nFused decode with programmatic dependent launch (`CudaBackend::set_programmatic_launch`) against the plain launch:\n"
+    )
+    .unwrap();
+    writeln!(
+        md,
+        "| base | shape | batch | plain us | programmatic us | GB/s | % of peak | speedup |"
+    )
+    .unwrap();
+    writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|").unwrap();
+    for format in formats() {
+        let format = format.as_str();
+        for (name, out_dim, in_dim) in SHAPES {
+            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
+            let weight_bytes = copies[0].weight_bytes();
+            for batch in [1usize, 4, 16] {
+                let x = backend
+                    .upload_activations(&vec![0.5f32; batch * in_dim])
+                    .unwrap();
+                let mut y = backend.alloc_output(batch * out_dim).unwrap();
+                backend.set_programmatic_launch(false);
+                let plain = time_ms(backend, &mut copies, &x, batch, &mut y, GpuMode::Fused);
+                backend.set_programmatic_launch(true);
+                let programmatic = time_ms(backend, &mut copies, &x, batch, &mut y, GpuMode::Fused);
+                backend.set_programmatic_launch(false);
+                let gbps = weight_bytes as f64 / (programmatic * 1e-3) / 1e9;
+                let row = format!(
+                    "| {format} | {name} | {batch} | {:.1} | {:.1} | {gbps:.0} | {:.0}% | {:.2}x |",
+                    plain * 1e3,
+                    programmatic * 1e3,
+                    100.0 * gbps / peak,
+                    plain / programmatic
+                );
+                eprintln!("{row}");
+                writeln!(md, "{row}").unwrap();
+                std::fs::write(path, &md).unwrap();
+            }
+        }
+    }
+}
+
 fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
     let mut group = c.benchmark_group("gpu_decode_r256");
     group
@@ -379,7 +432,7 @@ fn main() {
         }
     }
     if let Ok(path) = std::env::var("LORAQ_GPU_TABLE") {
-        let sections = env_list("LORAQ_GPU_SECTIONS", &["main", "grid", "tc"]);
+        let sections = env_list("LORAQ_GPU_SECTIONS", &["main", "grid", "tc", "pdl"]);
         let wants = |name: &str| sections.iter().any(|s| s == name);
         if wants("main") {
             write_table(&backend, &path);
@@ -389,6 +442,9 @@ fn main() {
         }
         if wants("tc") {
             compare_tensor_core_decode(&backend, &path);
+        }
+        if wants("pdl") {
+            compare_programmatic_launch(&mut backend, &path);
         }
     }
     if std::env::var("LORAQ_GPU_TABLE_ONLY").is_ok_and(|v| v == "1") {

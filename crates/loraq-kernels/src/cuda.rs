@@ -15,7 +15,8 @@ use crate::lora::MAX_RANK;
 use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
 use crate::weight::BaseWeight;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -84,11 +85,15 @@ pub struct CudaBackend {
     decode: Arc<CudaModule>,
     prefill: Arc<CudaModule>,
     arch: String,
+    /// Compute capability major version (9: Hopper).
+    major: i32,
     name: String,
     sm_count: usize,
     /// Cap on resident decode blocks per SM (benchmark exploration); `None`: as many as
     /// the kernel's occupancy allows.
     decode_blocks_per_sm: Option<u32>,
+    /// Launch the CUDA-core fused decode with programmatic stream serialization.
+    programmatic_launch: bool,
     /// Loaded decode kernels with their occupancy (blocks per SM at 128 threads).
     decode_functions: Mutex<HashMap<String, (CudaFunction, u32)>>,
 }
@@ -160,9 +165,11 @@ impl CudaBackend {
             ctx,
             stream,
             arch,
+            major,
             name,
             sm_count,
             decode_blocks_per_sm: None,
+            programmatic_launch: false,
             decode_functions: Mutex::new(HashMap::new()),
         })
     }
@@ -171,6 +178,17 @@ impl CudaBackend {
     /// many as their occupancy allows). For benchmarks comparing launch shapes.
     pub fn set_decode_blocks_per_sm(&mut self, blocks: Option<u32>) {
         self.decode_blocks_per_sm = blocks.map(|b| b.max(1));
+    }
+
+    /// Launches the CUDA-core fused decode (`GpuMode::Fused`, batch 1..16) with
+    /// programmatic stream serialization (programmatic dependent launch, sm_90+): a
+    /// launch may then start while the previous kernel on the stream drains, its blocks
+    /// taking the SM slots that kernel's blocks free; they fetch their first weights and
+    /// wait (`griddepcontrol.wait`) for the previous kernel to complete before touching
+    /// activations, outputs or the LoRA intermediate. For chains of layers on one stream
+    /// (what a server runs); off by default. Ignored before sm_90.
+    pub fn set_programmatic_launch(&mut self, enabled: bool) {
+        self.programmatic_launch = enabled;
     }
 
     /// Read bandwidth (GB/s) of a plain streaming kernel over `bytes` of device memory
@@ -427,6 +445,71 @@ fn as_i32(v: usize, what: &'static str) -> Result<i32> {
     })
 }
 
+/// A kernel argument as `cuLaunchKernel` takes it: a pointer to the argument's value.
+fn kernel_param<T>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
+
+/// Launches `function` on the backend's stream with raw parameters; `programmatic`
+/// adds the programmatic-stream-serialization attribute (`cuLaunchKernelEx`).
+///
+/// # Safety
+/// `params` must point to values matching the kernel's parameters, alive for the call.
+unsafe fn launch_raw(
+    backend: &CudaBackend,
+    function: &CudaFunction,
+    config: LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+    programmatic: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    backend.ctx.bind_to_thread()?;
+    let stream = backend.stream.cu_stream();
+    if !programmatic {
+        // SAFETY: the caller's contract.
+        return unsafe {
+            cudarc::driver::result::launch_kernel(
+                function.cu_function(),
+                config.grid_dim,
+                config.block_dim,
+                config.shared_mem_bytes,
+                stream,
+                params,
+            )
+        };
+    }
+    // SAFETY: an all-zero launch attribute value is valid (a plain union of integers
+    // and handles); the field set below is the one the attribute's id selects.
+    let mut attribute = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: unsafe { std::mem::zeroed() },
+    };
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    let launch_config = sys::CUlaunchConfig {
+        gridDimX: config.grid_dim.0,
+        gridDimY: config.grid_dim.1,
+        gridDimZ: config.grid_dim.2,
+        blockDimX: config.block_dim.0,
+        blockDimY: config.block_dim.1,
+        blockDimZ: config.block_dim.2,
+        sharedMemBytes: config.shared_mem_bytes,
+        hStream: stream,
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    // SAFETY: the configuration and its one attribute live across the call; the
+    // parameters are the caller's contract.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &launch_config,
+            function.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+}
+
 fn grid_1d(blocks: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks.max(1) as u32, 1, 1),
@@ -536,33 +619,62 @@ impl GpuLinear {
                     Some(l) => (&l.a, &l.b),
                     None => (&self.placeholder, &self.placeholder),
                 };
-                let mut builder = stream.launch_builder(&function);
-                builder
-                    .arg(x)
-                    .arg(&batch_i)
-                    .arg(&n_i)
-                    .arg(&k_i)
-                    .arg(&self.codes)
-                    .arg(&self.scales)
-                    .arg(&self.global)
-                    .arg(a)
-                    .arg(b)
-                    .arg(&rank_i)
-                    .arg(&scale)
-                    .arg(&mut self.t)
-                    .arg(&mut self.counter)
-                    .arg(&target)
-                    .arg(&shrink_i)
-                    .arg(&slice_i)
-                    .arg(&mut self.tc_part)
-                    .arg(&mut self.tc_tickets)
-                    .arg(y);
-                // SAFETY: argument list matches `{format}_fused_b{NB}` and
-                // `{format}_tcdec_fused_b{NB}` in lora_decode.cu; t holds batch * rank
-                // floats (forward), tc_part the plan's slices * 16 * rank, tc_tickets one
-                // per 16 rows of A up to MAX_RANK; the grid is co-resident.
-                unsafe { builder.launch(grid_1d(plan.shrink_blocks + plan.base_blocks, threads)) }
-                    .map_err(&launch)?;
+                // Raw pointers: the same argument list serves a plain and a programmatic
+                // launch (cudarc's builder has no launch attributes). Event tracking is
+                // off (with_images), so taking the pointers records nothing.
+                let (x_ptr, codes, scales) = (
+                    x.device_ptr(stream).0,
+                    self.codes.device_ptr(stream).0,
+                    self.scales.device_ptr(stream).0,
+                );
+                let (a_ptr, b_ptr) = (a.device_ptr(stream).0, b.device_ptr(stream).0);
+                let (t_ptr, counter, part, tickets, y_ptr) = (
+                    self.t.device_ptr_mut(stream).0,
+                    self.counter.device_ptr_mut(stream).0,
+                    self.tc_part.device_ptr_mut(stream).0,
+                    self.tc_tickets.device_ptr_mut(stream).0,
+                    y.device_ptr_mut(stream).0,
+                );
+                let mut params = [
+                    kernel_param(&x_ptr),
+                    kernel_param(&batch_i),
+                    kernel_param(&n_i),
+                    kernel_param(&k_i),
+                    kernel_param(&codes),
+                    kernel_param(&scales),
+                    kernel_param(&self.global),
+                    kernel_param(&a_ptr),
+                    kernel_param(&b_ptr),
+                    kernel_param(&rank_i),
+                    kernel_param(&scale),
+                    kernel_param(&t_ptr),
+                    kernel_param(&counter),
+                    kernel_param(&target),
+                    kernel_param(&shrink_i),
+                    kernel_param(&slice_i),
+                    kernel_param(&part),
+                    kernel_param(&tickets),
+                    kernel_param(&y_ptr),
+                ];
+                // Only the CUDA-core kernel waits before touching what the previous
+                // kernel may use (griddep_wait in lora_decode.cu).
+                let programmatic =
+                    backend.programmatic_launch && plan.kind == "fused" && backend.major >= 9;
+                // SAFETY: the parameters match `{format}_fused_b{NB}` and
+                // `{format}_tcdec_fused_b{NB}` in lora_decode.cu, in order and type, and
+                // outlive the call; t holds batch * rank floats (forward), tc_part the
+                // plan's slices * 16 * rank, tc_tickets one per 16 rows of A up to
+                // MAX_RANK; the grid is co-resident.
+                unsafe {
+                    launch_raw(
+                        backend,
+                        &function,
+                        grid_1d(plan.shrink_blocks + plan.base_blocks, threads),
+                        &mut params,
+                        programmatic,
+                    )
+                }
+                .map_err(&launch)?;
             }
             GpuMode::Unfused => {
                 let (f, resident) = backend.decode_fn(&format!("{}_base_b{nb}", self.format))?;

@@ -66,24 +66,7 @@ fn check_against_reference(
                                 continue;
                             }
                         };
-                        let (mut bad, mut worst, mut first) = (0usize, 0.0f64, None);
-                        for (i, ((&g, &w), &m)) in got.iter().zip(&want).zip(&magnitude).enumerate()
-                        {
-                            let tol = (m + f64::from(w.abs())) / 256.0 + 1e-6;
-                            let ratio = (f64::from(g) - f64::from(w)).abs() / tol;
-                            if ratio.is_nan() || ratio > 1.0 {
-                                bad += 1;
-                                first.get_or_insert(format!("output {i}: gpu {g}, reference {w}"));
-                            }
-                            worst = worst.max(if ratio.is_nan() { f64::INFINITY } else { ratio });
-                        }
-                        if bad > 0 {
-                            failures.push(format!(
-                                "{config}: {bad}/{} outside tolerance (worst {worst:.2}x), first {}",
-                                got.len(),
-                                first.unwrap_or_default()
-                            ));
-                        }
+                        failures.extend(compare(&config, &got, &want, &magnitude));
                         checked += 1;
                     }
                 }
@@ -91,6 +74,28 @@ fn check_against_reference(
         }
     }
     (checked, failures)
+}
+
+/// The failure line of one configuration, if any output is outside tolerance: bf16
+/// output rounding (2^-8 of |y|) plus 2^-8 of the magnitude sum.
+fn compare(config: &str, got: &[f32], want: &[f32], magnitude: &[f64]) -> Option<String> {
+    let (mut bad, mut worst, mut first) = (0usize, 0.0f64, None);
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(magnitude).enumerate() {
+        let tol = (m + f64::from(w.abs())) / 256.0 + 1e-6;
+        let ratio = (f64::from(g) - f64::from(w)).abs() / tol;
+        if ratio.is_nan() || ratio > 1.0 {
+            bad += 1;
+            first.get_or_insert(format!("output {i}: gpu {g}, reference {w}"));
+        }
+        worst = worst.max(if ratio.is_nan() { f64::INFINITY } else { ratio });
+    }
+    (bad > 0).then(|| {
+        format!(
+            "{config}: {bad}/{} outside tolerance (worst {worst:.2}x), first {}",
+            got.len(),
+            first.unwrap_or_default()
+        )
+    })
 }
 
 fn report(checked: usize, failures: &[String]) {
@@ -166,4 +171,68 @@ fn repeatable(batch: usize, mode: GpuMode) {
     for _ in 0..50 {
         assert_eq!(gpu.forward_host(&backend, &x, batch, mode).unwrap(), first);
     }
+}
+
+/// Programmatic dependent launch (`set_programmatic_launch`): eight fused decodes of one
+/// square linear queued back to back, each reading the previous one's output as its
+/// activations (a layer chain) and all sharing the linear's LoRA intermediate and
+/// release counter. A launch that read x or wrote t, the counter or y before the
+/// previous launch had finished would break the chain; each output is checked against
+/// the reference applied to the input it actually had. Named to run last (libtest runs
+/// tests in name order, one thread here), so a fault in it cannot hide other results.
+#[test]
+fn with_programmatic_launch_chained_decodes_match_cpu_reference() {
+    let Some(mut backend) = backend_or_skip() else {
+        return;
+    };
+    backend.set_programmatic_launch(true);
+    const CHAIN: usize = 8;
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for format in [Format::Fp8Block128, Format::Nvfp4] {
+        for dim in [1040, 2112] {
+            for rank in [37, 256] {
+                let linear = random_linear(format, dim, dim, rank, 11 + rank as u64);
+                let mut gpu = backend.upload(&linear).unwrap();
+                for batch in [1, 3, 16] {
+                    let x0 = round_bf16(&random_activations(batch * dim, 77 + batch as u64));
+                    let mut buffers = vec![backend.upload_activations(&x0).unwrap()];
+                    for _ in 0..CHAIN {
+                        buffers.push(backend.alloc_output(batch * dim).unwrap());
+                    }
+                    for step in 0..CHAIN {
+                        let (inputs, outputs) = buffers.split_at_mut(step + 1);
+                        gpu.forward(
+                            &backend,
+                            &inputs[step],
+                            batch,
+                            &mut outputs[0],
+                            GpuMode::Fused,
+                        )
+                        .unwrap();
+                    }
+                    backend.synchronize().unwrap();
+                    let values: Vec<Vec<f32>> = buffers
+                        .iter()
+                        .map(|b| backend.download(b).unwrap())
+                        .collect();
+                    for step in 0..CHAIN {
+                        let config = format!(
+                            "{format:?} {dim}x{dim} r={rank} batch={batch} chain step {step}"
+                        );
+                        let (want, magnitude) =
+                            forward_reference_with_magnitude(&linear, &values[step], batch)
+                                .unwrap();
+                        if let Some(failure) =
+                            compare(&config, &values[step + 1], &want, &magnitude)
+                        {
+                            failures.push(failure);
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    report(checked, &failures);
 }
