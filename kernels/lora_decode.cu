@@ -151,9 +151,9 @@ template <class W>
 struct Stages {
     static constexpr int value = sizeof(typename W::Slot) > 16 ? 3 : 4;
 };
-// NVFP4 slots are 32 bytes of shared memory but carry 16 bytes of codes, like fp8's;
-// `scripts/gpu-check.sh` times other depths (-DLORAQ_NVFP4_STAGES=3 and 6) beside this
-// default as an experiment.
+// NVFP4 slots carry 16 bytes of codes, like fp8's, plus a 4-byte scale word (20 bytes of
+// shared memory), so they keep fp8's depth; `scripts/gpu-check.sh` times the 8-byte step
+// they replaced (-DLORAQ_NVFP4_PIECES=1) beside this default as an experiment.
 #ifndef LORAQ_NVFP4_STAGES
 #define LORAQ_NVFP4_STAGES 4
 #endif
@@ -184,7 +184,8 @@ struct StreamCursor {
 // and valid in every lane.
 template <class W, int NB, int R, int S, class Hook>
 __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict__ x, int batch, int N, int K,
-                                              int warp_id, int warps_total, typename W::Slot* ring, Hook& hook) {
+                                              int warp_id, int warps_total,
+                                              typename W::template Ring<S * R * 32>& ring, Hook& hook) {
     typedef typename W::Slot Slot;
     const int lane = threadIdx.x & 31;
     const int groups = (N + R - 1) / R;
@@ -197,14 +198,14 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
     auto issue = [&](int stage) {
         if (fill.group < groups) {
             const int k = fill.chunk * WARP_SPAN + lane * LANE_SPAN;
-            Slot* slots = ring + stage * R * 32 + lane;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int row = fill.group * R + r;
+                const int i = (stage * R + r) * 32 + lane;
                 if (row < N && k < K) {
-                    w.issue(slots + r * 32, row, k);
+                    ring.issue(w, i, row, k);
                 } else {
-                    W::clear(slots + r * 32);
+                    ring.clear(i);
                 }
             }
             fill.advance(steps_per_group, warps_total);
@@ -227,9 +228,8 @@ __device__ __forceinline__ void stream_groups(const W& w, const bf16* __restrict
     for (StreamCursor at{warp_id, 0}; at.group < groups; at.advance(steps_per_group, warps_total)) {
         cp_async_wait<S - 2>();
         Slot slot[R];
-        const Slot* slots = ring + stage * R * 32 + lane;
 #pragma unroll
-        for (int r = 0; r < R; ++r) slot[r] = slots[r * 32];
+        for (int r = 0; r < R; ++r) slot[r] = ring.load((stage * R + r) * 32 + lane);
         // Refills the slot consumed one step ago.
         issue(stage == 0 ? S - 1 : stage - 1);
         stage = stage == S - 1 ? 0 : stage + 1;
@@ -392,7 +392,7 @@ __device__ void fused_kernel(const bf16* __restrict__ x, int batch, int N, int K
                              int shrink_blocks, bf16* __restrict__ y) {
     constexpr int R = RowsPerWarp<NB>::value;
     constexpr int S = Stages<W>::value;
-    __shared__ typename W::Slot ring[DECODE_WARPS][S * R * 32];
+    __shared__ typename W::template Ring<S * R * 32> ring[DECODE_WARPS];
     const int warp = threadIdx.x >> 5;
     // The next programmatic launch may take the SM slots of blocks that have finished.
     griddep_launch_dependents();
@@ -415,7 +415,7 @@ template <class W, int NB>
 __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K, W w, bf16* __restrict__ y) {
     constexpr int R = RowsPerWarp<NB>::value;
     constexpr int S = Stages<W>::value;
-    __shared__ typename W::Slot ring[DECODE_WARPS][S * R * 32];
+    __shared__ typename W::template Ring<S * R * 32> ring[DECODE_WARPS];
     const int warp = threadIdx.x >> 5;
     StoreGroup<W, NB, R> store{w, batch, N, 0, nullptr, nullptr, nullptr, 0, y, true, {}};
     stream_groups<W, NB, R, S>(w, x, batch, N, K, blockIdx.x * DECODE_WARPS + warp, gridDim.x * DECODE_WARPS,

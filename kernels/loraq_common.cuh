@@ -198,14 +198,29 @@ inline void griddep_wait() {}
 inline void griddep_launch_dependents() {}
 #endif
 
+// ---- The decode stream's per-lane shared-memory ring (lora_decode.cu). Each format has
+// PIECES (pieces of 16 weights, each with its own scale, per lane and step), Slot (one
+// lane's step as it is consumed, in registers), piece(slot, p), slot_scale(slot, row,
+// k), and Ring<N>: N slots in shared memory with issue(w, i, row, k) (cp.async of the
+// step at weights [k, k + 16 * PIECES) of `row`, k < K), clear(i) and load(i).
+
+// A ring of whole slots, for formats whose slot is only the weights' bytes.
+template <class W, int N>
+struct SlotRing {
+    typename W::Slot slots[N];
+    __device__ __forceinline__ void issue(const W& w, int i, int row, int k) { w.issue(&slots[i], row, k); }
+    __device__ __forceinline__ void clear(int i) { W::clear(&slots[i]); }
+    __device__ __forceinline__ typename W::Slot load(int i) const { return slots[i]; }
+};
+
 struct Bf16Weight {
     typedef Bf16Chunk Chunk;
-    // One lane's 16 weights in the decode pipeline's shared-memory ring: PIECES pieces
-    // of 16 weights (each with its own scale) per lane and step.
     static constexpr int PIECES = 1;
     struct __align__(16) Slot {
         Bf16Chunk::Raw raw;
     };
+    template <int N>
+    using Ring = SlotRing<Bf16Weight, N>;
     static __device__ __forceinline__ Bf16Chunk::Raw piece(const Slot& slot, int) { return slot.raw; }
     __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
         const bf16* src = w + (size_t)row * K + k;
@@ -230,20 +245,42 @@ struct Bf16Weight {
     }
 };
 
+// Pieces per lane step of the fp8 decode stream: 1 (16 bytes; the default, as measured on
+// the H200) or 2 (32 bytes: half the loop, ring and address instructions per weight, a
+// 3-stage ring), an experiment of scripts/gpu-check.sh.
+#ifndef LORAQ_FP8_PIECES
+#define LORAQ_FP8_PIECES 1
+#endif
+
 // fp8-block128: E4M3 codes [N, K], f32 multipliers [ceil(N/128), ceil(K/128)].
 struct Fp8Block128Weight {
     typedef Fp8Chunk Chunk;
-    static constexpr int PIECES = 1;
+    static constexpr int PIECES = LORAQ_FP8_PIECES;
     struct __align__(16) Slot {
-        uint4 raw;
+        uint4 raw[PIECES];
     };
-    static __device__ __forceinline__ uint4 piece(const Slot& slot, int) { return slot.raw; }
+    template <int N>
+    using Ring = SlotRing<Fp8Block128Weight, N>;
+    static __device__ __forceinline__ uint4 piece(const Slot& slot, int p) { return slot.raw[p]; }
+    // Rows start 16-byte aligned (K % 16 == 0 on the GPU); a piece at or past K is not
+    // copied, and never consumed.
     __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
-        cp_async16(&dst->raw, q + (size_t)row * K + k);
+        const unsigned char* src = q + (size_t)row * K + k;
+        cp_async16(&dst->raw[0], src);
+#pragma unroll
+        for (int p = 1; p < PIECES; ++p)
+            if (k + 16 * p < K) cp_async16(&dst->raw[p], src + 16 * p);
     }
-    static __device__ __forceinline__ void clear(Slot* dst) { dst->raw = make_uint4(0, 0, 0, 0); }
-    // The 128x128 tile multipliers are few and stay in L1.
-    __device__ __forceinline__ float slot_scale(const Slot&, int row, int k) const { return scale(row, k); }
+    static __device__ __forceinline__ void clear(Slot* dst) {
+#pragma unroll
+        for (int p = 0; p < PIECES; ++p) dst->raw[p] = make_uint4(0, 0, 0, 0);
+    }
+    // The 128x128 tile multipliers are few and stay in L1. A step (16 * PIECES inputs,
+    // which divides 128) never crosses a tile, so every piece reads the step's first
+    // input's multiplier: one load per row and step.
+    __device__ __forceinline__ float slot_scale(const Slot&, int row, int k) const {
+        return scale(row, k & ~(16 * PIECES - 1));
+    }
     const unsigned char* q;
     const float* scales;
     int K;
@@ -273,6 +310,28 @@ struct Fp8Block128Weight {
     }
 };
 
+// Pieces per lane step of the NVFP4 decode stream: 2 (32 weights, 16 bytes of codes; the
+// default) or 1 (8 bytes, as measured on the H200), an experiment of scripts/gpu-check.sh.
+#ifndef LORAQ_NVFP4_PIECES
+#define LORAQ_NVFP4_PIECES 2
+#endif
+
+// One lane step's NVFP4 codes: 8 bytes (one piece) or 16 (two).
+template <int P>
+struct Nvfp4Codes;
+template <>
+struct Nvfp4Codes<1> {
+    typedef uint2 Type;
+    static __device__ __forceinline__ uint2 piece(const uint2& codes, int) { return codes; }
+};
+template <>
+struct Nvfp4Codes<2> {
+    typedef uint4 Type;
+    static __device__ __forceinline__ uint2 piece(const uint4& codes, int p) {
+        return p == 0 ? make_uint2(codes.x, codes.y) : make_uint2(codes.z, codes.w);
+    }
+};
+
 // NVFP4 (ModelOpt): packed E2M1 [N, K/2] (even element in the low nibble), E4M3 block
 // scales [N, K/16]; `global` is weight_scale_2.
 struct Nvfp4Weight {
@@ -282,38 +341,50 @@ struct Nvfp4Weight {
     // its addresses and the loop per weight as on the decode itself, and its ring held
     // half of fp8's bytes in flight. The block scales stream from HBM like the codes (1
     // byte per 16 weights), so they travel through the ring too: each lane copies the
-    // aligned 4-byte word holding its two scales (possible when a row's scales start
-    // 4-byte aligned, K % 64 == 0; else each piece's scale is read when it is consumed).
-    static constexpr int PIECES = 2;
-    struct __align__(16) Slot {
-        uint4 raw;
+    // aligned 4-byte word holding its scales (possible when a row's scales start 4-byte
+    // aligned, K % 64 == 0; else each piece's scale is read when it is consumed).
+    static constexpr int PIECES = LORAQ_NVFP4_PIECES;
+    typedef Nvfp4Codes<PIECES>::Type Codes;
+    struct Slot {
+        Codes raw;
         unsigned int scale_word;
     };
-    static __device__ __forceinline__ uint2 piece(const Slot& slot, int p) {
-        return p == 0 ? make_uint2(slot.raw.x, slot.raw.y) : make_uint2(slot.raw.z, slot.raw.w);
-    }
+    static __device__ __forceinline__ uint2 piece(const Slot& slot, int p) { return Nvfp4Codes<PIECES>::piece(slot.raw, p); }
     __device__ __forceinline__ bool scale_words_aligned() const { return ((K >> 4) & 3) == 0; }
-    // Weights [k, k + 32) of `row`, k % 32 == 0 and k < K; where K % 32 == 16 the last
-    // lane's second piece lies past the row: it is not copied, and never consumed.
-    __device__ __forceinline__ void issue(Slot* dst, int row, int k) const {
-        const unsigned char* src = q + (size_t)row * (K >> 1) + (k >> 1);
-        if ((K & 31) == 0) {
-            cp_async16(&dst->raw, src);
-        } else {
-            // Rows start 8-byte aligned only.
-            cp_async8(&dst->raw.x, src);
-            if (k + 16 < K) cp_async8(&dst->raw.z, src + 8);
+    // Codes and scale words in two arrays: 20 bytes of shared memory per slot rather than
+    // a 16-byte-aligned struct's 32, which at six blocks per SM leaves L1 room for x.
+    template <int N>
+    struct Ring {
+        Codes codes[N];
+        unsigned int scale_words[N];
+        // Where K % 32 == 16 the last lane's second piece lies past the row: it is not
+        // copied, and never consumed.
+        __device__ __forceinline__ void issue(const Nvfp4Weight& w, int i, int row, int k) {
+            const int K = w.K;
+            const unsigned char* src = w.q + (size_t)row * (K >> 1) + (k >> 1);
+            if (PIECES == 1) {
+                cp_async8(&codes[i], src);
+            } else if ((K & 31) == 0) {
+                cp_async16(&codes[i], src);
+            } else {
+                // Rows start 8-byte aligned only.
+                unsigned int* words = reinterpret_cast<unsigned int*>(&codes[i]);
+                cp_async8(words, src);
+                if (k + 16 < K) cp_async8(words + 2, src + 8);
+            }
+            if (w.scale_words_aligned()) {
+                // Every piece of the step has its scale in this word (k % (16 * PIECES)
+                // == 0, and 16 * PIECES divides 64).
+                const size_t index = (size_t)row * (K >> 4) + (k >> 4);
+                cp_async4(&scale_words[i], w.scales + (index & ~(size_t)3));
+            }
         }
-        if (scale_words_aligned()) {
-            // k / 16 is even, so both pieces' scales are in the same aligned word.
-            const size_t index = (size_t)row * (K >> 4) + (k >> 4);
-            cp_async4(&dst->scale_word, scales + (index & ~(size_t)3));
+        __device__ __forceinline__ void clear(int i) {
+            codes[i] = Codes{};
+            scale_words[i] = 0;
         }
-    }
-    static __device__ __forceinline__ void clear(Slot* dst) {
-        dst->raw = make_uint4(0, 0, 0, 0);
-        dst->scale_word = 0;
-    }
+        __device__ __forceinline__ Slot load(int i) const { return Slot{codes[i], scale_words[i]}; }
+    };
     // The scale of the piece starting at k (k % 16 == 0) of a slot issued for this row.
     __device__ __forceinline__ float slot_scale(const Slot& slot, int row, int k) const {
         if (scale_words_aligned()) {

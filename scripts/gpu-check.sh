@@ -6,8 +6,8 @@
 # Budget: under 8 minutes on an H200, every step under its own timeout: build 150 s
 # (skipped with prebuilt binaries), tests 80 s, benchmark 90 s (main table and blocks
 # per SM) + 35 s (tensor-core decode) + 35 s (programmatic dependent launch), then an
-# experiment (NVFP4 decode rings of 3 and 6 stages, batch 1: 2 x (20 s compile where
-# not prebuilt + 20 s)) appended to the report: at most 470 s. With prebuilt binaries
+# experiment (two variants of the decode's lane step, batch 1: 2 x (15 s compile where
+# not prebuilt + 20 s)) appended to the report: at most 460 s. With prebuilt binaries
 # the whole check took 12 s on the H200.
 #
 # Usage:
@@ -44,18 +44,24 @@ find_nvrtc() {
     # CUDA_HOME / CUDA_PATH / /usr/local/cuda are searched by the binaries themselves.
 }
 
-# Ring depths of the NVFP4 decode timed as an experiment (the kernels' default is 4).
-NVFP4_STAGES_EXPERIMENT="3 6"
+# Variants of the batch-1 decode timed as an experiment beside the default kernels:
+# name|NVRTC options|formats. The lane step: NVFP4's former 8 bytes (one 16-weight
+# piece) against its default 16, fp8's 32 bytes (two pieces) against its default 16.
+DECODE_VARIANTS=(
+    "nvfp4-pieces1|-DLORAQ_NVFP4_PIECES=1|nvfp4"
+    "fp8-pieces2|-DLORAQ_FP8_PIECES=2|fp8-block128"
+)
 
 if [[ "${1:-}" == "--prepare" ]]; then
     out="${2:?usage: gpu-check.sh --prepare DIR}"
     mkdir -p "$out"
     find_nvrtc
     cargo run --release -p loraq-kernels --example compile_kernels -- "$out/cubins"
-    # Experiment: deeper NVFP4 decode rings (timed after the report's main table).
-    for stages in $NVFP4_STAGES_EXPERIMENT; do
-        LORAQ_NVRTC_OPTIONS="-DLORAQ_NVFP4_STAGES=$stages" \
-            cargo run --release -p loraq-kernels --example compile_kernels -- "$out/cubins-nvfp4-stages$stages" sm_90a sm_100a sm_120a
+    # Experiment: variants of the decode (timed after the report's main tables).
+    for variant in "${DECODE_VARIANTS[@]}"; do
+        IFS='|' read -r name options _ <<<"$variant"
+        LORAQ_NVRTC_OPTIONS="$options" \
+            cargo run --release -p loraq-kernels --example compile_kernels -- "$out/cubins-$name" sm_90a sm_100a sm_120a
     done
     for kind in "--test gpu" "--bench gpu_linear"; do
         # shellcheck disable=SC2086
@@ -120,23 +126,26 @@ for sections in "main,grid:90" "tc:35" "pdl:35"; do
     fi
 done
 
-# Experiment: the NVFP4 batch-1 decode with deeper rings (cubins compiled with
-# -DLORAQ_NVFP4_STAGES=N, by --prepare or here with NVRTC), main table only.
+# Experiment: the decode variants (cubins compiled with their options, by --prepare or
+# here with NVRTC), main table at batch 1, their formats only.
 experiment="$log_dir/experiment.md"
-for stages in $NVFP4_STAGES_EXPERIMENT; do
-    cubins="${prebuilt:-$log_dir}/cubins-nvfp4-stages$stages"
+for variant in "${DECODE_VARIANTS[@]}"; do
+    IFS='|' read -r name options formats <<<"$variant"
+    cubins="${prebuilt:-$log_dir}/cubins-$name"
     if [[ ! -d "$cubins" ]]; then
         [[ -z "${prebuilt:-}" ]] || continue
         # This device's architecture only (compute capability 9.0 -> sm_90a).
         arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d ' .')a"
-        LORAQ_NVRTC_OPTIONS="-DLORAQ_NVFP4_STAGES=$stages" timeout 20 \
+        LORAQ_NVRTC_OPTIONS="$options" timeout 15 \
             cargo run --release -p loraq-kernels --example compile_kernels -- "$cubins" "$arch" >/dev/null 2>&1 || continue
     fi
-    echo "== experiment: NVFP4 decode ring of $stages stages"
-    part="$log_dir/stages$stages.md"
-    if LORAQ_CUBIN_DIR="$cubins" LORAQ_GPU_TABLE="$part" LORAQ_GPU_TABLE_ONLY=1 LORAQ_GPU_FORMATS=nvfp4 \
+    echo "== experiment: decode variant $name ($options)"
+    part="$log_dir/variant-$name.md"
+    if LORAQ_CUBIN_DIR="$cubins" LORAQ_GPU_TABLE="$part" LORAQ_GPU_TABLE_ONLY=1 LORAQ_GPU_FORMATS="$formats" \
         LORAQ_GPU_BATCHES=1 LORAQ_GPU_SECTIONS=main timeout 20 "${bench_cmd[@]}" >>"$log_dir/bench.log" 2>&1; then
-        { echo; echo "NVFP4 decode ring of $stages stages (default 4), batch 1:"; echo; grep '^|' "$part"; } >>"$experiment"
+        { echo; echo "Variant $name (\`$options\`), batch 1:"; echo; grep '^|' "$part"; } >>"$experiment"
+    else
+        { echo; echo "Variant $name (\`$options\`): FAILED (see the bench log)"; } >>"$experiment"
     fi
 done
 
@@ -151,7 +160,7 @@ done
     echo "- wall time: $(( $(date +%s) - start )) s"
     echo
     if [[ -s "$table" ]]; then cat "$table"; else echo "(no table: see the bench log below)"; tail -n 30 "$log_dir/bench.log" | sed 's/^/    /'; fi
-    if [[ -s "$experiment" ]]; then echo; echo "## Experiment: deeper NVFP4 decode rings"; cat "$experiment"; fi
+    if [[ -s "$experiment" ]]; then echo; echo "## Experiment: decode variants"; cat "$experiment"; fi
     echo
     echo "## test log (tail)"
     echo

@@ -143,18 +143,42 @@ mod host_emulation {
     /// Co-resident blocks of the emulated device.
     const RESIDENT: usize = 24;
 
-    /// The emulator, built once per version of its sources (kept in the system's temp
-    /// directory under a hash of them); `None` (with the reason printed) where no C++20
-    /// compiler runs.
-    fn emulator() -> Option<&'static Path> {
-        static BUILT: OnceLock<Option<PathBuf>> = OnceLock::new();
-        BUILT
+    /// Kernel variants the emulator is built for: the defaults, and the decode lane steps
+    /// `scripts/gpu-check.sh` times as an experiment (fp8 in 32-byte steps, NVFP4 in the
+    /// former 8-byte steps), so a variant that may become the default is checked too.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Variant {
+        Default,
+        AlternateLaneSteps,
+    }
+
+    impl Variant {
+        fn defines(self) -> &'static [&'static str] {
+            match self {
+                Variant::Default => &[],
+                Variant::AlternateLaneSteps => &["-DLORAQ_FP8_PIECES=2", "-DLORAQ_NVFP4_PIECES=1"],
+            }
+        }
+    }
+
+    /// The emulator, built once per version of its sources and variant (kept in the
+    /// system's temp directory under a hash of both); `None` (with the reason printed)
+    /// where no C++20 compiler runs.
+    fn emulator(variant: Variant) -> Option<&'static Path> {
+        static DEFAULT: OnceLock<Option<PathBuf>> = OnceLock::new();
+        static ALTERNATE: OnceLock<Option<PathBuf>> = OnceLock::new();
+        let built = match variant {
+            Variant::Default => &DEFAULT,
+            Variant::AlternateLaneSteps => &ALTERNATE,
+        };
+        built
             .get_or_init(|| {
                 use std::hash::{Hash, Hasher};
                 let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
                 let emulation = crate_dir.join("host_emulation");
                 let kernels = crate_dir.join("../../kernels");
                 let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                variant.defines().hash(&mut hasher);
                 // Every source of the emulator: a change to any rebuilds it.
                 for dir in [&emulation, &kernels] {
                     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -177,7 +201,9 @@ mod host_emulation {
                 let partial = dir.join(format!("emulator.{}", std::process::id()));
                 let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
                 let built = Command::new(&cxx)
-                    .args(["-std=c++20", "-O1", "-pthread", "-w", "-I"])
+                    .args(["-std=c++20", "-O1", "-pthread", "-w"])
+                    .args(variant.defines())
+                    .arg("-I")
                     .arg(&emulation)
                     .arg("-I")
                     .arg(&kernels)
@@ -536,7 +562,17 @@ mod host_emulation {
     }
 
     fn check(path: Sequence, ranks: &[usize], batches: &[usize], shapes: &[(usize, usize)]) {
-        let Some(exe) = emulator() else {
+        check_variant(Variant::Default, path, ranks, batches, shapes);
+    }
+
+    fn check_variant(
+        variant: Variant,
+        path: Sequence,
+        ranks: &[usize],
+        batches: &[usize],
+        shapes: &[(usize, usize)],
+    ) {
+        let Some(exe) = emulator(variant) else {
             return;
         };
         let mut failures = Vec::new();
@@ -596,6 +632,26 @@ mod host_emulation {
         // NVFP4's 16-byte copies and block-scale words through the ring, which the
         // in-dims above (K % 64 == 16) do not take.
         check(Sequence::Fused("fused"), &[0, 256], &[1, 16], &[(72, 2112)]);
+    }
+
+    /// The lane-step variants of the CUDA-core decode (fp8 in 32-byte steps, NVFP4 in
+    /// 8-byte steps): ragged and aligned in-dims, fused and unfused.
+    #[test]
+    fn alternate_lane_steps_match_reference() {
+        check_variant(
+            Variant::AlternateLaneSteps,
+            Sequence::Fused("fused"),
+            &[0, 37],
+            &[1, 16],
+            &[(200, 272), (72, 2112)],
+        );
+        check_variant(
+            Variant::AlternateLaneSteps,
+            Sequence::UnfusedDecode,
+            &[0],
+            &[1],
+            &[(129, 1040)],
+        );
     }
 
     #[test]
