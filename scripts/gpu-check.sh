@@ -143,7 +143,7 @@ for variant in "${DECODE_VARIANTS[@]}"; do
     part="$log_dir/variant-$name.md"
     if LORAQ_CUBIN_DIR="$cubins" LORAQ_GPU_TABLE="$part" LORAQ_GPU_TABLE_ONLY=1 LORAQ_GPU_FORMATS="$formats" \
         LORAQ_GPU_BATCHES=1 LORAQ_GPU_SECTIONS=main timeout 20 "${bench_cmd[@]}" >>"$log_dir/bench.log" 2>&1; then
-        { echo; echo "Variant $name (\`$options\`), batch 1:"; echo; grep '^|' "$part"; } >>"$experiment"
+        { echo; echo "Variant $name (\`$options\`), batch 1:"; echo; grep '^|' "$part" 2>/dev/null || echo "(no table)"; } >>"$experiment"
     else
         { echo; echo "Variant $name (\`$options\`): FAILED (see the bench log)"; } >>"$experiment"
     fi
