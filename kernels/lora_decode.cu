@@ -3,12 +3,13 @@
 // Base stream: persistent warps (the grid is what is co-resident). A warp owns row groups
 // of R rows, g = warp, warp + warps_total, ...; each lane streams 16 weights of every row
 // per step (16-byte fp8 / 32-byte bf16 chunks, a warp covers 512 inputs; NVFP4: 32
-// weights, 16 bytes, 1024 inputs) through a per-lane shared-memory ring filled by cp.async, S - 1 steps ahead and across
-// group boundaries, so HBM stays busy while the warp decodes, reduces and writes. The
-// chunk is dequantized in registers (fp8 through the hardware E4M3 -> f16 conversion,
-// NVFP4 through f16 bit placement, its block scales riding in the ring too) and
-// multiplied into all NB tokens' accumulators, the chunk's scale applied once per 16
-// weights. x (bf16) is re-read from L1, the weight exactly once.
+// weights, 16 bytes, 1024 inputs) through a per-lane shared-memory ring filled by
+// cp.async, S - 1 steps ahead and across group boundaries, so HBM stays busy while the
+// warp decodes, reduces and writes. The chunk is dequantized in registers (fp8 through
+// the hardware E4M3 -> f16 conversion, NVFP4 through f16 bit placement, its block
+// scales riding in the ring too) and multiplied into all NB tokens' accumulators, each
+// scale applied once per 16 weights. x (bf16) is re-read from L1, the weight exactly
+// once. (Lane steps per format: LORAQ_FP8_PIECES / LORAQ_NVFP4_PIECES, loraq_common.cuh.)
 //
 // Fused kernels are ONE launch: the first `shrink_blocks` blocks compute the LoRA
 // intermediate t = s * A x (f32, [batch, rank]) and publish it with a release counter;
