@@ -322,7 +322,9 @@ fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
 /// ([`CudaBackend::set_programmatic_launch`]) against the plain launch, at 1, 4 and 16
 /// tokens, appended to the table: with back-to-back calls (each on its own weights, as
 /// the timed loop cycles through copies) a launch's blocks fetch their first weights
-/// while the previous launch drains.
+/// while the previous launch drains. A last row per format times a tiny projection
+/// (512 -> 256, two L2-resident copies) at batch 1: the per-call cost that does not
+/// scale with the weights, plain and programmatic.
 fn compare_programmatic_launch(backend: &mut CudaBackend, path: &str) {
     let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
         .ok()
@@ -340,12 +342,20 @@ fn compare_programmatic_launch(backend: &mut CudaBackend, path: &str) {
     )
     .unwrap();
     writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|").unwrap();
+    const FIXED_COST: (&str, usize, usize) = ("fixed cost 512->256, L2-resident", 256, 512);
     for format in formats() {
         let format = format.as_str();
-        for (name, out_dim, in_dim) in SHAPES {
-            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
+        for (name, out_dim, in_dim) in SHAPES.into_iter().chain([FIXED_COST]) {
+            let fixed_cost = name == FIXED_COST.0;
+            let mut copies = if fixed_cost {
+                let l = linear(format, out_dim, in_dim);
+                vec![backend.upload(&l).unwrap(), backend.upload(&l).unwrap()]
+            } else {
+                rotation_copies(backend, format, out_dim, in_dim)
+            };
             let weight_bytes = copies[0].weight_bytes();
-            for batch in [1usize, 4, 16] {
+            let batches: &[usize] = if fixed_cost { &[1] } else { &[1, 4, 16] };
+            for &batch in batches {
                 let x = backend
                     .upload_activations(&vec![0.5f32; batch * in_dim])
                     .unwrap();
