@@ -106,6 +106,25 @@ const CALLS_PER_RUN: usize = 24;
 /// Timed runs; the median is reported.
 const RUNS: usize = 9;
 
+/// The card's peak memory bandwidth in GB/s (`LORAQ_GPU_PEAK_GBPS`, default the H200's
+/// 4800).
+fn peak_gbps() -> f64 {
+    std::env::var("LORAQ_GPU_PEAK_GBPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4800.0)
+}
+
+/// The table at `path` so far, with a new section's caption and column header appended
+/// (`columns` after the base and shape columns, each right-aligned).
+fn start_section(path: &str, caption: &str, columns: &[&str]) -> String {
+    let mut md = std::fs::read_to_string(path).unwrap_or_default();
+    writeln!(md, "\n{caption}\n").unwrap();
+    writeln!(md, "| base | shape | {} |", columns.join(" | ")).unwrap();
+    writeln!(md, "|---|---|{}", "---:|".repeat(columns.len())).unwrap();
+    md
+}
+
 /// Median milliseconds of one forward, over [`RUNS`] runs of [`CALLS_PER_RUN`]
 /// back-to-back launches cycling through `copies` (distinct device copies of the same
 /// linear, so each call streams its weights from HBM).
@@ -178,10 +197,7 @@ fn measured_copy_gbps(backend: &CudaBackend) -> f64 {
 }
 
 fn write_table(backend: &CudaBackend, path: &str) {
-    let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4800.0);
+    let peak = peak_gbps();
     let copy = measured_copy_gbps(backend);
     let read = backend.measure_read_gbps(1 << 30).unwrap();
     eprintln!("device-to-device copy: {copy:.0} GB/s; streaming read: {read:.0} GB/s");
@@ -235,18 +251,11 @@ fn write_table(backend: &CudaBackend, path: &str) {
 /// against the default (as many as are co-resident), appended to the table: how much
 /// in-flight data the stream needs.
 fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
-    let mut md = std::fs::read_to_string(path).unwrap_or_default();
-    writeln!(
-        md,
-        "\nBatch-1 fused decode time (us) by resident 4-warp blocks per SM (default: all that fit):\n"
-    )
-    .unwrap();
-    writeln!(
-        md,
-        "| base | shape | default | 1 per SM | 2 per SM | 4 per SM |"
-    )
-    .unwrap();
-    writeln!(md, "|---|---|---:|---:|---:|---:|").unwrap();
+    let mut md = start_section(
+        path,
+        "Batch-1 fused decode time (us) by resident 4-warp blocks per SM (default: all that fit):",
+        &["default", "1 per SM", "2 per SM", "4 per SM"],
+    );
     for format in formats() {
         let format = format.as_str();
         for (name, out_dim, in_dim) in SHAPES {
@@ -270,22 +279,21 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
 /// The tensor-core decode ([`GpuMode::FusedTensorCoreDecode`]) against the CUDA-core
 /// fused decode and the unfused baseline at 1, 4, 8 and 16 tokens, appended to the table.
 fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
-    let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4800.0);
-    let mut md = std::fs::read_to_string(path).unwrap_or_default();
-    writeln!(
-        md,
-        "\nTensor-core decode (`GpuMode::FusedTensorCoreDecode`) against the CUDA-core fused decode and the unfused baseline:\n"
-    )
-    .unwrap();
-    writeln!(
-        md,
-        "| base | shape | batch | tensor-core us | GB/s | % of peak | CUDA-core fused us | unfused us | speedup vs CUDA-core fused | vs unfused |"
-    )
-    .unwrap();
-    writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|").unwrap();
+    let peak = peak_gbps();
+    let mut md = start_section(
+        path,
+        "Tensor-core decode (`GpuMode::FusedTensorCoreDecode`) against the CUDA-core fused decode and the unfused baseline:",
+        &[
+            "batch",
+            "tensor-core us",
+            "GB/s",
+            "% of peak",
+            "CUDA-core fused us",
+            "unfused us",
+            "speedup vs CUDA-core fused",
+            "vs unfused",
+        ],
+    );
     for format in formats() {
         let format = format.as_str();
         for (name, out_dim, in_dim) in SHAPES {
@@ -326,22 +334,19 @@ fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
 /// (512 -> 256, two L2-resident copies) at batch 1: the per-call cost that does not
 /// scale with the weights, plain and programmatic.
 fn compare_programmatic_launch(backend: &mut CudaBackend, path: &str) {
-    let peak: f64 = std::env::var("LORAQ_GPU_PEAK_GBPS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4800.0);
-    let mut md = std::fs::read_to_string(path).unwrap_or_default();
-    writeln!(
-        md,
-        "\nFused decode with programmatic dependent launch (`CudaBackend::set_programmatic_launch`) against the plain launch:\n"
-    )
-    .unwrap();
-    writeln!(
-        md,
-        "| base | shape | batch | plain us | programmatic us | GB/s | % of peak | speedup |"
-    )
-    .unwrap();
-    writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|").unwrap();
+    let peak = peak_gbps();
+    let mut md = start_section(
+        path,
+        "Fused decode with programmatic dependent launch (`CudaBackend::set_programmatic_launch`) against the plain launch:",
+        &[
+            "batch",
+            "plain us",
+            "programmatic us",
+            "GB/s",
+            "% of peak",
+            "speedup",
+        ],
+    );
     const FIXED_COST: (&str, usize, usize) = ("fixed cost 512->256, L2-resident", 256, 512);
     for format in formats() {
         let format = format.as_str();
