@@ -755,25 +755,34 @@ impl GpuLinear {
         let gemm = backend.prefill_fn(&format!("{}_tc_gemm", self.format))?;
         let zero_i = 0i32;
         let placeholder = &self.placeholder;
+        // y = W x, plus the LoRA expand B t when `lora_b` is given (its rank), in one
+        // `{format}_tc_gemm` launch.
+        let base_gemm = |lora_b: Option<(&CudaSlice<u16>, i32)>,
+                         t: &CudaSlice<f32>,
+                         y: &mut CudaSlice<u16>|
+         -> Result<()> {
+            let (b, rank_i) = lora_b.unwrap_or((placeholder, 0));
+            let mut builder = stream.launch_builder(&gemm);
+            builder
+                .arg(x)
+                .arg(&m_i)
+                .arg(&k_i)
+                .arg(&self.codes)
+                .arg(&self.scales)
+                .arg(&self.global)
+                .arg(&n_i)
+                .arg(t)
+                .arg(b)
+                .arg(&rank_i)
+                .arg(y)
+                .arg(&zero_i);
+            // SAFETY: matches `{format}_tc_gemm`; t holds batch * rank floats (written by
+            // the shrink before), rank 0 skips the LoRA operands.
+            unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+            Ok(())
+        };
         match &self.lora {
-            None => {
-                let mut builder = stream.launch_builder(&gemm);
-                builder
-                    .arg(x)
-                    .arg(&m_i)
-                    .arg(&k_i)
-                    .arg(&self.codes)
-                    .arg(&self.scales)
-                    .arg(&self.global)
-                    .arg(&n_i)
-                    .arg(&self.t)
-                    .arg(placeholder)
-                    .arg(&zero_i)
-                    .arg(y)
-                    .arg(&zero_i);
-                // SAFETY: matches `{format}_tc_gemm`; rank 0 skips the LoRA operands.
-                unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
-            }
+            None => base_gemm(None, &self.t, y)?,
             Some(l) => {
                 let rank_i = as_i32(l.rank, "rank")?;
                 // The tensor-core kernel scales the whole tile by the global scale, so the
@@ -796,40 +805,10 @@ impl GpuLinear {
                 unsafe { builder.launch(grid(l.rank)) }.map_err(&launch)?;
                 match mode {
                     GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
-                        let mut builder = stream.launch_builder(&gemm);
-                        builder
-                            .arg(x)
-                            .arg(&m_i)
-                            .arg(&k_i)
-                            .arg(&self.codes)
-                            .arg(&self.scales)
-                            .arg(&self.global)
-                            .arg(&n_i)
-                            .arg(&self.t)
-                            .arg(&l.b)
-                            .arg(&rank_i)
-                            .arg(y)
-                            .arg(&zero_i);
-                        // SAFETY: matches `{format}_tc_gemm`.
-                        unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+                        base_gemm(Some((&l.b, rank_i)), &self.t, y)?;
                     }
                     GpuMode::Unfused => {
-                        let mut builder = stream.launch_builder(&gemm);
-                        builder
-                            .arg(x)
-                            .arg(&m_i)
-                            .arg(&k_i)
-                            .arg(&self.codes)
-                            .arg(&self.scales)
-                            .arg(&self.global)
-                            .arg(&n_i)
-                            .arg(&self.t)
-                            .arg(placeholder)
-                            .arg(&zero_i)
-                            .arg(&mut *y)
-                            .arg(&zero_i);
-                        // SAFETY: matches `{format}_tc_gemm` with rank 0.
-                        unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
+                        base_gemm(None, &self.t, y)?;
                         let expand = backend.prefill_fn("bf16_tc_gemm")?;
                         let one = 1i32;
                         let unit = 1.0f32;
