@@ -77,8 +77,8 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(unsigned int pair) {
 // the top of the word's 16-bit halves, signs already on f16's sign bits; the exponent and
 // mantissa bits then go under f16's with one more shift (subnormal E2M1 0.5 lands on the
 // f16 subnormal 2^-15, exactly), so a pair costs two shifts and two LOP3s (each mask is
-// one immediate), and no multiply: the caller folds 2^14 into the block scale. Pairing j with j + 4 (not 2j with 2j + 1)
-// is what lets both halves share one shift.
+// one immediate), and no multiply: the caller folds 2^14 into the block scale. Pairing
+// j with j + 4 (not 2j with 2j + 1) is what lets both halves share one shift.
 template <int J>
 __device__ __forceinline__ float2 e2m1_pair_to_float2_scaled(unsigned int word) {
     const unsigned int top = word << (4 * (3 - J));
