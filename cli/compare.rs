@@ -74,16 +74,10 @@ pub fn run(args: Args) -> Result<()> {
 /// Writes `text` to a temporary sibling and renames it into place, so a failed run
 /// leaves no partial file.
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
-    let name = path
-        .file_name()
+    path.file_name()
         .with_context(|| format!("{}: not a file name", path.display()))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".tmp{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    std::fs::write(&tmp, text).with_context(|| format!("{}: cannot write", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| {
-        let _ = std::fs::remove_file(&tmp);
-        format!("{}: cannot write", path.display())
+    loraq_io::write_file_atomically(path, |temp| -> Result<()> {
+        Ok(std::fs::write(temp, text)?)
     })
+    .with_context(|| format!("{}: cannot write", path.display()))
 }

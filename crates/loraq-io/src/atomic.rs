@@ -1,9 +1,9 @@
-//! Output directories that appear only when complete.
+//! Outputs (directories and single files) that appear only when complete.
 //!
 //! Everything is written into a hidden temporary sibling of the target; only
-//! [`AtomicDir::commit`] renames it into place. A failure at any point (a check
-//! that refuses the input, a full disk) drops the temporary directory and leaves
-//! no partial output behind.
+//! [`AtomicDir::commit`] (or [`write_file_atomically`], once its writer succeeded)
+//! renames it into place. A failure at any point (a check that refuses the input, a
+//! full disk) removes the temporary and leaves no partial output behind.
 
 use crate::error::{IoError, OsContext, Result};
 use std::path::{Path, PathBuf};
@@ -95,5 +95,80 @@ impl Drop for AtomicDir {
             // Best effort: the error being propagated matters more than this one.
             let _ = std::fs::remove_dir_all(&self.temp);
         }
+    }
+}
+
+/// The hidden temporary sibling [`write_file_atomically`] writes `path` into:
+/// `.{name}.loraq-tmp-{pid}` in the same directory (so the rename stays on one file
+/// system).
+pub fn temp_file_sibling(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    path.with_file_name(format!(".{name}.loraq-tmp-{}", std::process::id()))
+}
+
+/// Writes the file `path` so that it appears only when complete: `write` fills a
+/// temporary sibling ([`temp_file_sibling`]), which is renamed onto `path` (replacing
+/// it) if `write` succeeded and removed otherwise, so a refused input or a full disk
+/// leaves neither a partial file nor the temporary behind.
+pub fn write_file_atomically<E: From<IoError>>(
+    path: &Path,
+    write: impl FnOnce(&Path) -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let temp = temp_file_sibling(path);
+    let result = write(&temp).and_then(|()| std::fs::rename(&temp, path).at(path).map_err(E::from));
+    if result.is_err() {
+        // Best effort: the error being returned matters more than this one.
+        let _ = std::fs::remove_file(&temp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_file_appears_only_when_its_writer_succeeded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("answers.jsonl");
+        write_file_atomically(&path, |temp| std::fs::write(temp, "complete").at(temp)).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "complete");
+        assert_eq!(names(dir.path()), ["answers.jsonl"]);
+
+        // A writer that fails halfway (a full disk) leaves the old file and no temporary.
+        let failed = write_file_atomically(&path, |temp| {
+            std::fs::write(temp, "partial").at(temp)?;
+            Err(IoError::Write {
+                path: temp.to_path_buf(),
+                reason: "disk full".into(),
+            })
+        });
+        assert!(matches!(failed, Err(IoError::Write { .. })), "{failed:?}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "complete");
+        assert_eq!(names(dir.path()), ["answers.jsonl"]);
+    }
+
+    #[test]
+    fn a_failed_rename_removes_the_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        // The target is a non-empty directory: renaming a file onto it fails.
+        let path = dir.path().join("out");
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("keep"), "x").unwrap();
+        let failed = write_file_atomically(&path, |temp| std::fs::write(temp, "data").at(temp));
+        assert!(matches!(failed, Err(IoError::Os { .. })), "{failed:?}");
+        assert_eq!(names(dir.path()), ["out"]);
     }
 }

@@ -13,12 +13,13 @@
 //! - metadata `{"format": "loraq-calibration", "version": "1", "tokens": "<count>",
 //!   "records": "<count>"}`.
 
+use crate::atomic::write_file_atomically;
 use crate::checkpoint::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{IoError, Result};
 use crate::writer::{TensorSpec, write_safetensors_file};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The `format` metadata value of a calibration file.
 pub const CALIBRATION_FORMAT: &str = "loraq-calibration";
@@ -103,25 +104,9 @@ pub fn write_calibration(path: &Path, stats: &CalibrationStats) -> Result<()> {
         ("tokens".to_string(), stats.tokens.to_string()),
         ("records".to_string(), stats.records.to_string()),
     ]);
-    let tmp = temp_sibling(path);
-    let result = write_safetensors_file(&tmp, &tensors, &metadata).and_then(|()| {
-        std::fs::rename(&tmp, path).map_err(|source| IoError::Os {
-            path: path.to_path_buf(),
-            source,
-        })
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-fn temp_sibling(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "calibration".into());
-    path.with_file_name(format!(".{name}.loraq-tmp-{}", std::process::id()))
+    write_file_atomically(path, |temp| {
+        write_safetensors_file(temp, &tensors, &metadata)
+    })
 }
 
 /// Reads a calibration file, checking its metadata, every tensor's name, dtype

@@ -26,7 +26,7 @@ pub mod peft;
 pub mod sha256sums;
 pub mod writer;
 
-pub use atomic::AtomicDir;
+pub use atomic::{AtomicDir, temp_file_sibling, write_file_atomically};
 pub use calibration::{CalibrationStats, read_calibration, write_calibration};
 pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInfo};
 pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};

@@ -279,48 +279,27 @@ pub fn write_hidden(path: &Path, states: &HiddenStates) -> Result<()> {
             )
         })
         .collect();
-    let tmp = temp_sibling(path);
-    let result = loraq_io::write_safetensors_file(&tmp, &tensors, &Default::default())
-        .map_err(ModelError::from)
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|source| ModelError::File {
-                path: path.to_path_buf(),
-                source,
-            })
-        });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-fn temp_sibling(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".into());
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+    loraq_io::write_file_atomically(path, |temp| {
+        loraq_io::write_safetensors_file(temp, &tensors, &Default::default())
+            .map_err(ModelError::from)
+    })
 }
 
 /// Writes answers as JSON Lines atomically: a temporary sibling file renamed into
 /// place, so a reader never sees a partial file.
 pub fn write_answers(path: &Path, answers: &[OptionAnswer]) -> Result<()> {
-    let file_err = |source| ModelError::File {
-        path: path.to_path_buf(),
-        source,
-    };
-    let tmp = temp_sibling(path);
-    let write = || -> std::io::Result<()> {
-        let mut w = BufWriter::new(std::fs::File::create(&tmp)?);
-        for a in answers {
-            serde_json::to_writer(&mut w, a)?;
-            w.write_all(b"\n")?;
-        }
-        w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        file_err(e)
+    loraq_io::write_file_atomically(path, |temp| {
+        let write = || -> std::io::Result<()> {
+            let mut w = BufWriter::new(std::fs::File::create(temp)?);
+            for a in answers {
+                serde_json::to_writer(&mut w, a)?;
+                w.write_all(b"\n")?;
+            }
+            w.into_inner().map_err(|e| e.into_error())?.sync_all()
+        };
+        write().map_err(|source| ModelError::File {
+            path: path.to_path_buf(),
+            source,
+        })
     })
 }
