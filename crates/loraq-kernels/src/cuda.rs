@@ -582,15 +582,14 @@ impl GpuLinear {
         let nb = launch_plan::cuda_core_instance(batch);
         match mode {
             GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
-                let tensor_cores = match mode {
-                    GpuMode::FusedTensorCoreDecode => {
-                        let tc_nb = if batch <= 8 { 8 } else { 16 };
-                        let (f, resident) =
-                            backend.decode_fn(&format!("{}_tcdec_fused_b{tc_nb}", self.format))?;
-                        launch_plan::tensor_core_plan(self.n, self.k, batch, rank, resident)
-                            .map(|plan| (f, plan))
-                    }
-                    _ => None,
+                let tensor_cores = if mode == GpuMode::FusedTensorCoreDecode {
+                    let tc_nb = if batch <= 8 { 8 } else { 16 };
+                    let (f, resident) =
+                        backend.decode_fn(&format!("{}_tcdec_fused_b{tc_nb}", self.format))?;
+                    launch_plan::tensor_core_plan(self.n, self.k, batch, rank, resident)
+                        .map(|plan| (f, plan))
+                } else {
+                    None
                 };
                 let (function, plan): (CudaFunction, FusedPlan) = match tensor_cores {
                     Some(chosen) => chosen,
