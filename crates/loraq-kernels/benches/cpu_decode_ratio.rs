@@ -12,11 +12,13 @@
 //! and the median fused / phased time ratio. Bytes = what one call must read (base codes
 //! + scales + LoRA A and B), as in `cpu_linear`.
 //!
-//! `cargo bench -p loraq-kernels --bench cpu_decode_ratio` (`LORAQ_BENCH_ROUNDS`, default 31)
+//! `cargo bench -p loraq-kernels --bench cpu_decode_ratio` (`LORAQ_BENCH_ROUNDS`, default 31;
+//! `LORAQ_BENCH_ISA=avx2` or `scalar` times a narrower instruction set than the CPU's
+//! widest, e.g. what a machine without AVX-512 runs)
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Int4G128Weight, LoraAdapter,
+    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Int4G128Weight, Isa, LoraAdapter,
     Mxfp4Weight, Nvfp4Weight, QuantLoraLinear,
 };
 use rand::{Rng, SeedableRng};
@@ -205,10 +207,26 @@ fn main() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let x: Vec<f32> = (0..IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let mut y = vec![0f32; OUT];
-    let opts = CpuOptions::default();
+    let isa = match std::env::var("LORAQ_BENCH_ISA") {
+        Ok(name) => *Isa::available()
+            .iter()
+            .find(|isa| isa.name() == name)
+            .unwrap_or_else(|| {
+                panic!(
+                    "LORAQ_BENCH_ISA={name}: this CPU has {:?}",
+                    Isa::available()
+                )
+            }),
+        Err(_) => Isa::detect(),
+    };
+    let opts = CpuOptions {
+        isa: Some(isa),
+        ..CpuOptions::default()
+    };
     println!(
-        "decode {OUT}x{IN} + r{RANK}, batch 1, {} rayon threads, {rounds} rounds, load average at start {}",
+        "decode {OUT}x{IN} + r{RANK}, batch 1, {} rayon threads, {} loops, {rounds} rounds, load average at start {}",
         rayon::current_num_threads(),
+        isa.name(),
         load_average()
     );
     let mut memory = Vec::new();

@@ -9,7 +9,8 @@
 //! - `decode` also runs `lora_phased`: the same kernels with the LoRA shrink as its own
 //!   parallel pass before the base pass (the schedule before fusion).
 //! - `decode_l2_resident`: one thread over a 256x2048 weight that stays in L2: the decode
-//!   loop's instruction throughput, the ceiling a core reaches when DRAM is not the limit.
+//!   loop's instruction throughput, the ceiling a core reaches when DRAM is not the limit;
+//!   once per SIMD instruction set this CPU has (AVX-512, AVX2).
 //! - `prefill`: 128 tokens at 6144x5120 + rank 256: throughput in elements = multiply-adds,
 //!   so GFLOP/s = 2 x the reported Gelem/s.
 //!
@@ -18,7 +19,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, CpuOptions, Fp8Block128Weight, Int4G128Weight, LoraAdapter, Nvfp4Weight,
+    BaseWeight, CpuOptions, Fp8Block128Weight, Int4G128Weight, Isa, LoraAdapter, Nvfp4Weight,
     Parallelism, QuantLoraLinear,
 };
 use rand::{Rng, SeedableRng};
@@ -165,25 +166,31 @@ fn decode_compute(c: &mut Criterion) {
     // 256 KiB - 512 KiB of codes: L2-resident, so the time is the decode loop's
     // instructions, not DRAM; one thread, no LoRA.
     let (out_dim, in_dim) = (256, 2048);
-    let opts = CpuOptions {
-        isa: None,
-        parallelism: Parallelism::Sequential,
-    };
     let x = activations(in_dim);
     let mut group = c.benchmark_group("decode_l2_resident_256x2048_b1_1thread");
     group
         .sample_size(20)
         .measurement_time(Duration::from_secs(2));
-    for (name, linear) in [
-        ("fp8-block128", fp8_linear(out_dim, in_dim, 0)),
-        ("nvfp4", nvfp4_linear(out_dim, in_dim, 0)),
-        ("int4-g128", int4_linear(out_dim, in_dim, 0)),
-    ] {
-        group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
-        let mut y = vec![0f32; out_dim];
-        group.bench_function(BenchmarkId::new("fused", name), |b| {
-            b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
-        });
+    for isa in Isa::available()
+        .into_iter()
+        .filter(|&isa| isa != Isa::Scalar)
+    {
+        let opts = CpuOptions {
+            isa: Some(isa),
+            parallelism: Parallelism::Sequential,
+        };
+        for (name, linear) in [
+            ("fp8-block128", fp8_linear(out_dim, in_dim, 0)),
+            ("nvfp4", nvfp4_linear(out_dim, in_dim, 0)),
+            ("int4-g128", int4_linear(out_dim, in_dim, 0)),
+        ] {
+            group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
+            let mut y = vec![0f32; out_dim];
+            let id = BenchmarkId::new(format!("fused/{}", isa.name()), name);
+            group.bench_function(id, |b| {
+                b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
+            });
+        }
     }
     group.finish();
 }

@@ -10,8 +10,8 @@
 //! a running worker that never blocks.
 //!
 //! The base rows come from a [`BaseKernel`]: the format-specific loops of
-//! [`super::gemv_fp8`], [`super::gemv_fp4`] and [`super::gemv_int4`] on AVX-512, the generic
-//! [`super::gemv::dot_rows`] otherwise.
+//! [`super::gemv_fp8`], [`super::gemv_fp4`] and [`super::gemv_int4`] on AVX-512 and AVX2,
+//! the generic [`super::gemv::dot_rows`] otherwise.
 
 use super::decode::{Bf16Rows, RowDecode};
 use super::gemv;
@@ -117,11 +117,14 @@ impl BaseKernel for Fp8Kernel<'_> {
     }
 }
 
-/// NVFP4, MXFP4 and INT4 group 128 through their reordered-activation AVX-512 loops.
+/// NVFP4, MXFP4 and INT4 group 128 through their reordered-activation AVX-512 or AVX2
+/// loops.
 #[cfg(target_arch = "x86_64")]
 pub(crate) struct PairedKernel<W: PairedRows> {
+    /// AVX-512 or AVX2.
+    pub isa: Isa,
     pub weight: W,
-    /// Reordered activations, `[T, cols]` ([`super::gemv_fp4::deinterleave`]).
+    /// Reordered activations, `[T, cols]` ([`super::gemv_fp4::reorder_activation`]).
     pub x_paired: Vec<f32>,
 }
 
@@ -141,7 +144,7 @@ impl<W: PairedRows> BaseKernel for PairedKernel<W> {
         _: &mut Scratch,
     ) {
         self.weight
-            .dot_rows_avx512::<T>(row0, nrows, &self.x_paired, out);
+            .dot_rows::<T>(self.isa, row0, nrows, &self.x_paired, out);
     }
 }
 

@@ -389,9 +389,9 @@ impl<const T: usize> DecoderVisitor for GenericDecode<'_, T> {
     }
 }
 
-/// Picks the decode loop: the format-specific ones (fp8-block128 on AVX-512 and AVX2,
-/// NVFP4 and INT4 on AVX-512),
-/// the generic one otherwise.
+/// Picks the decode loop: the format-specific ones (fp8-block128, NVFP4, MXFP4 and INT4
+/// on AVX-512 and AVX2), the generic one otherwise (bf16, the scalar ISA, an NVFP4 global
+/// scale too large for the paired loops).
 #[allow(clippy::too_many_arguments)]
 fn decode_base<const T: usize>(
     linear: &QuantLoraLinear,
@@ -422,36 +422,40 @@ fn decode_base<const T: usize>(
         return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
+    if matches!(isa, Isa::Avx512 | Isa::Avx2) {
         let nvfp4_multiplier = match linear.base() {
             BaseWeight::Nvfp4(w) => gemv_fp4::nvfp4_scale_multiplier(w.global_scale),
             _ => None,
         };
+        let x_paired = || gemv_fp4::reorder_activation(isa, xq, T, in_dim, in_dim);
         match (linear.base(), nvfp4_multiplier) {
             (BaseWeight::Nvfp4(w), Some(scale_multiplier)) => {
                 let kernel = fused::PairedKernel {
+                    isa,
                     weight: gemv_fp4::PairedFp4Rows {
                         rows: nvfp4_rows(linear, w),
                         scale_multiplier,
                     },
-                    x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
+                    x_paired: x_paired(),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
             (BaseWeight::Mxfp4(w), _) => {
                 let kernel = fused::PairedKernel {
+                    isa,
                     weight: gemv_fp4::PairedFp4Rows {
                         rows: mxfp4_rows(linear, w),
                         scale_multiplier: 1.0,
                     },
-                    x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
+                    x_paired: x_paired(),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
             (BaseWeight::Int4G128(w), _) => {
                 let kernel = fused::PairedKernel {
+                    isa,
                     weight: gemv_int4::Int4TableRows { rows: int4_rows(w) },
-                    x_paired: gemv_fp4::deinterleave(xq, T, in_dim, in_dim),
+                    x_paired: x_paired(),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
