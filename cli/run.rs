@@ -42,7 +42,7 @@ pub struct Args {
     /// Calibration statistics output (safetensors, written atomically; an existing
     /// file is replaced, as --out is): for every linear the model runs, the mean over
     /// all prompt tokens of each input feature's square, `<module>.input_sq_mean`
-    /// F32 [in_features] (docs/formats.md), the input of `loraq extract
+    /// F32 `[in_features]` (docs/formats.md), the input of `loraq extract
     /// --calibration`. Use records other than the evaluation questions.
     #[arg(long, value_name = "FILE")]
     collect_stats: Option<PathBuf>,

@@ -4,11 +4,11 @@
 //! fp8-block128, NVFP4 or MXFP4 (layouts in DESIGN.md), LoRA rank 1..=512, batch from one
 //! token (decode) to thousands (prefill):
 //!
-//! - [`reference`]: element-by-element decode, f64 accumulation: the oracle.
+//! - [`mod@reference`]: element-by-element decode, f64 accumulation: the oracle.
 //! - [`QuantLoraLinear::forward`]: the fast CPU path (rayon + AVX-512/AVX2/scalar chosen at
 //!   run time), dequantizing in registers, LoRA shrink and expand fused (see [`cpu`]).
 //! - [`nvrtc`]: the CUDA kernels in `kernels/*.cu` and a dynamically loaded NVRTC to
-//!   compile them (no CUDA needed to build); [`cuda`] (feature `cuda`) runs them.
+//!   compile them (no CUDA needed to build); `cuda` (feature `cuda`) runs them.
 
 pub mod act;
 pub mod cpu;

@@ -1,9 +1,9 @@
 //! Fast CPU path: rayon across output rows, SIMD inside (AVX-512 or AVX2 picked at run
 //! time, scalar otherwise), weights dequantized in registers.
 //!
-//! Batch <= [`GEMV_MAX_BATCH`] takes the decode path ([`gemv`]): the weight is streamed
+//! Batch <= [`GEMV_MAX_BATCH`] takes the decode path (`gemv`, `fused`): the weight is streamed
 //! once and every token's dot product is accumulated from the same registers. Larger
-//! batches take the tiled path ([`gemm`]). In both, the LoRA shrink `s * (A x)` is one
+//! batches take the tiled path (`gemm`). In both, the LoRA shrink `s * (A x)` is one
 //! pass over `x` (together with the activation fake-quant), and the expand `B (s A x)` is
 //! accumulated into each output tile while it is still in registers / L1, so `y` is
 //! written once.
