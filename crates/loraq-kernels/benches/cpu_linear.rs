@@ -14,7 +14,8 @@
 //! - `prefill`: 128 tokens at 6144x5120 + rank 256: throughput in elements = multiply-adds,
 //!   so GFLOP/s = 2 x the reported Gelem/s.
 //!
-//! `cargo bench -p loraq-kernels --bench cpu_linear`
+//! `cargo bench -p loraq-kernels --bench cpu_linear` (`LORAQ_BENCH_ISA=avx2` runs the
+//! prefill on AVX2 on a machine that has AVX-512)
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
@@ -197,7 +198,14 @@ fn decode_compute(c: &mut Criterion) {
 
 fn prefill(c: &mut Criterion) {
     let (out_dim, in_dim, rank, batch) = (6144, 5120, 256, 128);
-    let opts = CpuOptions::default();
+    // `LORAQ_BENCH_ISA=avx2` times the AVX2 kernels on an AVX-512 machine.
+    let isa = std::env::var("LORAQ_BENCH_ISA")
+        .ok()
+        .and_then(|name| Isa::available().into_iter().find(|isa| isa.name() == name));
+    let opts = CpuOptions {
+        isa,
+        ..CpuOptions::default()
+    };
     let x = activations(batch * in_dim);
     let mut group = c.benchmark_group("prefill_6144x5120_r256_b128");
     group
