@@ -25,6 +25,7 @@ pub(crate) const E2M1_VALUES: [f32; 16] = [
 const E4M3_REBIAS: f32 = f32::from_bits((127 + 120) << 23);
 /// Bits kept of a sign-extended E4M3 code shifted left by 20: sign (31) and the
 /// exponent + mantissa (30..20) of the code.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const E4M3_F32_MASK: i32 = 0x87F0_0000_u32 as i32;
 
 /// Decodes rows of a `[rows, cols]` matrix stored in some format into f32.
@@ -47,7 +48,8 @@ pub(crate) trait RowDecode: Sync {
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256;
     /// Address of the stored codes of element `(row, k)` (a software-prefetch target;
-    /// may point past the end, it is never dereferenced).
+    /// may point past the end, it is never dereferenced). Only the x86-64 loops prefetch.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     fn code_address(&self, row: usize, k: usize) -> *const u8;
 }
 
@@ -144,6 +146,7 @@ impl RowDecode for Bf16Rows<'_> {
 pub(crate) struct Fp8Block128Rows<'a, const TWO_STEP: bool> {
     pub codes: &'a [u8],
     pub scales: &'a [f32],
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub rebiased: &'a [f32],
     pub rows: usize,
     pub cols: usize,
@@ -256,6 +259,7 @@ impl<const BLOCK: usize> PackedFp4Rows<'_, BLOCK> {
     /// # Safety
     /// `row < rows`, `k < cols`.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     unsafe fn scale_unchecked(&self, row: usize, k: usize) -> f32 {
         // SAFETY: in-bounds block index (caller); the table has 256 entries.
         unsafe {

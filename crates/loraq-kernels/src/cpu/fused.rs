@@ -15,7 +15,9 @@
 
 use super::decode::{Bf16Rows, RowDecode};
 use super::gemv;
+#[cfg(target_arch = "x86_64")]
 use super::gemv_fp4::PairedRows;
+#[cfg(target_arch = "x86_64")]
 use super::gemv_fp8::{BandActivations, Fp8BandedRows};
 use super::{Isa, Parallelism};
 use std::sync::Mutex;
@@ -27,6 +29,7 @@ const SHRINK_ROWS: usize = 16;
 /// Per-worker scratch of a base kernel.
 #[derive(Default)]
 pub(crate) struct Scratch {
+    #[cfg(target_arch = "x86_64")]
     fp8_band: BandActivations,
 }
 

@@ -10,8 +10,9 @@
 //!
 //! AVX2, 32 inputs (16 bytes) per step: the byte-table decode of
 //! [`super::gemv_fp4::decode32_avx2`] on the integers `c - z` (exact in bf16; one table
-//! pair per zero point, [`INT4_BF16_BYTES`]), the step's products summed and multiplied
-//! by the group's scale once. A step never straddles two groups (128 is 4 steps), so a
+//! pair per zero point, [`INT4_BF16_BYTES`]), each step's products summed and multiplied
+//! by its group's scale once (1-2 tokens; more share the weights scaled once). A step
+//! never straddles two groups (128 is 4 steps), so a
 //! partial last group's whole steps take this path too; the last `cols % 32` inputs are
 //! decoded one by one.
 

@@ -12,8 +12,13 @@ pub(crate) mod decode;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
+// The format-specific decode loops are x86-64 SIMD only; elsewhere the generic loop
+// serves every format.
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod gemv_fp4;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod gemv_fp8;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod gemv_int4;
 
 use crate::error::Result;
