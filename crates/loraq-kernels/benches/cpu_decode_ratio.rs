@@ -208,15 +208,12 @@ fn main() {
     let x: Vec<f32> = (0..IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let mut y = vec![0f32; OUT];
     let isa = match std::env::var("LORAQ_BENCH_ISA") {
-        Ok(name) => *Isa::available()
-            .iter()
-            .find(|isa| isa.name() == name)
-            .unwrap_or_else(|| {
-                panic!(
-                    "LORAQ_BENCH_ISA={name}: this CPU has {:?}",
-                    Isa::available()
-                )
-            }),
+        Ok(name) => Isa::from_name(&name).unwrap_or_else(|| {
+            panic!(
+                "LORAQ_BENCH_ISA={name}: this CPU has {:?}",
+                Isa::available()
+            )
+        }),
         Err(_) => Isa::detect(),
     };
     let opts = CpuOptions {

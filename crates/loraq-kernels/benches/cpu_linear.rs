@@ -199,9 +199,14 @@ fn decode_compute(c: &mut Criterion) {
 fn prefill(c: &mut Criterion) {
     let (out_dim, in_dim, rank, batch) = (6144, 5120, 256, 128);
     // `LORAQ_BENCH_ISA=avx2` times the AVX2 kernels on an AVX-512 machine.
-    let isa = std::env::var("LORAQ_BENCH_ISA")
-        .ok()
-        .and_then(|name| Isa::available().into_iter().find(|isa| isa.name() == name));
+    let isa = std::env::var("LORAQ_BENCH_ISA").ok().map(|name| {
+        Isa::from_name(&name).unwrap_or_else(|| {
+            panic!(
+                "LORAQ_BENCH_ISA={name}: this CPU has {:?}",
+                Isa::available()
+            )
+        })
+    });
     let opts = CpuOptions {
         isa,
         ..CpuOptions::default()

@@ -104,6 +104,11 @@ impl Isa {
         out
     }
 
+    /// The instruction set [`Isa::name`] calls `name`, if this CPU has it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::available().into_iter().find(|isa| isa.name() == name)
+    }
+
     /// Lower-case name.
     pub fn name(self) -> &'static str {
         match self {
