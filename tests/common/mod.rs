@@ -28,3 +28,41 @@ pub fn ok(o: Output) -> Output {
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 temp path")
 }
+
+/// The Python interpreter of the oracle environment (torch, transformers, peft,
+/// compressed-tensors from scripts/requirements-clients.txt), named by
+/// `LORAQ_ORACLE_PYTHON`; `.ci/run` installs it and sets the variable. Tests that load
+/// loraq's outputs with the real clients call this: without the variable they are
+/// skipped with a note on a developer's machine, and fail under CI (`CI` set), so a
+/// missing install step cannot pass unnoticed.
+pub fn oracle_python() -> Option<std::path::PathBuf> {
+    match std::env::var_os("LORAQ_ORACLE_PYTHON") {
+        Some(p) if !p.is_empty() => Some(p.into()),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("LORAQ_ORACLE_PYTHON is not set under CI: .ci/run must install the clients")
+        }
+        _ => {
+            eprintln!("skipped: LORAQ_ORACLE_PYTHON is not set (see .ci/run)");
+            None
+        }
+    }
+}
+
+/// Runs `script` (a path under scripts/) with the oracle interpreter and `args`;
+/// asserts it succeeded and returns its stdout.
+pub fn run_oracle(python: &Path, script: &str, args: &[&str]) -> String {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(python)
+        .arg(root.join(script))
+        .args(args)
+        .current_dir(root)
+        .output()
+        .expect("run the oracle interpreter");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
