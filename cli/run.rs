@@ -22,7 +22,8 @@ pub struct Args {
     adapter: Option<PathBuf>,
     /// Activation fake-quant of every linear's base path (the adapter sees the
     /// unquantized activation): none, fp8 (per token), fp8-group (1x128), nvfp4
-    /// (needs each module's input_scale).
+    /// (the NVFP4 linears only, as vLLM's W4A4 applies it with each module's static
+    /// input_scale / input_global_scale; `loraq quantize --calibration` writes them).
     #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4"])]
     act_quant: String,
     /// Linear implementation: kernels (loraq-kernels' fused quantized-base + LoRA CPU
@@ -42,8 +43,10 @@ pub struct Args {
     /// Calibration statistics output (safetensors, written atomically; an existing
     /// file is replaced, as --out is): for every linear the model runs, the mean over
     /// all prompt tokens of each input feature's square, `<module>.input_sq_mean`
-    /// F32 `[in_features]` (docs/formats.md), the input of `loraq extract
-    /// --calibration`. Use records other than the evaluation questions.
+    /// F32 `[in_features]`, and the largest absolute input, `<module>.input_abs_max`
+    /// F32 `[]` (docs/formats.md): the input of `loraq extract --calibration` and of
+    /// `loraq quantize --scheme nvfp4 --calibration`. Use records other than the
+    /// evaluation questions.
     #[arg(long, value_name = "FILE")]
     collect_stats: Option<PathBuf>,
     /// Worker threads (default: the physical cores).

@@ -37,8 +37,20 @@ fn collect_stats_writes_the_hooks_means_and_leaves_answers_unchanged() {
         loraq_io::Checkpoint::open(data().join("calibration-qwen3_5.safetensors")).unwrap();
     assert_eq!(got.tokens.to_string(), oracle.shard_metadata(0)["tokens"]);
     assert_eq!(got.records.to_string(), oracle.shard_metadata(0)["records"]);
-    assert_eq!(got.input_sq_mean.len(), oracle.len());
+    assert_eq!(
+        got.input_sq_mean.len() + got.input_abs_max.len(),
+        oracle.len()
+    );
     for info in oracle.tensors() {
+        if let Some(module) = info.name.strip_suffix(".input_abs_max") {
+            let want = oracle.read_f32(&info.name).unwrap()[0];
+            let got = got.abs_max(module).unwrap();
+            assert!(
+                (got - want).abs() <= 1e-4 * want,
+                "{module}: {got} vs {want}"
+            );
+            continue;
+        }
         let module = info.name.strip_suffix(".input_sq_mean").unwrap();
         let want: Vec<f64> = oracle
             .bytes(&info.name)

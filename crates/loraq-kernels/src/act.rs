@@ -3,7 +3,7 @@
 //! `loraq_quant::activation`; this enum picks one per linear.
 
 use crate::error::Result;
-use loraq_quant::activation;
+use loraq_quant::{Nvfp4GlobalScale, activation};
 
 /// How the base path sees the activation.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -15,12 +15,13 @@ pub enum ActivationQuant {
     Fp8PerToken,
     /// FP8 E4M3, one dynamic scale per 1x128 group of a token (block-FP8 serving).
     Fp8PerGroup128,
-    /// NVFP4 (W4A4): dynamic E4M3 scale per 16 inputs under a static global scale
-    /// (dequantization direction, e.g. a checkpoint's `input_scale`). The in-dimension
-    /// must be a multiple of 16.
+    /// NVFP4 (W4A4) as vLLM applies it: dynamic E4M3 scale per 16 inputs under a
+    /// static global scale (`loraq_quant::activation::nvfp4_static_vllm`). The
+    /// in-dimension must be a multiple of 16.
     Nvfp4 {
-        /// Static global scale.
-        global_scale: f32,
+        /// The checkpoint's static scale: ModelOpt `input_scale` (multiplier) or
+        /// compressed-tensors `input_global_scale` (divisor).
+        input_scale: Nvfp4GlobalScale,
     },
 }
 
@@ -36,8 +37,8 @@ impl ActivationQuant {
             Self::Fp8PerGroup128 => {
                 activation::fp8_per_group(NAME, values, hidden, activation::PER_GROUP_EPS)?
             }
-            Self::Nvfp4 { global_scale } => {
-                activation::nvfp4_dynamic(NAME, values, hidden, global_scale)?
+            Self::Nvfp4 { input_scale } => {
+                activation::nvfp4_static_vllm(NAME, values, hidden, input_scale)?
             }
         }
         Ok(())

@@ -81,7 +81,7 @@ proptest! {
             0 => (ActivationQuant::Fp8PerToken, in_dim),
             1 => (ActivationQuant::Fp8PerGroup128, in_dim),
             // W4A4: the activation's NVFP4 blocks need in-dim % 16 == 0.
-            _ => (ActivationQuant::Nvfp4 { global_scale: 2.0 / 2688.0 }, in_dim.div_ceil(32) * 32),
+            _ => (ActivationQuant::Nvfp4 { input_scale: loraq_quant::Nvfp4GlobalScale::Multiplier(2.0 / 2688.0) }, in_dim.div_ceil(32) * 32),
         };
         check(format, out_dim, in_dim, rank, batch, act, seed);
     }

@@ -19,11 +19,13 @@ pub enum ActQuant {
     Fp8PerToken,
     /// FP8 E4M3, dynamic scale per token and 128 inputs (block-FP8 checkpoints).
     Fp8PerGroup,
-    /// NVFP4, dynamic E4M3 scale per 16 inputs under the module's static global
-    /// scale (its checkpoint `input_scale`).
+    /// NVFP4 as vLLM's W4A4 linears apply it: a dynamic E4M3 scale per 16 inputs
+    /// under the module's static global scale
+    /// ([`loraq_quant::activation::nvfp4_static_vllm`]).
     Nvfp4 {
-        /// The global scale (dequantization direction).
-        global: f32,
+        /// The checkpoint's static scale: ModelOpt `input_scale` (multiplier) or
+        /// compressed-tensors `input_global_scale` (divisor).
+        input_scale: loraq_quant::Nvfp4GlobalScale,
     },
 }
 
@@ -37,7 +39,8 @@ pub enum ActQuantScheme {
     Fp8PerToken,
     /// `fp8-group`: FP8 per 1x128 group.
     Fp8PerGroup,
-    /// `nvfp4`: NVFP4 with each module's checkpoint `input_scale`.
+    /// `nvfp4`: NVFP4 with each module's checkpoint `input_scale` (ModelOpt) or
+    /// `input_global_scale` (compressed-tensors), as vLLM applies it.
     Nvfp4,
 }
 
@@ -71,8 +74,8 @@ impl ActQuant {
                 activation::fp8_per_group(name, x, in_features, activation::PER_GROUP_EPS)
                     .map_err(quant_err)
             }
-            ActQuant::Nvfp4 { global } => {
-                activation::nvfp4_dynamic(name, x, in_features, global).map_err(quant_err)
+            ActQuant::Nvfp4 { input_scale } => {
+                activation::nvfp4_static_vllm(name, x, in_features, input_scale).map_err(quant_err)
             }
         }
     }
@@ -88,11 +91,15 @@ pub trait LinearLayer: Send + Sync + std::fmt::Debug {
     fn out_features(&self) -> usize;
 }
 
-/// Running sums of one linear's squared inputs, per input feature, in f64.
+/// Running sums of one linear's squared inputs, per input feature, in f64, and
+/// the largest absolute input seen.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InputSqSum {
     /// `sum over tokens of x_k^2`, `[in_features]`.
     pub sum_sq: Vec<f64>,
+    /// `max over tokens and features of |x|` (0 before any token): the amax a static
+    /// activation scale is calibrated from.
+    pub abs_max: f32,
     /// Tokens (rows of the input) accumulated.
     pub tokens: u64,
 }
@@ -102,6 +109,7 @@ impl InputSqSum {
     pub fn new(in_features: usize) -> InputSqSum {
         InputSqSum {
             sum_sq: vec![0.0; in_features],
+            abs_max: 0.0,
             tokens: 0,
         }
     }
@@ -111,6 +119,12 @@ impl InputSqSum {
         let width = self.sum_sq.len();
         for row in x.chunks_exact(width) {
             for (s, &v) in self.sum_sq.iter_mut().zip(row) {
+                // A NaN input makes the maximum NaN too, so write_calibration
+                // refuses it instead of calibrating a scale around it.
+                let magnitude = v.abs();
+                if magnitude > self.abs_max || magnitude.is_nan() {
+                    self.abs_max = magnitude;
+                }
                 let v = f64::from(v);
                 *s += v * v;
             }

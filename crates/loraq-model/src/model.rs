@@ -10,7 +10,7 @@ use crate::linear::{
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{D, DType, Device, Tensor};
 use loraq_io::{Checkpoint, LayerType, LoraAdapter};
-use loraq_quant::{Fp8Granularity, QuantizedBase, StoredWeight};
+use loraq_quant::{Fp8Granularity, Nvfp4GlobalScale, QuantizedBase, StoredWeight};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -190,19 +190,36 @@ impl Loader<'_> {
             ActQuantScheme::None => ActQuant::None,
             ActQuantScheme::Fp8PerToken => ActQuant::Fp8PerToken,
             ActQuantScheme::Fp8PerGroup => ActQuant::Fp8PerGroup,
+            // vLLM quantizes activations only where the weight is NVFP4: excluded
+            // modules (in_proj_a / in_proj_b, lm_head, ...) run unquantized.
+            ActQuantScheme::Nvfp4
+                if !matches!(
+                    stored.stored,
+                    StoredWeight::Nvfp4ModelOpt { .. }
+                        | StoredWeight::Nvfp4CompressedTensors { .. }
+                ) =>
+            {
+                ActQuant::None
+            }
             ActQuantScheme::Nvfp4 => {
-                let scale_name = format!("{module_path}.input_scale");
-                if !self.checkpoint.contains(&scale_name) {
+                // ModelOpt stores the static scale as a multiplier (`input_scale`),
+                // compressed-tensors as a divisor (`input_global_scale`); vLLM
+                // quantizes with each in its own direction.
+                let modelopt = format!("{module_path}.input_scale");
+                let compressed_tensors = format!("{module_path}.input_global_scale");
+                let input_scale = if self.checkpoint.contains(&modelopt) {
+                    Nvfp4GlobalScale::Multiplier(self.checkpoint.read_f32(&modelopt)?[0])
+                } else if self.checkpoint.contains(&compressed_tensors) {
+                    Nvfp4GlobalScale::Divisor(self.checkpoint.read_f32(&compressed_tensors)?[0])
+                } else {
                     return Err(ModelError::Config {
                         path: self.root(),
                         reason: format!(
-                            "--act-quant nvfp4 needs the static global scale {scale_name}, which the checkpoint lacks"
+                            "--act-quant nvfp4 needs the static global scale {modelopt} (or {compressed_tensors}), which the checkpoint lacks; quantize with --calibration to write it"
                         ),
                     });
-                }
-                ActQuant::Nvfp4 {
-                    global: self.checkpoint.read_f32(&scale_name)?[0],
-                }
+                };
+                ActQuant::Nvfp4 { input_scale }
             }
         };
         if self.backend == LinearBackend::Kernels
@@ -347,9 +364,7 @@ impl Loader<'_> {
             ActQuant::None => k::ActivationQuant::None,
             ActQuant::Fp8PerToken => k::ActivationQuant::Fp8PerToken,
             ActQuant::Fp8PerGroup => k::ActivationQuant::Fp8PerGroup128,
-            ActQuant::Nvfp4 { global } => k::ActivationQuant::Nvfp4 {
-                global_scale: global,
-            },
+            ActQuant::Nvfp4 { input_scale } => k::ActivationQuant::Nvfp4 { input_scale },
         };
         let linear = k::QuantLoraLinear::new(base, lora)
             .map_err(kernel_err)?
@@ -597,25 +612,26 @@ impl Model {
 
     /// The mean square of every linear's input over the prompts run so far: one
     /// entry per linear (module path, as in the checkpoint, without `.weight`),
-    /// `E[x_k^2]` per input feature, accumulated in f64 and rounded to f32 last.
+    /// `E[x_k^2]` per input feature, accumulated in f64 and rounded to f32 last,
+    /// and the largest `|x|` the linear saw (the amax of a static activation scale).
     /// `None` unless the model was loaded with [`LoadOptions::collect_input_stats`].
     pub fn input_stats(&self) -> Option<loraq_io::CalibrationStats> {
         let registry = self.input_stats.as_ref()?;
-        let input_sq_mean = registry
-            .modules
-            .iter()
-            .map(|(name, sums)| {
-                let sums = sums.lock().unwrap_or_else(|e| e.into_inner());
-                (
-                    name.clone(),
-                    sums.mean().into_iter().map(|m| m as f32).collect(),
-                )
-            })
-            .collect();
+        let mut input_sq_mean = std::collections::BTreeMap::new();
+        let mut input_abs_max = std::collections::BTreeMap::new();
+        for (name, sums) in &registry.modules {
+            let sums = sums.lock().unwrap_or_else(|e| e.into_inner());
+            input_sq_mean.insert(
+                name.clone(),
+                sums.mean().into_iter().map(|m| m as f32).collect(),
+            );
+            input_abs_max.insert(name.clone(), sums.abs_max);
+        }
         Some(loraq_io::CalibrationStats {
             tokens: registry.tokens.load(Ordering::Relaxed),
             records: registry.prompts.load(Ordering::Relaxed),
             input_sq_mean,
+            input_abs_max,
         })
     }
 

@@ -1,7 +1,8 @@
 //! Input statistics (`loraq run --collect-stats`) against transformers: the mean
-//! over all tokens of x_k^2 at the input of every linear of the tiny random Qwen3.5
-//! fixture, with and without its PEFT LoRA, computed by forward pre-hooks in
-//! float64 (tests/data/model/calibration-*.safetensors, scripts/calibration_oracle.py).
+//! over all tokens of x_k^2 and the largest |x| at the input of every linear of the
+//! tiny random Qwen3.5 fixture, with and without its PEFT LoRA, computed by forward
+//! pre-hooks in float64 (tests/data/model/calibration-*.safetensors,
+//! scripts/calibration_oracle.py).
 //!
 //! Tolerance: both sides compute the activations in f32 from identical weights and
 //! differ only in summation order (~1e-6 relative on activations of magnitude ~1,
@@ -20,28 +21,41 @@ fn data() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/model")
 }
 
-/// The oracle's float64 means and its token / record counts.
-fn expected(file: &str) -> (BTreeMap<String, Vec<f64>>, u64, u64) {
+/// The oracle's float64 means, absolute maxima and its token / record counts.
+struct Expected {
+    means: BTreeMap<String, Vec<f64>>,
+    abs_max: BTreeMap<String, f64>,
+    tokens: u64,
+    records: u64,
+}
+
+fn expected(file: &str) -> Expected {
     let path = data().join(file);
     let ckpt = Checkpoint::open(&path).unwrap();
     let mut means = BTreeMap::new();
+    let mut abs_max = BTreeMap::new();
     for info in ckpt.tensors() {
         assert_eq!(info.dtype, loraq_io::DType::F64, "{}", info.name);
-        let values = ckpt
+        let values: Vec<f64> = ckpt
             .bytes(&info.name)
             .unwrap()
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
             .collect();
+        if let Some(module) = info.name.strip_suffix(".input_abs_max") {
+            abs_max.insert(module.to_string(), values[0]);
+            continue;
+        }
         let module = info.name.strip_suffix(".input_sq_mean").unwrap();
         means.insert(module.to_string(), values);
     }
     let meta = ckpt.shard_metadata(0);
-    (
+    Expected {
         means,
-        meta["tokens"].parse().unwrap(),
-        meta["records"].parse().unwrap(),
-    )
+        abs_max,
+        tokens: meta["tokens"].parse().unwrap(),
+        records: meta["records"].parse().unwrap(),
+    }
 }
 
 fn collect(
@@ -78,12 +92,29 @@ fn collect(
 
 fn check(adapter: Option<&str>, backend: LinearBackend, expected_file: &str) {
     let stats = collect(adapter, backend, ActQuantScheme::None);
-    let (want, tokens, records) = expected(expected_file);
-    assert_eq!((stats.tokens, stats.records), (tokens, records));
+    let oracle = expected(expected_file);
+    assert_eq!(
+        (stats.tokens, stats.records),
+        (oracle.tokens, oracle.records)
+    );
     let names: Vec<&String> = stats.input_sq_mean.keys().collect();
-    assert_eq!(names, want.keys().collect::<Vec<_>>(), "module set");
+    assert_eq!(names, oracle.means.keys().collect::<Vec<_>>(), "module set");
+    assert_eq!(
+        stats.input_abs_max.keys().collect::<Vec<_>>(),
+        oracle.abs_max.keys().collect::<Vec<_>>(),
+        "modules with an absolute maximum"
+    );
     let mut worst = 0f64;
-    for (module, want) in &want {
+    for (module, want) in &oracle.abs_max {
+        let got = f64::from(stats.input_abs_max[module]);
+        let rel = (got - want).abs() / want;
+        worst = worst.max(rel);
+        assert!(
+            rel <= 1e-4,
+            "{expected_file} {module} input_abs_max: got {got}, transformers {want}"
+        );
+    }
+    for (module, want) in &oracle.means {
         let got = &stats.input_sq_mean[module];
         assert_eq!(got.len(), want.len(), "{module}");
         let scale = want.iter().fold(0f64, |m, v| m.max(*v));

@@ -4,10 +4,10 @@
 //!
 //! Unlike weights, activations are not checked for NaN: a NaN token stays NaN.
 
-use crate::element::E4M3_MAX;
+use crate::element::{E2M1_MAX, E2M1_TABLE, E4M3_MAX, E4M3_TABLE, e2m1_encode, e4m3_encode};
 use crate::error::{QuantError, Result};
 use crate::kernels::{self, abs_max_bits};
-use crate::scheme::NVFP4_BLOCK;
+use crate::scheme::{NVFP4_BLOCK, Nvfp4GlobalScale};
 use rayon::prelude::*;
 
 /// vLLM's smallest dynamic per-token FP8 scale is `1 / (448 * 512)`; taking
@@ -106,6 +106,78 @@ pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32)
         let out = &mut out[..run.len()];
         kernels::nvfp4_fake_quant_run(run, global, out);
         run.copy_from_slice(out);
+    });
+    Ok(())
+}
+
+/// NVFP4 static activation quantization exactly as vLLM applies it to the input of
+/// a W4A4 linear (`scaled_fp4_quant`, csrc/quantization/fp4/nvfp4_utils.cuh
+/// `cvt_warp_fp16_to_fp4`, and its torch twin `ref_nvfp4_quant` in
+/// vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py), then
+/// dequantized as the GEMM's `alpha` does. `input_scale` is the checkpoint's static
+/// global scale: ModelOpt `input_scale = amax / 2688` ([`Nvfp4GlobalScale::Multiplier`])
+/// or compressed-tensors `input_global_scale = 2688 / amax`
+/// ([`Nvfp4GlobalScale::Divisor`]). With `q` the quantization-direction scale
+/// (`1 / input_scale`, or the divisor as stored) and `m` the dequantization one
+/// (`input_scale`, or `1 / divisor`), per token and 16 inputs:
+///
+/// * `s_b = e4m3(q * (amax_b * f32(1/6)))`, saturating, with no lower clamp: a block
+///   whose scale rounds to 0 quantizes to 0 (unlike the weight formula's `2^-9` floor);
+/// * `x_q = e2m1(x * (1 / (s_b * (1 / q))))` (0 where `s_b = 0`), round to nearest
+///   even, saturating at 6;
+/// * `x <- (x_q * s_b) * m`.
+///
+/// vLLM's CUDA kernel takes the reciprocals with `rcp.approx.ftz.f32`; this
+/// computes them correctly rounded, as vLLM's torch reference does
+/// (docs/quantization.md). `hidden` must be a multiple of 16.
+pub fn nvfp4_static_vllm(
+    name: &str,
+    values: &mut [f32],
+    hidden: usize,
+    input_scale: Nvfp4GlobalScale,
+) -> Result<()> {
+    check_width(name, values, hidden)?;
+    if hidden % NVFP4_BLOCK != 0 {
+        return Err(QuantError::InputDimNotDivisible {
+            tensor: name.to_string(),
+            scheme: "nvfp4",
+            multiple: NVFP4_BLOCK,
+            cols: hidden,
+        });
+    }
+    let stored = match input_scale {
+        Nvfp4GlobalScale::Multiplier(v) | Nvfp4GlobalScale::Divisor(v) => v,
+    };
+    if !(stored.is_finite() && stored > 0.0) {
+        return Err(QuantError::BadScale {
+            tensor: name.to_string(),
+            value: stored,
+        });
+    }
+    // vLLM: ModelOpt `input_global_scale_inv = (1.0 / input_scale).to(float32)`,
+    // alpha uses `input_scale`; compressed-tensors uses the stored divisor and
+    // `input_global_scale = (1.0 / divisor).to(float32)`.
+    let (quant_scale, dequant_scale) = match input_scale {
+        Nvfp4GlobalScale::Multiplier(s) => (1.0 / s, s),
+        Nvfp4GlobalScale::Divisor(d) => (d, 1.0 / d),
+    };
+    let inverse_quant_scale = 1.0 / quant_scale;
+    let reciprocal_e2m1_max = 1.0 / E2M1_MAX;
+    values.par_chunks_mut(NVFP4_BLOCK * 64).for_each(|run| {
+        for block in run.chunks_exact_mut(NVFP4_BLOCK) {
+            let amax = f32::from_bits(abs_max_bits(block));
+            let block_scale =
+                E4M3_TABLE[e4m3_encode(quant_scale * (amax * reciprocal_e2m1_max)) as usize];
+            let output_scale = if block_scale != 0.0 {
+                1.0 / (block_scale * inverse_quant_scale)
+            } else {
+                0.0
+            };
+            for x in block.iter_mut() {
+                let code = e2m1_encode(*x * output_scale) & 0xF;
+                *x = E2M1_TABLE[code as usize] * block_scale * dequant_scale;
+            }
+        }
     });
     Ok(())
 }
