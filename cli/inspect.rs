@@ -2,8 +2,9 @@
 
 use anyhow::{Context, Result};
 use loraq_io::{Checkpoint, DType, ModuleName};
+use loraq_quant::{LinearWeight, QuantizedBase};
 use serde::Serialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 /// Summarize a checkpoint directory (or one safetensors file).
@@ -23,6 +24,12 @@ struct ModuleKindSummary {
     count: usize,
     /// Distinct shapes of the module's `weight` (or of its first parameter).
     shapes: Vec<Vec<usize>>,
+    /// Distinct logical `[out, in]` shapes of the module's linear weight, whatever
+    /// the layout packs it into (NVFP4 stores `[out, in / 2]` bytes).
+    logical_shapes: Vec<Vec<usize>>,
+    /// Distinct storage formats of the module's linear weight (`bf16`,
+    /// `nvfp4 (modelopt)`, `nvfp4 (compressed-tensors)`, ...).
+    formats: Vec<String>,
     dtypes: Vec<String>,
 }
 
@@ -38,6 +45,14 @@ struct Summary {
     tensors_by_dtype: BTreeMap<String, usize>,
     total_bytes: u64,
     quantization: String,
+    /// Linear weights by storage format (e.g. `nvfp4 (modelopt)`: 24), from the
+    /// tensors themselves; empty when the weights could not be classified.
+    linear_formats: BTreeMap<String, usize>,
+    /// Quantized linears that carry a static activation scale (`input_scale`,
+    /// `input_global_scale`): W4A4 NVFP4; 0 for weight-only checkpoints.
+    static_activation_scales: usize,
+    /// Why the linear weights could not be classified, if they could not.
+    linear_weights_note: Option<String>,
     modules: Vec<ModuleKindSummary>,
     other_tensors: usize,
 }
@@ -78,6 +93,31 @@ fn summarize(args: &Args) -> Result<Summary> {
             })
             .collect::<String>()
     });
+    // The linear weights by the tensor holding their codes, to report each one's
+    // logical shape and layout (a second, cheap mmap open of the same files).
+    let (base, linear_weights_note) = match QuantizedBase::open(&args.dir) {
+        Ok(base) => (Some(base), None),
+        Err(e) => (None, Some(format!("linear weights not classified: {e}"))),
+    };
+    let mut linear_by_codes: HashMap<String, &LinearWeight> = HashMap::new();
+    let mut linear_formats = BTreeMap::new();
+    let mut static_activation_scales = 0;
+    if let Some(base) = &base {
+        for w in base.weights() {
+            let codes = match &w.stored {
+                loraq_quant::StoredWeight::Nvfp4CompressedTensors { packed, .. } => packed.clone(),
+                _ => w.name.clone(),
+            };
+            linear_by_codes.insert(codes, w);
+            *linear_formats.entry(w.stored.format_name()).or_insert(0) += 1;
+            let module = w.name.trim_end_matches(".weight");
+            if ckpt.contains(&format!("{module}.input_scale"))
+                || ckpt.contains(&format!("{module}.input_global_scale"))
+            {
+                static_activation_scales += 1;
+            }
+        }
+    }
     let mut by_dtype = BTreeMap::new();
     let mut total_bytes = 0u64;
     let mut kinds: BTreeMap<(String, String), ModuleKindSummary> = BTreeMap::new();
@@ -97,17 +137,31 @@ fn summarize(args: &Args) -> Result<Summary> {
                 module: key.1.clone(),
                 count: 0,
                 shapes: Vec::new(),
+                logical_shapes: Vec::new(),
+                formats: Vec::new(),
                 dtypes: Vec::new(),
             });
-        // Count a module once (by its main parameter); scales and the like only
-        // add their dtype.
-        if m.param == "weight" || m.param.is_empty() {
+        // Count a module once (by its main parameter: the weight, or the packed
+        // codes of compressed-tensors NVFP4); scales and the like only add their
+        // dtype.
+        let main = m.param == "weight" || m.param.is_empty() || m.param == "weight_packed";
+        if main {
             entry.count += 1;
             if !entry.shapes.contains(&t.shape) {
                 entry.shapes.push(t.shape.clone());
             }
+            if let Some(w) = linear_by_codes.get(&t.name) {
+                let logical = vec![w.rows, w.cols];
+                if !entry.logical_shapes.contains(&logical) {
+                    entry.logical_shapes.push(logical);
+                }
+                let format = w.stored.format_name();
+                if !entry.formats.contains(&format) {
+                    entry.formats.push(format);
+                }
+            }
         }
-        let dtype = if m.param == "weight" || m.param.is_empty() {
+        let dtype = if main {
             t.dtype.to_string()
         } else {
             format!("{}:{}", m.param, t.dtype)
@@ -127,6 +181,9 @@ fn summarize(args: &Args) -> Result<Summary> {
         tensors_by_dtype: by_dtype,
         total_bytes,
         quantization: detect_quantization(&ckpt),
+        linear_formats,
+        static_activation_scales,
+        linear_weights_note,
         modules: kinds.into_values().collect(),
         other_tensors,
     })
@@ -186,19 +243,49 @@ pub fn run(args: Args) -> Result<()> {
         summary.total_bytes
     );
     println!("quantization  {}", summary.quantization);
+    let formats: Vec<String> = summary
+        .linear_formats
+        .iter()
+        .map(|(k, v)| format!("{v} {k}"))
+        .collect();
+    if !formats.is_empty() {
+        println!("linears       {}", formats.join(", "));
+    }
+    if summary
+        .linear_formats
+        .keys()
+        .any(|f| f.starts_with("nvfp4"))
+    {
+        println!(
+            "activations   {}",
+            if summary.static_activation_scales == 0 {
+                "unquantized (weight-only, W4A16)".to_string()
+            } else {
+                format!(
+                    "NVFP4 with a static global scale on {} linears (W4A4)",
+                    summary.static_activation_scales
+                )
+            }
+        );
+    }
+    if let Some(note) = &summary.linear_weights_note {
+        println!("note          {note}");
+    }
     println!();
     println!(
-        "{:<12} {:<14} {:>6}  {:<24} dtypes",
-        "block", "module", "count", "shapes"
+        "{:<12} {:<14} {:>6}  {:<24} {:<24} dtypes",
+        "block", "module", "count", "shapes", "logical [out, in]"
     );
     for m in &summary.modules {
         let shapes: Vec<String> = m.shapes.iter().map(|s| format!("{s:?}")).collect();
+        let logical: Vec<String> = m.logical_shapes.iter().map(|s| format!("{s:?}")).collect();
         println!(
-            "{:<12} {:<14} {:>6}  {:<24} {}",
+            "{:<12} {:<14} {:>6}  {:<24} {:<24} {}",
             m.block,
             m.module,
             m.count,
             shapes.join(" "),
+            logical.join(" "),
             m.dtypes.join(", ")
         );
     }

@@ -5,7 +5,8 @@ use anyhow::{Context, Result, bail};
 use loraq_io::{AtomicDir, Checkpoint};
 use loraq_quant::Scheme;
 use loraq_quant::layout::{
-    DEFAULT_SKIP, Layout, QuantizeOptions, compile_skip, plan_quantization, write_quantized,
+    DEFAULT_SKIP, InputCalibration, Layout, QuantizeOptions, compile_skip,
+    plan_quantization_calibrated, write_quantized,
 };
 use std::path::{Path, PathBuf};
 
@@ -23,13 +24,21 @@ pub struct Args {
     #[arg(long)]
     scheme: Scheme,
     /// Layout: fp8-block128, fp8-tensor, fp8-channel-ct (compressed-tensors),
-    /// nvfp4-modelopt or bf16-emulated; default the scheme's own (bf16-emulated for
-    /// mxfp4 and int4).
+    /// nvfp4-modelopt, nvfp4-ct (compressed-tensors, llm-compressor's NVFP4) or
+    /// bf16-emulated; default the scheme's own (bf16-emulated for mxfp4 and int4).
     #[arg(long)]
     layout: Option<Layout>,
+    /// Calibration statistics from `loraq run --collect-stats` on this model (NVFP4
+    /// layouts only): every quantized module gets a static activation scale from
+    /// its input absolute maximum (ModelOpt `input_scale = amax / 2688`,
+    /// compressed-tensors `input_global_scale = 2688 / amax`) and the config says
+    /// W4A4. Without it NVFP4 is written weight-only (W4A16).
+    #[arg(long, value_name = "FILE")]
+    calibration: Option<PathBuf>,
     /// Keep tensors whose names match this regex unquantized (repeatable; added to
-    /// the default list of embeddings, lm_head, norms and linear-attention
-    /// conv1d / A_log / dt_bias / in_proj_a / in_proj_b).
+    /// the default list of embeddings, lm_head, norms, linear-attention
+    /// conv1d / A_log / dt_bias / in_proj_a / in_proj_b, MoE routers and the
+    /// multi-token-prediction head mtp.*).
     #[arg(long, value_name = "REGEX")]
     skip: Vec<String>,
     /// Do not use the default skip list, only the --skip patterns.
@@ -83,9 +92,20 @@ pub fn run(args: Args) -> Result<()> {
         skip: compile_skip(&patterns)?,
         max_shard_bytes: args.max_shard_bytes,
     };
+    let calibration = match &args.calibration {
+        Some(path) => {
+            let stats = loraq_io::read_calibration(path)
+                .with_context(|| format!("--calibration {}", path.display()))?;
+            Some(InputCalibration {
+                source: path.clone(),
+                abs_max: stats.input_abs_max,
+            })
+        }
+        None => None,
+    };
     let input = Checkpoint::open(&args.input)
         .with_context(|| format!("cannot open checkpoint {}", args.input.display()))?;
-    let plan = plan_quantization(&input, &options)?;
+    let plan = plan_quantization_calibrated(&input, &options, calibration.as_ref())?;
     if plan.quantized_count() == 0 {
         bail!(
             "{}: no tensor to quantize (every 2-D float .weight is skipped)",
@@ -101,8 +121,15 @@ pub fn run(args: Args) -> Result<()> {
     bar.finish_and_clear();
     let side_files = copy_side_files(&args.input, out.path())?;
     let target = out.commit()?;
+    let activations = if !layout.is_nvfp4() {
+        ""
+    } else if plan.input_abs_max.is_empty() {
+        " (weight-only, W4A16)"
+    } else {
+        " (W4A4, static activation scales)"
+    };
     println!(
-        "wrote {}: {} of {} tensors quantized with {} in the {} layout, {} kept as they were, {} side files copied",
+        "wrote {}: {} of {} tensors quantized with {} in the {} layout{activations}, {} kept as they were, {} side files copied",
         target.display(),
         plan.quantized_count(),
         plan.actions.len(),

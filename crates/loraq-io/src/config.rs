@@ -85,10 +85,14 @@ pub enum QuantizationConfig {
     },
     /// FP8 weights with per-tensor or per-channel scales (no `weight_block_size`).
     Fp8,
-    /// NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4`).
+    /// NVIDIA ModelOpt NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4` or
+    /// `W4A16_NVFP4`).
     ModelOptNvfp4 {
         /// Elements per scale block (16).
         group_size: usize,
+        /// `W4A16_NVFP4`: activations stay unquantized (`NVFP4` quantizes them
+        /// with each module's static `input_scale`).
+        weight_only: bool,
     },
     /// compressed-tensors (llm-compressor), with its `format` (e.g. `nvfp4-pack-quantized`).
     CompressedTensors {
@@ -126,10 +130,15 @@ impl QuantizationConfig {
                     .or_else(|| v.get("quantization").and_then(|q| q.get("quant_algo")))
                     .and_then(Value::as_str)
                     .unwrap_or("");
-                if algo.eq_ignore_ascii_case("NVFP4") {
+                let weight_only = algo.eq_ignore_ascii_case("W4A16_NVFP4");
+                if algo.eq_ignore_ascii_case("NVFP4") || weight_only {
                     QuantizationConfig::ModelOptNvfp4 {
-                        group_size: v.get("group_size").and_then(Value::as_u64).unwrap_or(16)
-                            as usize,
+                        group_size: v
+                            .get("group_size")
+                            .or_else(|| v.get("quantization").and_then(|q| q.get("group_size")))
+                            .and_then(Value::as_u64)
+                            .unwrap_or(16) as usize,
+                        weight_only,
                     }
                 } else {
                     QuantizationConfig::Other {
@@ -158,7 +167,12 @@ impl QuantizationConfig {
                 format!("fp8-block{}x{}", block[0], block[1])
             }
             QuantizationConfig::Fp8 => "fp8".into(),
-            QuantizationConfig::ModelOptNvfp4 { .. } => "nvfp4 (modelopt)".into(),
+            QuantizationConfig::ModelOptNvfp4 { weight_only, .. } => if *weight_only {
+                "nvfp4 (modelopt, W4A16_NVFP4: weight-only)"
+            } else {
+                "nvfp4 (modelopt, NVFP4: W4A4, static input_scale)"
+            }
+            .into(),
             QuantizationConfig::CompressedTensors { format } => {
                 format!("compressed-tensors {format}")
             }

@@ -125,6 +125,17 @@ pub enum QuantError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A calibration file cannot give a module the static activation scale the
+    /// quantized checkpoint needs.
+    #[error("{path}: {module}: {reason}")]
+    Calibration {
+        /// The calibration file.
+        path: PathBuf,
+        /// The module path (no `.weight`).
+        module: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A regular expression given to the skip list does not compile.
     #[error("bad --skip pattern {pattern:?}: {reason}")]
     BadPattern {

@@ -16,8 +16,10 @@
 //! * plain BF16 / F16 / F32 weights (bf16-emulated checkpoints are plain).
 //!
 //! Written: fp8-block128, fp8-tensor (vLLM `fp8` per-tensor), fp8-channel-ct
-//! (compressed-tensors per-channel FP8), NVFP4 ModelOpt and bf16-emulated, one
-//! tensor in memory at a time.
+//! (compressed-tensors per-channel FP8), NVFP4 ModelOpt, NVFP4 compressed-tensors
+//! and bf16-emulated, one tensor in memory at a time. NVFP4 is written weight-only
+//! (W4A16) unless a calibration file gives every quantized module its input
+//! absolute maximum, which turns into a static activation scale (W4A4).
 
 use crate::error::{QuantError, Result};
 use crate::scheme::{
@@ -432,19 +434,25 @@ pub enum Layout {
     /// compressed-tensors `float-quantized` per output channel (llm-compressor's
     /// FP8_DYNAMIC): `weight` F8_E4M3 + `weight_scale` F32 `[out, 1]`.
     Fp8ChannelCompressedTensors,
-    /// NVIDIA ModelOpt NVFP4.
+    /// NVIDIA ModelOpt NVFP4: `weight` U8 + `weight_scale` F8_E4M3 + `weight_scale_2`
+    /// F32 (multiplier) [+ `input_scale` F32], quant_algo `W4A16_NVFP4` or `NVFP4`.
     Nvfp4ModelOpt,
+    /// compressed-tensors `nvfp4-pack-quantized` (llm-compressor's NVFP4):
+    /// `weight_packed` U8 + `weight_scale` F8_E4M3 + `weight_global_scale` F32
+    /// (divisor) [+ `input_global_scale` F32 (divisor)].
+    Nvfp4CompressedTensors,
     /// Dequantized weights written back as BF16: runs anywhere.
     Bf16Emulated,
 }
 
 impl Layout {
     /// Every layout.
-    pub const ALL: [Layout; 5] = [
+    pub const ALL: [Layout; 6] = [
         Self::Fp8Block128,
         Self::Fp8Tensor,
         Self::Fp8ChannelCompressedTensors,
         Self::Nvfp4ModelOpt,
+        Self::Nvfp4CompressedTensors,
         Self::Bf16Emulated,
     ];
 
@@ -455,6 +463,7 @@ impl Layout {
             Self::Fp8Tensor => "fp8-tensor",
             Self::Fp8ChannelCompressedTensors => "fp8-channel-ct",
             Self::Nvfp4ModelOpt => "nvfp4-modelopt",
+            Self::Nvfp4CompressedTensors => "nvfp4-ct",
             Self::Bf16Emulated => "bf16-emulated",
         }
     }
@@ -472,7 +481,15 @@ impl Layout {
 
     /// Whether `scheme` can be written in this layout.
     pub fn accepts(self, scheme: Scheme) -> bool {
-        self == Self::Bf16Emulated || self == Self::default_for(scheme)
+        self == Self::Bf16Emulated
+            || self == Self::default_for(scheme)
+            || (self == Self::Nvfp4CompressedTensors && scheme == Scheme::Nvfp4)
+    }
+
+    /// Whether this layout stores NVFP4 codes (and so can carry static activation
+    /// scales from a calibration file).
+    pub fn is_nvfp4(self) -> bool {
+        matches!(self, Self::Nvfp4ModelOpt | Self::Nvfp4CompressedTensors)
     }
 }
 
@@ -498,8 +515,13 @@ impl FromStr for Layout {
 
 /// Tensors kept in high precision by default, as published FP8 Qwen3.5 checkpoints
 /// keep them: embeddings, lm_head, norms, the linear-attention conv1d / A_log /
-/// dt_bias / in_proj_a / in_proj_b, and MoE routers.
+/// dt_bias / in_proj_a / in_proj_b, and MoE routers; and the multi-token-prediction
+/// head (`mtp.*`) for every scheme, as NVIDIA ModelOpt's exports keep it (its
+/// `mtp*` exclusion) and vLLM's Qwen3.5 MTP builds `mtp.fc` unquantized for
+/// NVFP4, so a quantized one cannot be loaded for speculative decoding
+/// (docs/quantization.md has the evidence).
 pub const DEFAULT_SKIP: &[&str] = &[
+    r"^mtp\.",
     r"embed_tokens\.",
     r"(^|\.)lm_head\.",
     r"norm\.weight$",
@@ -538,6 +560,31 @@ pub struct QuantizeOptions {
     pub max_shard_bytes: usize,
 }
 
+/// Per-module input absolute maxima from a calibration file (`loraq run
+/// --collect-stats`), which NVFP4 layouts turn into static activation scales.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InputCalibration {
+    /// The calibration file, for error messages.
+    pub source: PathBuf,
+    /// Module path (no `.weight`) -> largest `|x|` at the module's input.
+    pub abs_max: BTreeMap<String, f32>,
+}
+
+/// ModelOpt's static NVFP4 activation scale (`input_scale`, dequantization
+/// direction): `amax / (6 * 448)` in f32, as `NVFP4QTensor.get_activation_scaling_factor`
+/// computes it.
+pub fn nvfp4_input_scale(amax: f32) -> f32 {
+    amax / crate::scheme::NVFP4_GLOBAL_DENOMINATOR
+}
+
+/// compressed-tensors' global scale (a divisor), `(6 * 448) / amax` in f32, as
+/// `generate_gparam` computes it (1 where `amax` is 0, its fallback for a
+/// non-finite quotient).
+pub fn nvfp4_global_divisor(amax: f32) -> f32 {
+    let divisor = crate::scheme::NVFP4_GLOBAL_DENOMINATOR / amax;
+    if divisor.is_finite() { divisor } else { 1.0 }
+}
+
 /// What happens to one input tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TensorAction {
@@ -564,6 +611,9 @@ pub struct QuantizePlan {
     pub not_converted: Vec<String>,
     /// The `quantization_config` to add to config.json (none for bf16-emulated).
     pub quantization_config: Option<Value>,
+    /// Module path -> input absolute maximum of every quantized module, when
+    /// calibrated (NVFP4 W4A4); empty for weight-only checkpoints.
+    pub input_abs_max: BTreeMap<String, f32>,
 }
 
 impl QuantizePlan {
@@ -588,13 +638,38 @@ fn is_quantizable(info: &TensorInfo) -> bool {
 /// Plans the quantization of `input`: which tensors are quantized, the output
 /// tensors, and the config. Refuses an input that is already quantized, a scheme
 /// the layout cannot hold, and (naming the tensor) a weight whose input dimension
-/// the scheme cannot take.
+/// the scheme cannot take. NVFP4 is planned weight-only (W4A16).
 pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Result<QuantizePlan> {
+    plan_quantization_calibrated(input, options, None)
+}
+
+/// [`plan_quantization`] with static activation scales: with `calibration`, an
+/// NVFP4 layout gets every quantized module's input scale from its input absolute
+/// maximum and the W4A4 config. Refuses (naming the file and module) a calibration
+/// for a layout that is not NVFP4, a quantized module the file has no absolute
+/// maximum for, and one whose maximum is zero or not finite.
+pub fn plan_quantization_calibrated(
+    input: &Checkpoint,
+    options: &QuantizeOptions,
+    calibration: Option<&InputCalibration>,
+) -> Result<QuantizePlan> {
     let scheme = options.scheme;
     if !options.layout.accepts(scheme) {
         return Err(QuantError::SchemeLayoutMismatch {
             scheme: scheme.name(),
             layout: options.layout.name(),
+        });
+    }
+    if let Some(calibration) = calibration
+        && !options.layout.is_nvfp4()
+    {
+        return Err(QuantError::Calibration {
+            path: calibration.source.clone(),
+            module: "(all)".to_string(),
+            reason: format!(
+                "static activation scales are written for nvfp4 layouts only, not {}",
+                options.layout.name()
+            ),
         });
     }
     if let Some(q) = input.config().and_then(|c| c.quantization.as_ref()) {
@@ -606,6 +681,7 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
     let mut actions = Vec::new();
     let mut specs = Vec::new();
     let mut not_converted = Vec::new();
+    let mut input_abs_max = BTreeMap::new();
     for info in input.tensors() {
         let skipped = options.skip.iter().any(|re| re.is_match(&info.name));
         if !is_quantizable(info) || skipped {
@@ -627,6 +703,28 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
             });
         }
         let module = info.name.trim_end_matches(".weight");
+        if let Some(calibration) = calibration {
+            let amax = calibration.abs_max.get(module).copied().ok_or_else(|| {
+                QuantError::Calibration {
+                    path: calibration.source.clone(),
+                    module: module.to_string(),
+                    reason: "no input absolute maximum (collect the statistics with \
+                             `loraq run --collect-stats` on this model)"
+                        .to_string(),
+                }
+            })?;
+            if !(amax.is_finite() && amax > 0.0) {
+                return Err(QuantError::Calibration {
+                    path: calibration.source.clone(),
+                    module: module.to_string(),
+                    reason: format!(
+                        "input absolute maximum {amax} gives no static activation scale"
+                    ),
+                });
+            }
+            input_abs_max.insert(module.to_string(), amax);
+        }
+        let calibrated = calibration.is_some();
         match options.layout {
             Layout::Bf16Emulated => {
                 specs.push(TensorSpec::new(&info.name, DType::BF16, vec![rows, cols]));
@@ -667,10 +765,42 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
                     DType::F32,
                     vec![],
                 ));
+                if calibrated {
+                    specs.push(TensorSpec::new(
+                        format!("{module}.input_scale"),
+                        DType::F32,
+                        vec![],
+                    ));
+                }
+            }
+            Layout::Nvfp4CompressedTensors => {
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_packed"),
+                    DType::U8,
+                    vec![rows, cols / 2],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale"),
+                    DType::F8E4M3,
+                    vec![rows, cols / NVFP4_BLOCK],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_global_scale"),
+                    DType::F32,
+                    vec![1],
+                ));
+                if calibrated {
+                    specs.push(TensorSpec::new(
+                        format!("{module}.input_global_scale"),
+                        DType::F32,
+                        vec![1],
+                    ));
+                }
             }
         }
         actions.push((info.name.clone(), TensorAction::Quantize { rows, cols }));
     }
+    let calibrated = calibration.is_some();
     let quantization_config = match options.layout {
         Layout::Bf16Emulated => None,
         Layout::Fp8Block128 => Some(json!({
@@ -708,19 +838,104 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
             "ignore": not_converted,
             "kv_cache_scheme": null,
         })),
-        Layout::Nvfp4ModelOpt => Some(json!({
-            "quant_method": "modelopt",
-            "quant_algo": "NVFP4",
-            "group_size": NVFP4_BLOCK,
-            "kv_cache_quant_algo": null,
-            "exclude_modules": not_converted,
-        })),
+        Layout::Nvfp4ModelOpt => Some(modelopt_nvfp4_config(&not_converted, calibrated)),
+        Layout::Nvfp4CompressedTensors => {
+            Some(compressed_tensors_nvfp4_config(&not_converted, calibrated))
+        }
     };
     Ok(QuantizePlan {
         actions,
         specs,
         not_converted,
         quantization_config,
+        input_abs_max,
+    })
+}
+
+/// ModelOpt's name for the NVFP4 algorithm: `NVFP4` (W4A4, static activation
+/// scales) or `W4A16_NVFP4` (weight-only), the two quant_algo values vLLM's
+/// `ModelOptNvFp4Config` accepts.
+pub fn modelopt_nvfp4_algo(calibrated: bool) -> &'static str {
+    if calibrated { "NVFP4" } else { "W4A16_NVFP4" }
+}
+
+/// The producer entry of ModelOpt-style configs: loraq, not ModelOpt, wrote it.
+fn producer() -> Value {
+    json!({"name": "loraq", "version": env!("CARGO_PKG_VERSION")})
+}
+
+/// config.json `quantization_config` of a ModelOpt NVFP4 checkpoint, as ModelOpt's
+/// `convert_hf_quant_config_format` writes it (the fields vLLM's
+/// `ModelOptQuantConfigBase.from_config` reads when there is no `quantization`
+/// key: `quant_algo`, `ignore`, `group_size`, `kv_cache_scheme`).
+fn modelopt_nvfp4_config(not_converted: &[String], calibrated: bool) -> Value {
+    let nvfp4 =
+        json!({"dynamic": false, "num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK});
+    let mut group = json!({"weights": nvfp4.clone(), "targets": ["Linear"]});
+    if calibrated {
+        group["input_activations"] = nvfp4;
+    }
+    json!({
+        "config_groups": {"group_0": group},
+        "ignore": not_converted,
+        "quant_algo": modelopt_nvfp4_algo(calibrated),
+        "producer": producer(),
+        "quant_method": "modelopt",
+    })
+}
+
+/// hf_quant_config.json of a ModelOpt NVFP4 checkpoint (`get_quant_config`'s
+/// layout; vLLM requires `group_size`, `kv_cache_quant_algo` and `exclude_modules`
+/// in it).
+fn modelopt_hf_quant_config(not_converted: &[String], calibrated: bool) -> Value {
+    json!({
+        "producer": producer(),
+        "quantization": {
+            "quant_algo": modelopt_nvfp4_algo(calibrated),
+            "kv_cache_quant_algo": null,
+            "group_size": NVFP4_BLOCK,
+            "exclude_modules": not_converted,
+        }
+    })
+}
+
+/// The compressed-tensors format name of packed NVFP4.
+pub const COMPRESSED_TENSORS_NVFP4_FORMAT: &str = "nvfp4-pack-quantized";
+
+/// config.json `quantization_config` of a compressed-tensors NVFP4 checkpoint:
+/// compressed-tensors' `NVFP4A16` preset (weight-only) or `NVFP4` preset (with
+/// `input_activations`, dynamic "local" block scales under the static
+/// `input_global_scale`), as llm-compressor saves them.
+fn compressed_tensors_nvfp4_config(not_converted: &[String], calibrated: bool) -> Value {
+    let nvfp4 = |dynamic: Value| {
+        json!({
+            "num_bits": 4, "type": "float", "symmetric": true, "group_size": NVFP4_BLOCK,
+            "strategy": "tensor_group", "dynamic": dynamic, "actorder": null,
+            "block_structure": null, "observer": "minmax", "observer_kwargs": {}
+        })
+    };
+    let input_activations = if calibrated {
+        nvfp4(json!("local"))
+    } else {
+        Value::Null
+    };
+    json!({
+        "quant_method": "compressed-tensors",
+        "format": COMPRESSED_TENSORS_NVFP4_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": nvfp4(json!(false)),
+                "input_activations": input_activations,
+                "output_activations": null,
+                "format": COMPRESSED_TENSORS_NVFP4_FORMAT,
+            }
+        },
+        "ignore": not_converted,
+        "kv_cache_scheme": null,
+        "global_compression_ratio": null,
+        "sparsity_config": {},
     })
 }
 
@@ -753,6 +968,13 @@ pub fn write_quantized(
                     writer
                         .write_tensor(name, &loraq_io::convert::f32_to_bf16_bytes(&dequantized))?;
                 } else {
+                    // compressed-tensors' divisor is computed from the amax itself,
+                    // as generate_gparam does, not from the rounded multiplier.
+                    let weight_amax = if options.layout == Layout::Nvfp4CompressedTensors {
+                        view.finite_abs_max()?
+                    } else {
+                        0.0
+                    };
                     match options.scheme.quantize(view)? {
                         QuantizedWeight::Fp8(w) => {
                             writer.write_tensor(name, &w.codes)?;
@@ -767,13 +989,45 @@ pub fn write_quantized(
                             let Nvfp4GlobalScale::Multiplier(global) = w.global_scale else {
                                 unreachable!("quantize_nvfp4 writes a multiplier");
                             };
-                            writer.write_tensor(name, &w.packed)?;
-                            writer
-                                .write_tensor(&format!("{module}.weight_scale"), &w.block_scales)?;
-                            writer.write_tensor(
-                                &format!("{module}.weight_scale_2"),
-                                &global.to_le_bytes(),
-                            )?;
+                            let input_amax = plan.input_abs_max.get(module).copied();
+                            if options.layout == Layout::Nvfp4CompressedTensors {
+                                // The same codes and block scales as the ModelOpt layout
+                                // (the canonical formula); the global scale is stored as
+                                // compressed-tensors' divisor 2688 / amax.
+                                let divisor = nvfp4_global_divisor(weight_amax);
+                                writer
+                                    .write_tensor(&format!("{module}.weight_packed"), &w.packed)?;
+                                writer.write_tensor(
+                                    &format!("{module}.weight_scale"),
+                                    &w.block_scales,
+                                )?;
+                                writer.write_tensor(
+                                    &format!("{module}.weight_global_scale"),
+                                    &divisor.to_le_bytes(),
+                                )?;
+                                if let Some(amax) = input_amax {
+                                    writer.write_tensor(
+                                        &format!("{module}.input_global_scale"),
+                                        &nvfp4_global_divisor(amax).to_le_bytes(),
+                                    )?;
+                                }
+                            } else {
+                                writer.write_tensor(name, &w.packed)?;
+                                writer.write_tensor(
+                                    &format!("{module}.weight_scale"),
+                                    &w.block_scales,
+                                )?;
+                                writer.write_tensor(
+                                    &format!("{module}.weight_scale_2"),
+                                    &global.to_le_bytes(),
+                                )?;
+                                if let Some(amax) = input_amax {
+                                    writer.write_tensor(
+                                        &format!("{module}.input_scale"),
+                                        &nvfp4_input_scale(amax).to_le_bytes(),
+                                    )?;
+                                }
+                            }
                         }
                         QuantizedWeight::Mxfp4(_) | QuantizedWeight::Int4(_) => {
                             unreachable!("plan_quantization only allows native layouts")
@@ -811,15 +1065,8 @@ fn write_configs(input: &Checkpoint, plan: &QuantizePlan, dir: &Path) -> Result<
     if let Some(q) = &plan.quantization_config
         && q["quant_method"] == "modelopt"
     {
-        let hf_quant = json!({
-            "producer": {"name": "modelopt", "version": "loraq"},
-            "quantization": {
-                "quant_algo": q["quant_algo"],
-                "kv_cache_quant_algo": null,
-                "group_size": q["group_size"],
-                "exclude_modules": q["exclude_modules"],
-            }
-        });
+        let hf_quant =
+            modelopt_hf_quant_config(&plan.not_converted, !plan.input_abs_max.is_empty());
         write_json(dir.join("hf_quant_config.json"), &hf_quant)?;
     }
     Ok(())

@@ -6,13 +6,16 @@
 //!   MXFP4, INT4 group 128), each with quantize, dequantize and fake-quant.
 //! * [`layout`]: quantized checkpoint layouts: [`QuantizedBase`] decodes any linear
 //!   weight of an fp8-block128 / fp8 / NVFP4 (ModelOpt or compressed-tensors) / plain
-//!   checkpoint exactly to `f32`; [`layout::plan_quantization`] and
-//!   [`layout::write_quantized`] write fp8-block128, fp8-tensor, NVFP4 ModelOpt and
+//!   checkpoint exactly to `f32`; [`layout::plan_quantization`] (or
+//!   [`layout::plan_quantization_calibrated`], for NVFP4 with static activation
+//!   scales) and [`layout::write_quantized`] write fp8-block128, fp8-tensor,
+//!   fp8-channel compressed-tensors, NVFP4 ModelOpt, NVFP4 compressed-tensors and
 //!   bf16-emulated checkpoints.
 //! * [`report`]: quantization error of weights, alone and under a LoRA adapter
 //!   against a merged checkpoint, with the bf16 floor (`loraq quant-error`).
 //! * [`activation`]: activation fake-quant (FP8 per token / per 1x128 group / static,
-//!   NVFP4 dynamic per 16 under a static global scale).
+//!   NVFP4 dynamic per 16 under a static global scale, with the weight formula or
+//!   exactly as vLLM's W4A4 linears apply it).
 //!
 //! The exact formulas, and where they differ from `ml_dtypes` and from other
 //! producers, are in `docs/quantization.md`.

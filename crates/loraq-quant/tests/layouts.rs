@@ -455,19 +455,39 @@ fn fp8_channel_compressed_tensors_round_trip_and_config() {
     );
 }
 
+/// Without calibration the checkpoint is weight-only: `W4A16_NVFP4`, the
+/// quant_algo vLLM runs with unquantized activations (`NVFP4` made it register
+/// an `input_scale` loraq never wrote and use it as the activation scale), and
+/// config.json lists the skipped modules under `ignore`, the key vLLM reads there
+/// (`exclude_modules` only counts in hf_quant_config.json).
 #[test]
 fn nvfp4_modelopt_round_trip_and_config() {
     let (_source, base) = check_round_trip(Scheme::Nvfp4, Layout::Nvfp4ModelOpt, 1 << 30);
     let q = quantization_config(&base);
     assert_eq!(q["quant_method"], "modelopt");
-    assert_eq!(q["quant_algo"], "NVFP4");
-    assert_eq!(q["group_size"], 16);
+    assert_eq!(q["quant_algo"], "W4A16_NVFP4");
+    assert_eq!(q["config_groups"]["group_0"]["weights"]["group_size"], 16);
     assert!(
-        base.checkpoint()
-            .root()
-            .join("hf_quant_config.json")
-            .is_file()
+        q["config_groups"]["group_0"]
+            .get("input_activations")
+            .is_none()
     );
+    let ignored = q["ignore"].as_array().unwrap();
+    assert!(ignored.contains(&"model.layers.0.linear_attn.in_proj_a".into()));
+    assert!(
+        !base
+            .checkpoint()
+            .contains("model.layers.0.mlp.up_proj.input_scale")
+    );
+    let hf_quant: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(base.checkpoint().root().join("hf_quant_config.json")).unwrap(),
+    )
+    .unwrap();
+    let section = &hf_quant["quantization"];
+    assert_eq!(section["quant_algo"], "W4A16_NVFP4");
+    assert_eq!(section["group_size"], 16);
+    assert!(section["kv_cache_quant_algo"].is_null());
+    assert_eq!(section["exclude_modules"], q["ignore"]);
     let packed = base
         .checkpoint()
         .info("model.layers.0.mlp.up_proj.weight")
@@ -539,5 +559,9 @@ fn scheme_layout_mismatch_and_quantized_input_are_refused() {
 fn bad_skip_pattern_is_named() {
     let err = compile_skip(&["(".to_string()]).unwrap_err();
     assert!(err.to_string().contains("\"(\""), "{err}");
-    assert!("nvfp4-ct".parse::<Layout>().is_err());
+    assert!("nvfp4-gguf".parse::<Layout>().is_err());
+    assert_eq!(
+        "nvfp4-ct".parse::<Layout>().unwrap(),
+        Layout::Nvfp4CompressedTensors
+    );
 }
