@@ -6,6 +6,7 @@ use loraq_extract::extract::{ExtractOptions, Progress, RankChoice, extract};
 use loraq_extract::factor::Method;
 use loraq_extract::split::Split;
 use loraq_extract::target::TargetSpec;
+use loraq_io::AdapterNaming;
 use std::path::PathBuf;
 
 /// Extract the LoRA adapter from a merged fine-tune and its base.
@@ -47,6 +48,15 @@ pub struct Args {
     /// Revision (commit) of the base, recorded in manifest.json and adapter_config.json.
     #[arg(long, value_name = "SHA")]
     base_revision: Option<String>,
+    /// `base_model_name_or_path` in adapter_config.json and the model card (a Hub id such
+    /// as Qwen/Qwen3.5-9B); default: the base's absolute path.
+    #[arg(long, value_name = "ID")]
+    base_id: Option<String>,
+    /// Module names of the adapter: `checkpoint` (as the merged checkpoint names them,
+    /// e.g. model.language_model.layers.*: what vLLM and the checkpoint's own class load)
+    /// or `text` (model.layers.*: what AutoModelForCausalLM loads).
+    #[arg(long, default_value = "checkpoint", value_parser = ["checkpoint", "text"])]
+    names: String,
     /// Copy files of the merged directory matching GLOB (LICENSE, head files); repeatable.
     #[arg(long, value_name = "GLOB")]
     copy: Vec<String>,
@@ -114,6 +124,8 @@ pub fn run(args: Args) -> Result<()> {
         threads: args.threads,
         merged_revision: args.merged_revision,
         base_revision: args.base_revision,
+        base_id: args.base_id,
+        names: AdapterNaming::parse(&args.names).expect("clap checked the value"),
         copy: args.copy,
         force: args.force,
         target_base: args.target_base.as_deref().map(TargetSpec::parse),

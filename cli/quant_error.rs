@@ -45,7 +45,9 @@ pub fn run(args: Args) -> Result<()> {
     let skip = compile_skip(&patterns)?;
     let adapter = match &args.adapter {
         Some(dir) => Some(
-            LoraAdapter::open(dir)
+            // Module paths in the base's naming, whichever naming the adapter uses; a
+            // module the base does not have is refused by name.
+            LoraAdapter::open_for(dir, base.checkpoint())
                 .with_context(|| format!("cannot open adapter {}", dir.display()))?,
         ),
         None => None,

@@ -4,9 +4,11 @@
 use crate::error::Result;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
-use loraq_io::{AdapterConfig, LoraAdapter};
+use loraq_io::module_name::text_module_path;
+use loraq_io::{AdapterConfig, LoraAdapter, ModulePathMap};
 use rayon::prelude::*;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// How the factor pairs of a module compare, component by component.
@@ -90,16 +92,28 @@ fn config_differences(a: &AdapterConfig, b: &AdapterConfig) -> (Vec<String>, Vec
         sorted(&b.target_modules),
         true,
     );
+    // Pattern keys compared in one naming, so that the same adapter written with
+    // `--names text` and `--names checkpoint` agrees.
+    fn text_keys<V: std::fmt::Debug>(pattern: &BTreeMap<String, V>) -> String {
+        let keys: BTreeMap<String, &V> = pattern
+            .iter()
+            .map(|(k, v)| match k.strip_prefix('^') {
+                Some(path) => (format!("^{}", text_module_path(path)), v),
+                None => (text_module_path(k), v),
+            })
+            .collect();
+        format!("{keys:?}")
+    }
     field(
         "rank_pattern",
-        format!("{:?}", a.rank_pattern),
-        format!("{:?}", b.rank_pattern),
+        text_keys(&a.rank_pattern),
+        text_keys(&b.rank_pattern),
         true,
     );
     field(
         "alpha_pattern",
-        format!("{:?}", a.alpha_pattern),
-        format!("{:?}", b.alpha_pattern),
+        text_keys(&a.alpha_pattern),
+        text_keys(&b.alpha_pattern),
         true,
     );
     field(
@@ -183,23 +197,41 @@ pub fn check(
     let par = Par::rayon(threads);
     let x = LoraAdapter::open(first)?;
     let y = LoraAdapter::open(second)?;
-    let (config_differences, config_notes) = config_differences(&x.config, &y.config);
+    let (config_differences, mut config_notes) = config_differences(&x.config, &y.config);
+    // The second adapter's modules in the first's naming (model.layers.* and
+    // model.language_model.layers.* name the same module), so either naming compares.
+    let first_names =
+        ModulePathMap::from_module_paths(x.modules.iter().map(|m| m.module_path.as_str()));
+    let second_of_first: BTreeMap<&str, &str> = y
+        .modules
+        .iter()
+        .filter_map(|m| Some((first_names.resolve(&m.module_path)?, m.module_path.as_str())))
+        .collect();
+    let renamed = second_of_first.iter().filter(|(a, b)| a != b).count();
+    if renamed > 0 {
+        config_notes.push(format!(
+            "module names: {renamed} module(s) of the second adapter are named in the other naming (model.layers.* vs model.language_model.layers.*) and compared as the same modules"
+        ));
+    }
     let only_in_first: Vec<String> = x
         .modules
         .iter()
-        .filter(|m| y.module(&m.module_path).is_none())
+        .filter(|m| !second_of_first.contains_key(m.module_path.as_str()))
         .map(|m| m.module_path.clone())
         .collect();
     let only_in_second: Vec<String> = y
         .modules
         .iter()
-        .filter(|m| x.module(&m.module_path).is_none())
+        .filter(|m| first_names.resolve(&m.module_path).is_none())
         .map(|m| m.module_path.clone())
         .collect();
     let mut modules = Vec::new();
     for (i, mx) in x.modules.iter().enumerate() {
         progress(i, x.modules.len(), &mx.module_path);
-        let Some(my) = y.module(&mx.module_path) else {
+        let Some(my) = second_of_first
+            .get(mx.module_path.as_str())
+            .and_then(|p| y.module(p))
+        else {
             continue;
         };
         let first_shape = [mx.out_features, mx.in_features, mx.rank];

@@ -14,8 +14,8 @@ use faer::Par;
 use loraq_io::peft::VLLM_MAX_LORA_RANKS;
 use loraq_io::sha256sums::sha256_file;
 use loraq_io::{
-    AdapterConfig, AtomicDir, Checkpoint, DType, LoraAdapter, LoraFactors, ModuleName,
-    verify_sha256sums, write_adapter, write_sha256sums,
+    AdapterConfig, AdapterNaming, AtomicDir, Checkpoint, DType, LoraAdapter, LoraFactors,
+    ModuleName, ModulePathMap, verify_sha256sums, write_adapter, write_sha256sums,
 };
 use rayon::prelude::*;
 use serde::Serialize;
@@ -33,6 +33,8 @@ pub const AUTO_RANK_SLACK: f64 = 1.05;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The per-module report.
 pub const REPORT_FILE: &str = "extraction_report.json";
+/// The model card.
+pub const CARD_FILE: &str = "README.md";
 
 /// How the rank of each module is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +70,12 @@ pub struct ExtractOptions {
     pub merged_revision: Option<String>,
     /// Revision of the base, recorded in the manifest and adapter_config.json.
     pub base_revision: Option<String>,
+    /// `base_model_name_or_path` of adapter_config.json (a Hub id, say); `None`: the
+    /// base's absolute path, which resolves from any directory.
+    pub base_id: Option<String>,
+    /// How the adapter names its modules: as the checkpoint does, or as
+    /// `AutoModelForCausalLM` does.
+    pub names: AdapterNaming,
     /// Globs of files in the merged directory to copy (LICENSE, head files).
     pub copy: Vec<String>,
     /// Replace an existing output directory.
@@ -106,6 +114,8 @@ impl ExtractOptions {
             threads: 0,
             merged_revision: None,
             base_revision: None,
+            base_id: None,
+            names: AdapterNaming::Checkpoint,
             copy: Vec::new(),
             force: false,
             target_base: None,
@@ -269,7 +279,18 @@ pub struct ExtractionReport {
     pub merged: InputRecord,
     /// The base.
     pub base: InputRecord,
-    /// Adapter `r` (all module ranks are at most this, and it is a rank vLLM serves).
+    /// `base_model_name_or_path` written to adapter_config.json.
+    pub base_model_name_or_path: String,
+    /// How the adapter names its modules (the report's `module` fields are always the
+    /// checkpoint's tensor names).
+    pub names: AdapterNaming,
+    /// The transformers class whose module names the adapter's match: the one to load
+    /// the base with before `PeftModel.from_pretrained`.
+    pub loading_class: String,
+    /// The adapter's target_modules.
+    pub target_modules: Vec<String>,
+    /// Adapter `r`: the smallest rank vLLM serves that covers every module's rank, so
+    /// `--max-lora-rank r` serves it.
     pub r: usize,
     /// "256" or "auto".
     pub rank_mode: String,
@@ -300,6 +321,8 @@ pub struct ExtractionReport {
 #[derive(Serialize)]
 struct ManifestModule<'a> {
     module: &'a str,
+    /// The module as the adapter's tensors name it (differs with `--names text`).
+    adapter_module: String,
     shape: [usize; 2],
     rank: usize,
     dtype: &'static str,
@@ -311,6 +334,8 @@ struct Manifest<'a> {
     version: &'static str,
     merged: &'a InputRecord,
     base: &'a InputRecord,
+    base_model_name_or_path: &'a str,
+    names: AdapterNaming,
     target_base: Option<String>,
     r: usize,
     lora_alpha: usize,
@@ -428,6 +453,51 @@ fn min_index(a: Option<usize>, b: Option<usize>) -> Option<usize> {
     }
 }
 
+/// Adapter `r`: the smallest rank vLLM serves (its `--max-lora-rank` values) that covers
+/// the largest module rank. Modules below it go through rank_pattern with alpha = rank,
+/// so the scale is 1 everywhere; an `r` above every module would only force a larger
+/// `--max-lora-rank` (vLLM refuses an adapter whose r exceeds it).
+pub fn adapter_r(module_ranks: impl IntoIterator<Item = usize>) -> usize {
+    let largest = module_ranks.into_iter().max().unwrap_or(1);
+    VLLM_MAX_LORA_RANKS
+        .iter()
+        .copied()
+        .find(|&v| v >= largest)
+        .unwrap_or(largest)
+}
+
+/// The base's absolute path, as `base_model_name_or_path`: the directory (a
+/// `.safetensors` file stands for the directory holding it), so that
+/// `AutoPeftModel` finds it from any working directory instead of asking the Hub.
+fn absolute_base_path(base: &Path) -> Result<String> {
+    let path = std::fs::canonicalize(base).map_err(|source| ExtractError::Write {
+        path: base.to_path_buf(),
+        source,
+    })?;
+    let dir = if path.is_file() {
+        path.parent().map(Path::to_path_buf).unwrap_or(path)
+    } else {
+        path
+    };
+    Ok(dir.display().to_string())
+}
+
+/// The transformers class that names the modules as the adapter does: the checkpoint's
+/// own architecture for checkpoint names when they are multimodal, else
+/// `AutoModelForCausalLM` (whose text-only class uses `model.layers.*`).
+fn loading_class(merged: &Checkpoint, names: AdapterNaming) -> String {
+    let multimodal = merged
+        .tensors()
+        .any(|t| t.name.starts_with(loraq_io::module_name::MULTIMODAL_TEXT_PREFIX));
+    if names == AdapterNaming::Text || !multimodal {
+        return "AutoModelForCausalLM".into();
+    }
+    merged
+        .config()
+        .and_then(|c| c.raw.get("architectures")?.get(0)?.as_str().map(str::to_string))
+        .unwrap_or_else(|| "AutoModelForImageTextToText".into())
+}
+
 /// The rank `--rank auto` picks: the smallest k whose truncation residual is within
 /// [`AUTO_RANK_SLACK`] of $\rho^*(k) F$, else everything kept.
 pub fn auto_rank(f: &Factorization, floor: f64) -> usize {
@@ -497,11 +567,12 @@ fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
     Ok(())
 }
 
-const GENERATED: [&str; 5] = [
+const GENERATED: [&str; 6] = [
     "adapter_model.safetensors",
     "adapter_config.json",
     MANIFEST_FILE,
     REPORT_FILE,
+    CARD_FILE,
     "SHA256SUMS",
 ];
 
@@ -899,28 +970,31 @@ fn extract_on_current_pool(
     }
 
     progress(Progress::Writing);
+    // Module paths as the adapter names them; the report keeps the checkpoint's.
+    let names = options.names;
+    for f in &mut factors {
+        f.module_path = names.module_path(&f.module_path);
+    }
     let ranks: BTreeMap<String, usize> = modules
         .iter()
-        .map(|m| (m.module.clone(), m.adapter_rank))
+        .map(|m| (names.module_path(&m.module), m.adapter_rank))
         .chain(
             corrections
                 .iter()
-                .map(|c| (c.module.clone(), c.adapter_rank)),
+                .map(|c| (names.module_path(&c.module), c.adapter_rank)),
         )
         .collect();
-    let max_module_rank = ranks.values().copied().max().unwrap_or(1);
-    // r is a rank vLLM serves (its max_lora_rank) and at least every module's rank;
-    // the modules below it are in rank_pattern.
-    let r = match options.rank {
-        RankChoice::Fixed(r) if max_module_rank <= r => r,
-        _ => *VLLM_MAX_LORA_RANKS
-            .iter()
-            .find(|&&v| v >= max_module_rank)
-            .expect("ranks are capped at 512"),
+    let r = adapter_r(ranks.values().copied());
+    let base_model_name_or_path = match &options.base_id {
+        Some(id) => id.clone(),
+        None => absolute_base_path(&options.base)?,
     };
-    let base_name = options.base.display().to_string();
-    let config =
-        AdapterConfig::for_ranks(r, &ranks, Some(base_name), options.base_revision.clone());
+    let config = AdapterConfig::for_ranks(
+        r,
+        &ranks,
+        Some(base_model_name_or_path.clone()),
+        options.base_revision.clone(),
+    );
     write_adapter(out.path(), &config, &factors)?;
     drop(factors);
 
@@ -941,6 +1015,8 @@ fn extract_on_current_pool(
         version: env!("CARGO_PKG_VERSION"),
         merged: &merged_record,
         base: &base_record,
+        base_model_name_or_path: &base_model_name_or_path,
+        names,
         target_base: options.target_base.as_ref().map(TargetSpec::describe),
         r,
         lora_alpha: r,
@@ -949,12 +1025,14 @@ fn extract_on_current_pool(
             .iter()
             .map(|m| ManifestModule {
                 module: &m.module,
+                adapter_module: names.module_path(&m.module),
                 shape: m.shape,
                 rank: m.adapter_rank,
                 dtype: "BF16",
             })
             .chain(corrections.iter().map(|c| ManifestModule {
                 module: &c.module,
+                adapter_module: names.module_path(&c.module),
                 shape: c.shape,
                 rank: c.adapter_rank,
                 dtype: "BF16",
@@ -1014,6 +1092,10 @@ fn extract_on_current_pool(
         out: options.out.clone(),
         merged: merged_record,
         base: base_record,
+        loading_class: loading_class(&merged, names),
+        base_model_name_or_path,
+        names,
+        target_modules: config.target_modules.clone(),
         r,
         rank_mode: match options.rank {
             RankChoice::Fixed(r) => r.to_string(),
@@ -1033,11 +1115,26 @@ fn extract_on_current_pool(
     };
     report.totals.seconds = started.elapsed().as_secs_f64();
     write_json(&out.path().join(REPORT_FILE), &report)?;
+    // The loading examples name the adapter where it will be once committed.
+    let adapter_path = std::path::absolute(&options.out)
+        .unwrap_or_else(|_| options.out.clone())
+        .display()
+        .to_string();
+    let card = crate::card::render_model_card(&report, &adapter_path);
+    std::fs::write(out.path().join(CARD_FILE), card).map_err(|source| ExtractError::Write {
+        path: out.path().join(CARD_FILE),
+        source,
+    })?;
     write_sha256sums(out.path())?;
 
     // Validate what was written before it appears: the adapter parses as PEFT does,
-    // every module is there with its shape and rank, and every checksum holds.
-    let written = LoraAdapter::open(out.path())?;
+    // every module maps back onto the merge's tensors (in either naming) with its shape
+    // and rank, and every checksum holds.
+    let mut written = LoraAdapter::open(out.path())?;
+    written.map_onto(
+        &ModulePathMap::from_tensor_names(merged.tensors().map(|t| t.name.as_str())),
+        &options.merged.display().to_string(),
+    )?;
     let expected: Vec<(&str, usize, [usize; 2])> = report
         .modules
         .iter()

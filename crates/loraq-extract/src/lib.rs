@@ -6,7 +6,8 @@
 //! - [`floor`]: the bf16 rounding floor and the residual a perfect fit leaves.
 //! - [`factor`]: the top-r factorization (randomized with a certificate, or exact).
 //! - [`split`]: balanced / orthonormal-A split, bf16 cast, cast error.
-//! - [`extract`]: the whole `loraq extract`, written atomically.
+//! - [`extract`]: the whole `loraq extract`, written atomically; [`card`]: the model
+//!   card (README.md) it writes into the adapter directory.
 //! - [`target`] / [`quant_aware`] / [`calibration`]: quantization-aware extraction
 //!   (`--target-base`): factor merged - dequant(Q(base)), optionally weighted by the
 //!   input second moments of a calibration run.
@@ -14,6 +15,7 @@
 //!   each other.
 
 pub mod calibration;
+pub mod card;
 pub mod check;
 pub mod error;
 pub mod extract;

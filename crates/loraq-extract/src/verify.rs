@@ -154,8 +154,10 @@ pub fn verify(
     options: &VerifyOptions,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<VerifyReport> {
-    let adapter = LoraAdapter::open(&options.adapter)?;
     let merged = Checkpoint::open(&options.merged)?;
+    // Module paths in the merge's naming, whichever naming the adapter was written in;
+    // a module the merge does not have is refused by name.
+    let adapter = LoraAdapter::open_for(&options.adapter, &merged)?;
     let base = Checkpoint::open(&options.base)?;
     // A quantized base (fp8, NVFP4, ...) is decoded exactly; every projection then
     // differs from the merge, so the byte scan has nothing to say and is skipped, and

@@ -5,7 +5,9 @@
 //!   zero-copy bytes or converted to f32.
 //! - [`ModelConfig`]: config.json with `text_config` nesting, architecture, layer
 //!   types and quantization.
-//! - [`ModuleName`]: decoder-layer tensor names parsed into layer, block and module.
+//! - [`ModuleName`]: decoder-layer tensor names parsed into layer, block and module;
+//!   [`AdapterNaming`] / [`ModulePathMap`]: adapter module paths in either naming
+//!   (`model.language_model.layers.*` or `model.layers.*`) mapped onto a checkpoint's.
 //! - [`CheckpointWriter`] / [`SafetensorsWriter`]: streaming writers, sharded with an
 //!   index past a size limit.
 //! - [`AtomicDir`]: output directories that appear only when complete.
@@ -32,7 +34,7 @@ pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInf
 pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};
 pub use dtype::DType;
 pub use error::{IoError, Result};
-pub use module_name::{Block, ModuleKind, ModuleName};
+pub use module_name::{AdapterNaming, Block, ModuleKind, ModuleName, ModulePathMap};
 pub use peft::{AdapterConfig, LoraAdapter, LoraFactors, LoraModuleInfo, write_adapter};
 pub use sha256sums::{verify_sha256sums, write_sha256sums};
 pub use writer::{CheckpointWriter, SafetensorsWriter, TensorSpec, write_safetensors_file};

@@ -1,7 +1,17 @@
 //! Decoder-layer tensor names: `<prefix>.layers.{i}.{block}.{module}[.{param}]`,
 //! where the prefix is `model.language_model` (Qwen3.5 multimodal checkpoints),
 //! `model` (text-only) or anything else that ends in `layers`.
+//!
+//! Also the two ways an adapter can name the same module ([`AdapterNaming`]), and the
+//! one place that maps an adapter's module paths onto a checkpoint's ([`ModulePathMap`]).
+//! A published Qwen3.5 checkpoint is `Qwen3_5ForConditionalGeneration`: its text
+//! modules are `model.language_model.layers.*`. transformers 5.x loads the same files
+//! through `AutoModelForCausalLM` as `Qwen3_5ForCausalLM`, renaming them to
+//! `model.layers.*` (and dropping the vision tower). PEFT matches adapter keys by the
+//! loaded model's module names, so an adapter written in one naming and loaded with the
+//! other class applies nothing (PEFT only warns "Found missing adapter keys").
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 /// The block a module belongs to.
@@ -152,9 +162,181 @@ impl ModuleName {
     }
 }
 
+/// The text backbone's prefix in multimodal checkpoints (`*ForConditionalGeneration`).
+pub const MULTIMODAL_TEXT_PREFIX: &str = "model.language_model.";
+/// The same modules' prefix in the text-only causal-LM class (`*ForCausalLM`).
+pub const TEXT_PREFIX: &str = "model.";
+
+/// How an adapter names the modules it adapts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdapterNaming {
+    /// As the checkpoint names its tensors (`model.language_model.layers.*` for a
+    /// multimodal Qwen3.5 checkpoint): what the checkpoint's own class and vLLM load.
+    Checkpoint,
+    /// As `AutoModelForCausalLM` names the modules (`model.layers.*`): the text-only
+    /// class transformers builds from the same checkpoint.
+    Text,
+}
+
+impl AdapterNaming {
+    /// The name used on the command line and in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdapterNaming::Checkpoint => "checkpoint",
+            AdapterNaming::Text => "text",
+        }
+    }
+
+    /// Parses `checkpoint` or `text`.
+    pub fn parse(s: &str) -> Option<AdapterNaming> {
+        match s {
+            "checkpoint" => Some(AdapterNaming::Checkpoint),
+            "text" => Some(AdapterNaming::Text),
+            _ => None,
+        }
+    }
+
+    /// The adapter's name for a module the checkpoint calls `checkpoint_path`.
+    pub fn module_path(self, checkpoint_path: &str) -> String {
+        match self {
+            AdapterNaming::Checkpoint => checkpoint_path.to_string(),
+            AdapterNaming::Text => text_module_path(checkpoint_path),
+        }
+    }
+}
+
+impl fmt::Display for AdapterNaming {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A module path as the text-only causal-LM class names it: a leading
+/// `model.language_model.` becomes `model.`; any other path is unchanged (text-only
+/// checkpoints already use that naming).
+pub fn text_module_path(path: &str) -> String {
+    match path.strip_prefix(MULTIMODAL_TEXT_PREFIX) {
+        Some(rest) => format!("{TEXT_PREFIX}{rest}"),
+        None => path.to_string(),
+    }
+}
+
+/// The modules of a checkpoint, for mapping adapter module paths onto them.
+///
+/// A module path resolves to itself when the checkpoint has a tensor under it, else to
+/// the one checkpoint module with the same text-only name ([`text_module_path`]), so an
+/// adapter in either naming lands on the same tensors, and a path that names no module
+/// of the checkpoint resolves to nothing (callers refuse it by name).
+#[derive(Debug, Clone, Default)]
+pub struct ModulePathMap {
+    modules: BTreeSet<String>,
+    /// Text-only name -> the checkpoint's module paths with that name.
+    by_text_name: BTreeMap<String, Vec<String>>,
+}
+
+impl ModulePathMap {
+    /// The modules under which `tensor_names` lie: every name without its last
+    /// component (`X.weight`, `X.weight_scale_inv`, `X.weight_packed`, ... all give `X`).
+    pub fn from_tensor_names<'a>(tensor_names: impl IntoIterator<Item = &'a str>) -> Self {
+        Self::from_module_paths(
+            tensor_names
+                .into_iter()
+                .filter_map(|name| name.rsplit_once('.').map(|(module, _)| module)),
+        )
+    }
+
+    /// A map over the given module paths themselves (e.g. another adapter's modules).
+    pub fn from_module_paths<'a>(module_paths: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut map = ModulePathMap::default();
+        for path in module_paths {
+            if map.modules.insert(path.to_string()) {
+                map.by_text_name
+                    .entry(text_module_path(path))
+                    .or_default()
+                    .push(path.to_string());
+            }
+        }
+        map
+    }
+
+    /// The checkpoint's path for the module an adapter calls `adapter_path`, in either
+    /// naming; `None` when it names no module of the checkpoint (or two, which only a
+    /// checkpoint holding both namings could cause).
+    pub fn resolve(&self, adapter_path: &str) -> Option<&str> {
+        if let Some(path) = self.modules.get(adapter_path) {
+            return Some(path.as_str());
+        }
+        match self.by_text_name.get(&text_module_path(adapter_path))?.as_slice() {
+            [only] => Some(only.as_str()),
+            _ => None,
+        }
+    }
+
+    /// Whether any module of the checkpoint has a multimodal path, i.e. whether the two
+    /// namings differ for it.
+    pub fn has_multimodal_names(&self) -> bool {
+        self.modules
+            .iter()
+            .any(|m| m.starts_with(MULTIMODAL_TEXT_PREFIX))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn module_path_map_resolves_either_naming_onto_the_checkpoint() {
+        let multimodal = ModulePathMap::from_tensor_names([
+            "model.language_model.layers.3.mlp.up_proj.weight",
+            "model.language_model.layers.3.self_attn.q_proj.weight_scale_inv",
+            "model.visual.blocks.0.mlp.linear_fc1.weight",
+        ]);
+        assert!(multimodal.has_multimodal_names());
+        for adapter in [
+            "model.layers.3.mlp.up_proj",
+            "model.language_model.layers.3.mlp.up_proj",
+        ] {
+            assert_eq!(
+                multimodal.resolve(adapter),
+                Some("model.language_model.layers.3.mlp.up_proj")
+            );
+        }
+        assert_eq!(
+            multimodal.resolve("model.layers.3.self_attn.q_proj"),
+            Some("model.language_model.layers.3.self_attn.q_proj")
+        );
+        // A module the checkpoint does not have, in either naming, resolves to nothing.
+        assert_eq!(multimodal.resolve("model.layers.4.mlp.up_proj"), None);
+        assert_eq!(multimodal.resolve("model.layers.3.mlp.gate_proj"), None);
+        // A multimodal adapter on a text-only checkpoint lands on the same modules.
+        let text = ModulePathMap::from_tensor_names(["model.layers.3.mlp.up_proj.weight"]);
+        assert!(!text.has_multimodal_names());
+        assert_eq!(
+            text.resolve("model.language_model.layers.3.mlp.up_proj"),
+            Some("model.layers.3.mlp.up_proj")
+        );
+    }
+
+    #[test]
+    fn text_naming_renames_only_the_multimodal_prefix() {
+        let naming = AdapterNaming::Text;
+        assert_eq!(
+            naming.module_path("model.language_model.layers.40.mlp.gate_proj"),
+            "model.layers.40.mlp.gate_proj"
+        );
+        assert_eq!(
+            naming.module_path("model.layers.40.mlp.gate_proj"),
+            "model.layers.40.mlp.gate_proj"
+        );
+        assert_eq!(
+            AdapterNaming::Checkpoint.module_path("model.language_model.layers.1.mlp.up_proj"),
+            "model.language_model.layers.1.mlp.up_proj"
+        );
+        assert_eq!(AdapterNaming::parse("text"), Some(AdapterNaming::Text));
+        assert_eq!(AdapterNaming::parse("causal"), None);
+    }
 
     #[test]
     fn parses_both_prefixes() {

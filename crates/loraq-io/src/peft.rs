@@ -9,10 +9,11 @@
 use crate::checkpoint::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{IoError, OsContext, Result};
+use crate::module_name::ModulePathMap;
 use crate::writer::{TensorSpec, write_safetensors_file};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// File name of the adapter weights.
 pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
@@ -215,8 +216,12 @@ pub fn pattern_matches(key: &str, module_path: &str) -> bool {
 /// One adapted module as found in an adapter directory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraModuleInfo {
-    /// Module path without PEFT's prefix, e.g. `model.language_model.layers.40.mlp.up_proj`.
+    /// Module path without PEFT's prefix, e.g. `model.language_model.layers.40.mlp.up_proj`:
+    /// as the adapter names it, or the checkpoint's name for it after
+    /// [`LoraAdapter::map_onto`].
     pub module_path: String,
+    /// The module path as the adapter's tensor names spell it.
+    pub stored_path: String,
     /// Rank (rows of A).
     pub rank: usize,
     /// Input features (columns of A).
@@ -234,6 +239,7 @@ pub struct LoraAdapter {
     pub config: AdapterConfig,
     /// Every module, sorted by path.
     pub modules: Vec<LoraModuleInfo>,
+    dir: PathBuf,
     weights: Checkpoint,
 }
 
@@ -307,6 +313,7 @@ impl LoraAdapter {
             }
             modules.push(LoraModuleInfo {
                 scale: config.scale_for(&module_path),
+                stored_path: module_path.clone(),
                 module_path,
                 rank,
                 in_features,
@@ -317,8 +324,67 @@ impl LoraAdapter {
         Ok(LoraAdapter {
             config,
             modules,
+            dir: dir.to_path_buf(),
             weights,
         })
+    }
+
+    /// Opens an adapter directory and maps its modules onto `checkpoint`'s names
+    /// ([`LoraAdapter::map_onto`]), so an adapter in either naming applies to it.
+    pub fn open_for(dir: impl AsRef<Path>, checkpoint: &Checkpoint) -> Result<LoraAdapter> {
+        let mut adapter = LoraAdapter::open(dir)?;
+        let map = ModulePathMap::from_tensor_names(checkpoint.tensors().map(|t| t.name.as_str()));
+        adapter.map_onto(&map, &checkpoint.root().display().to_string())?;
+        Ok(adapter)
+    }
+
+    /// Renames every module to the path `map` resolves it to (the same module in the
+    /// checkpoint's naming; see [`ModulePathMap::resolve`]). A module that resolves to
+    /// nothing is refused by name, never skipped: an adapter that silently applies to
+    /// fewer modules than it holds is the failure this guards against. `target` names
+    /// what the map describes, for the message.
+    pub fn map_onto(&mut self, map: &ModulePathMap, target: &str) -> Result<()> {
+        let mut unmatched = Vec::new();
+        let mut resolved = BTreeMap::<String, &str>::new();
+        for m in &self.modules {
+            match map.resolve(&m.stored_path) {
+                Some(path) => {
+                    if let Some(other) = resolved.insert(path.to_string(), &m.stored_path) {
+                        return Err(IoError::Adapter {
+                            path: self.dir.clone(),
+                            reason: format!(
+                                "modules {other} and {} are the same module {path} of {target} (the adapter holds it in both namings)",
+                                m.stored_path
+                            ),
+                        });
+                    }
+                }
+                None => unmatched.push(m.stored_path.as_str()),
+            }
+        }
+        if !unmatched.is_empty() {
+            return Err(IoError::Adapter {
+                path: self.dir.clone(),
+                reason: format!(
+                    "{} module(s) name no module of {target}, neither as written nor in the other naming (model.layers.* <-> model.language_model.layers.*): {}",
+                    unmatched.len(),
+                    unmatched.join(", ")
+                ),
+            });
+        }
+        for m in &mut self.modules {
+            if let Some(path) = map.resolve(&m.stored_path) {
+                m.module_path = path.to_string();
+            }
+        }
+        self.modules
+            .sort_by(|a, b| a.module_path.cmp(&b.module_path));
+        Ok(())
+    }
+
+    /// The directory the adapter was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// The module with that path.
@@ -326,19 +392,31 @@ impl LoraAdapter {
         self.modules.iter().find(|m| m.module_path == module_path)
     }
 
+    /// The path the adapter's tensor names use for `module_path` (itself when the
+    /// module is not known: the read then fails naming the tensor).
+    fn stored_path<'a>(&'a self, module_path: &'a str) -> &'a str {
+        self.module(module_path)
+            .map_or(module_path, |m| m.stored_path.as_str())
+    }
+
     /// lora_A of a module as f32, row-major [rank, in].
     pub fn read_a_f32(&self, module_path: &str) -> Result<Vec<f32>> {
-        self.weights.read_f32(&a_name(module_path))
+        self.weights
+            .read_f32(&a_name(self.stored_path(module_path)))
     }
 
     /// lora_B of a module as f32, row-major [out, rank].
     pub fn read_b_f32(&self, module_path: &str) -> Result<Vec<f32>> {
-        self.weights.read_f32(&b_name(module_path))
+        self.weights
+            .read_f32(&b_name(self.stored_path(module_path)))
     }
 
     /// The dtype lora_A of a module is stored in.
     pub fn factor_dtype(&self, module_path: &str) -> Result<DType> {
-        Ok(self.weights.info(&a_name(module_path))?.dtype)
+        Ok(self
+            .weights
+            .info(&a_name(self.stored_path(module_path)))?
+            .dtype)
     }
 }
 

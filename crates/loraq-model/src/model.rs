@@ -472,7 +472,10 @@ impl Model {
             reason: "missing config.json".into(),
         })?;
         let config = TextConfig::from_model_config(model_config, &config_path)?;
-        let adapter = adapter_dir.map(LoraAdapter::open).transpose()?;
+        // Module paths in the checkpoint's naming, whichever naming the adapter uses.
+        let adapter = adapter_dir
+            .map(|dir| LoraAdapter::open_for(dir, checkpoint))
+            .transpose()?;
         let prefix = backbone_prefix(checkpoint)?;
         let mut loader = Loader {
             base: &base,
