@@ -109,7 +109,10 @@ fn module_groups(report: &ExtractionReport) -> BTreeMap<(String, [usize; 2], usi
     let mut groups: BTreeMap<(String, [usize; 2], usize), ModuleGroup> = BTreeMap::new();
     for (module, shape, rank) in rows {
         let (kind, layer) = match ModuleName::parse(&format!("{module}.weight")) {
-            Some(n) => (format!("{}.{}", n.block.as_str(), n.kind.as_str()), Some(n.layer)),
+            Some(n) => (
+                format!("{}.{}", n.block.as_str(), n.kind.as_str()),
+                Some(n.layer),
+            ),
             None => (module.clone(), None),
         };
         let group = groups.entry((kind, shape, rank)).or_insert(ModuleGroup {
@@ -148,7 +151,10 @@ fn residual_section(out: &mut String, report: &ExtractionReport) {
     let _ = writeln!(out, "| residual / floor | min | median | max |");
     let _ = writeln!(out, "|---|---:|---:|---:|");
     for (label, values) in [
-        ("truncation (f32 factors)", sorted(&|m: &ModuleReport| m.ratio)),
+        (
+            "truncation (f32 factors)",
+            sorted(&|m: &ModuleReport| m.ratio),
+        ),
         (
             "after the bf16 cast",
             sorted(&|m: &ModuleReport| m.ratio_after_cast),
@@ -175,13 +181,7 @@ fn residual_section(out: &mut String, report: &ExtractionReport) {
         let _ = writeln!(
             out,
             "| `{}` | {}x{} | {} | {:.4} | {:.4} | {:.4} |",
-            m.module,
-            m.shape[0],
-            m.shape[1],
-            m.rank,
-            m.ratio,
-            m.ratio_after_cast,
-            m.expected_ratio
+            m.module, m.shape[0], m.shape[1], m.rank, m.ratio, m.ratio_after_cast, m.expected_ratio
         );
     }
     if !report.totals.above_threshold.is_empty() {
@@ -311,11 +311,9 @@ fn loading_section(out: &mut String, report: &ExtractionReport, adapter_path: &s
             );
         }
     }
-    let revision = report
-        .base
-        .revision
-        .as_deref()
-        .map_or(String::new(), |r| format!(", revision={}", python_string(r)));
+    let revision = report.base.revision.as_deref().map_or(String::new(), |r| {
+        format!(", revision={}", python_string(r))
+    });
     let _ = writeln!(out, "```python");
     let _ = writeln!(out, "from peft import PeftModel");
     let _ = writeln!(out, "from transformers import {class}\n");
@@ -374,7 +372,9 @@ pub fn render_model_card(report: &ExtractionReport, adapter_path: &str) -> Strin
 
     let title = std::path::Path::new(adapter_path)
         .file_name()
-        .map_or("LoRA adapter".to_string(), |n| n.to_string_lossy().into_owned());
+        .map_or("LoRA adapter".to_string(), |n| {
+            n.to_string_lossy().into_owned()
+        });
     let _ = writeln!(out, "# {title}\n");
     let _ = writeln!(
         out,
@@ -464,7 +464,10 @@ pub fn render_model_card(report: &ExtractionReport, adapter_path: &str) -> Strin
         .iter()
         .filter(|f| {
             let name = f.rsplit('/').next().unwrap_or(f).to_ascii_uppercase();
-            name.starts_with("LICENSE") || name.starts_with("LICENCE") || name.starts_with("COPYING") || name.starts_with("NOTICE")
+            name.starts_with("LICENSE")
+                || name.starts_with("LICENCE")
+                || name.starts_with("COPYING")
+                || name.starts_with("NOTICE")
         })
         .collect();
     if licenses.is_empty() {

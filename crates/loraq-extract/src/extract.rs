@@ -486,15 +486,22 @@ fn absolute_base_path(base: &Path) -> Result<String> {
 /// own architecture for checkpoint names when they are multimodal, else
 /// `AutoModelForCausalLM` (whose text-only class uses `model.layers.*`).
 fn loading_class(merged: &Checkpoint, names: AdapterNaming) -> String {
-    let multimodal = merged
-        .tensors()
-        .any(|t| t.name.starts_with(loraq_io::module_name::MULTIMODAL_TEXT_PREFIX));
+    let multimodal = merged.tensors().any(|t| {
+        t.name
+            .starts_with(loraq_io::module_name::MULTIMODAL_TEXT_PREFIX)
+    });
     if names == AdapterNaming::Text || !multimodal {
         return "AutoModelForCausalLM".into();
     }
     merged
         .config()
-        .and_then(|c| c.raw.get("architectures")?.get(0)?.as_str().map(str::to_string))
+        .and_then(|c| {
+            c.raw
+                .get("architectures")?
+                .get(0)?
+                .as_str()
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| "AutoModelForImageTextToText".into())
 }
 

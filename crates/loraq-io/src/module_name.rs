@@ -267,7 +267,11 @@ impl ModulePathMap {
         if let Some(path) = self.modules.get(adapter_path) {
             return Some(path.as_str());
         }
-        match self.by_text_name.get(&text_module_path(adapter_path))?.as_slice() {
+        match self
+            .by_text_name
+            .get(&text_module_path(adapter_path))?
+            .as_slice()
+        {
             [only] => Some(only.as_str()),
             _ => None,
         }
