@@ -336,8 +336,13 @@ fn loading_section(out: &mut String, report: &ExtractionReport, adapter_path: &s
     let _ = writeln!(out, "```sh");
     let _ = writeln!(
         out,
-        "vllm serve {} --enable-lora --max-lora-rank {} --lora-modules {}",
+        "vllm serve {}{} --enable-lora --max-lora-rank {} --lora-modules {}",
         shell_word(&report.base_model_name_or_path),
+        report
+            .base
+            .revision
+            .as_deref()
+            .map_or(String::new(), |r| format!(" --revision {}", shell_word(r))),
         report.r,
         shell_word(&format!("{name}={adapter_path}"))
     );
