@@ -13,7 +13,7 @@ pub struct Args {
     /// The other adapter directory.
     other: PathBuf,
     /// Largest allowed ||delta1 - delta2|| / ||delta1|| per module.
-    #[arg(long, default_value_t = 1e-2)]
+    #[arg(long, default_value_t = 1e-2, value_parser = crate::args::positive_ratio)]
     tolerance: f64,
     /// Print the result as JSON on stdout.
     #[arg(long)]

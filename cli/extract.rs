@@ -34,13 +34,13 @@ pub struct Args {
     method: String,
     /// Refuse the extraction when a module's truncation residual exceeds this times
     /// the bf16 rounding floor of the merge.
-    #[arg(long, default_value_t = 1.10)]
+    #[arg(long, default_value_t = 1.10, value_parser = crate::args::positive_ratio)]
     max_residual_ratio: f64,
     /// Write the adapter even when modules are above --max-residual-ratio.
     #[arg(long)]
     allow_residual: bool,
-    /// Worker threads (default: all cores).
-    #[arg(long, default_value_t = 0)]
+    /// Worker threads (default: all cores; at most 4 per logical core, 1024 in all).
+    #[arg(long, default_value_t = 0, value_parser = crate::args::threads)]
     threads: usize,
     /// Revision (commit) of the merge, recorded in manifest.json.
     #[arg(long, value_name = "SHA")]

@@ -2,6 +2,7 @@
 //! quantized bases. One module per subcommand; results go to stdout, progress and
 //! diagnostics to stderr; errors print as `loraq: <error chain>` with exit status 2.
 
+mod args;
 mod check;
 mod compare;
 mod compare_hidden;

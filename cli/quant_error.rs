@@ -79,6 +79,8 @@ pub fn run(args: Args) -> Result<()> {
         let weight = base.weight(name)?;
         let (rows, cols) = (weight.rows, weight.cols);
         let values = base.read_weight_f32(name)?;
+        // A NaN weight gives a NaN error figure; refuse it by file and tensor.
+        base.checkpoint().ensure_finite(name, &values)?;
         let view = WeightView::new(name, rows, cols, &values)?;
         let (quantized, weight_error) = weight_quant_error(args.scheme, view)?;
         let merged_error = match (adapted.get(name), &adapter, &merged) {
@@ -94,6 +96,7 @@ pub fn run(args: Args) -> Result<()> {
                 let merged_values = merged
                     .read_weight_f32(name)
                     .with_context(|| format!("merged checkpoint lacks {name}"))?;
+                merged.checkpoint().ensure_finite(name, &merged_values)?;
                 let b = adapter.read_b_f32(&module.module_path)?;
                 let a = adapter.read_a_f32(&module.module_path)?;
                 let update = LoraUpdate {

@@ -117,7 +117,9 @@ pub fn run(args: Args) -> Result<()> {
     write_quantized(&input, &plan, &options, out.path(), &mut |name| {
         bar.set_message(name.to_string());
         bar.inc(1);
-    })?;
+    })
+    // The scheme's errors name the tensor; this names the checkpoint holding it.
+    .with_context(|| format!("quantizing {}", args.input.display()))?;
     bar.finish_and_clear();
     let side_files = copy_side_files(&args.input, out.path())?;
     let target = out.commit()?;

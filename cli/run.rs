@@ -2,12 +2,15 @@
 //! (option logits at the last prompt position) and optionally per-layer hidden states.
 
 use crate::progress;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
+use loraq_eval::answers::check_question;
+use loraq_io::limits::elide;
 use loraq_model::{
     ActQuantScheme, LinearBackend, LoadOptions, Model, ScoreOptions, read_records,
     score_records_with_hidden, write_answers, write_hidden,
 };
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Score option tokens of every record with a Qwen3.5 / Qwen3 model on the CPU, with
@@ -49,8 +52,9 @@ pub struct Args {
     /// evaluation questions.
     #[arg(long, value_name = "FILE")]
     collect_stats: Option<PathBuf>,
-    /// Worker threads (default: the physical cores).
-    #[arg(long)]
+    /// Worker threads (default: the physical cores; at most 4 per logical core,
+    /// 1024 in all).
+    #[arg(long, value_parser = crate::args::threads)]
     threads: Option<usize>,
 }
 
@@ -80,6 +84,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     let mut records = read_records(&args.records)?;
+    check_questions(&args.records, &records)?;
     loraq_model::tokenize_records(&args.model, &mut records, &args.records)?;
     let started = Instant::now();
     let model = Model::load(
@@ -162,4 +167,29 @@ fn score_records_with_hidden_opt(
     } else {
         Ok((loraq_model::score_records(model, records, options)?, None))
     }
+}
+
+/// Refuses what `loraq compare` would refuse in the answers later (an id twice, a
+/// single option, an option twice, a gold that is not an option), with the rules
+/// compare applies, before any forward pass.
+fn check_questions(path: &Path, records: &[loraq_model::Record]) -> Result<()> {
+    let mut first_line: HashMap<&str, u64> = HashMap::with_capacity(records.len());
+    for record in records {
+        let shown_id = elide(&format!("{:?}", record.id));
+        check_question(&record.id, &record.options, record.gold.as_deref()).map_err(|reason| {
+            anyhow!(
+                "{}:{}: record {shown_id}: {reason} (loraq compare would refuse its answer)",
+                path.display(),
+                record.line
+            )
+        })?;
+        if let Some(first) = first_line.insert(&record.id, record.line) {
+            bail!(
+                "{}:{}: duplicate id {shown_id} (first at line {first}): answers are paired by id",
+                path.display(),
+                record.line
+            );
+        }
+    }
+    Ok(())
 }

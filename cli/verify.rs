@@ -18,7 +18,7 @@ pub struct Args {
     merged: PathBuf,
     /// Fail when a module's residual exceeds this times the floor (the bf16 factors
     /// add their cast error to the truncation residual, hence above extract's 1.10).
-    #[arg(long, default_value_t = 1.25)]
+    #[arg(long, default_value_t = loraq_extract::verify::DEFAULT_MAX_RESIDUAL_RATIO, value_parser = crate::args::positive_ratio)]
     max_residual_ratio: f64,
     /// Print the result as JSON on stdout.
     #[arg(long)]

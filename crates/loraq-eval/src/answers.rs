@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::error::{EvalError, Result};
+use loraq_io::limits::{CappedLine, MAX_JSON_LINE_BYTES, elide, read_capped_line};
 
 /// How far the sum of a `probs` array may be from 1 before the record is refused.
 /// Wide enough for float32 writers and values printed with a few decimals.
@@ -168,6 +169,18 @@ impl<R: BufRead> AnswersReader<R> {
         &self.path
     }
 
+    /// The error for a line over [`MAX_JSON_LINE_BYTES`] (a file without newlines,
+    /// such as /dev/zero, would otherwise be read without end).
+    fn line_too_long(&self) -> EvalError {
+        EvalError::Json {
+            path: self.path.clone(),
+            line: self.line + 1,
+            message: format!(
+                "line longer than {MAX_JSON_LINE_BYTES} bytes, the limit of an answers record (docs/formats.md)"
+            ),
+        }
+    }
+
     /// The next answer, borrowing from the reader's line buffer (no iterator can
     /// lend, hence a method); `None` at the end of the file or after an error.
     pub fn next_view(&mut self) -> Option<Result<AnswerView<'_>>> {
@@ -176,9 +189,13 @@ impl<R: BufRead> AnswersReader<R> {
         }
         loop {
             self.buf.clear();
-            match self.reader.read_until(b'\n', &mut self.buf) {
-                Ok(0) => return None,
-                Ok(_) => {}
+            match read_capped_line(&mut self.reader, &mut self.buf, MAX_JSON_LINE_BYTES) {
+                Ok(CappedLine::End) => return None,
+                Ok(CappedLine::Line) => {}
+                Ok(CappedLine::TooLong) => {
+                    self.failed = true;
+                    return Some(Err(self.line_too_long()));
+                }
                 Err(error) => {
                     self.failed = true;
                     return Some(Err(EvalError::Io {
@@ -241,9 +258,13 @@ impl<R: BufRead> AnswersReader<R> {
         }
         while batch.lines.len() < max_lines {
             let start = batch.bytes.len();
-            match self.reader.read_until(b'\n', &mut batch.bytes) {
-                Ok(0) => break,
-                Ok(_) => {}
+            match read_capped_line(&mut self.reader, &mut batch.bytes, MAX_JSON_LINE_BYTES) {
+                Ok(CappedLine::End) => break,
+                Ok(CappedLine::Line) => {}
+                Ok(CappedLine::TooLong) => {
+                    self.failed = true;
+                    return Err(self.line_too_long());
+                }
                 Err(error) => {
                     self.failed = true;
                     return Err(EvalError::Io {
@@ -269,6 +290,44 @@ impl<R: BufRead> Iterator for AnswersReader<R> {
     fn next(&mut self) -> Option<Self::Item> {
         self.next_view()
             .map(|view| view.map(AnswerView::into_owned))
+    }
+}
+
+/// The rules a question obeys wherever it is read (answers here, records in
+/// `loraq run`, so that run refuses what compare would refuse later): a non-empty
+/// id, at least two options, no option twice, and a gold label, when given, among
+/// the options. Returns the gold's index, or the reason (values elided).
+pub fn check_question(
+    id: &str,
+    options: &[impl AsRef<str>],
+    gold: Option<&str>,
+) -> std::result::Result<Option<usize>, String> {
+    if id.is_empty() {
+        return Err("empty id".into());
+    }
+    if options.len() < 2 {
+        return Err(format!(
+            "{} option(s); a question needs at least 2",
+            options.len()
+        ));
+    }
+    let mut sorted: Vec<&str> = options.iter().map(AsRef::as_ref).collect();
+    sorted.sort_unstable();
+    if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!(
+            "option {} appears twice",
+            elide(&format!("{:?}", pair[0]))
+        ));
+    }
+    match gold {
+        None => Ok(None),
+        Some(gold) => match options.iter().position(|o| o.as_ref() == gold) {
+            Some(index) => Ok(Some(index)),
+            None => Err(format!(
+                "gold {} is not one of the options",
+                elide(&format!("{gold:?}"))
+            )),
+        },
     }
 }
 
@@ -336,19 +395,7 @@ fn validate<'a>(
         .into_iter()
         .map(|o| o.0)
         .collect();
-    if options.len() < 2 {
-        return Err(invalid(format!(
-            "{} option(s); a question needs at least 2",
-            options.len()
-        )));
-    }
-    {
-        let mut sorted: Vec<&str> = options.iter().map(|o| o.as_ref()).collect();
-        sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(invalid(format!("option {:?} appears twice", pair[0])));
-        }
-    }
+    check_question(&id, &options, None).map_err(invalid)?;
     let (field, values) = match (raw.logits, raw.probs) {
         (Some(logits), None) => ("logits", logits),
         (None, Some(probs)) => ("probs", probs),
@@ -396,10 +443,7 @@ fn validate<'a>(
     };
     let gold = match raw.gold {
         None => None,
-        Some(JsonStr(gold)) => match options.iter().position(|o| *o == gold) {
-            Some(index) => Some(index),
-            None => return Err(invalid(format!("gold {gold:?} is not one of the options"))),
-        },
+        Some(JsonStr(gold)) => check_question(&id, &options, Some(&gold)).map_err(invalid)?,
     };
     Ok(AnswerView {
         id,

@@ -1,6 +1,12 @@
 //! The one error type of loraq-eval.
 
+use loraq_io::limits::elide;
 use std::path::PathBuf;
+
+/// An id as messages show it: quoted, escaped and cut to a few hundred characters.
+fn shown_id(id: &str) -> String {
+    elide(&format!("{id:?}"))
+}
 
 /// Everything that can go wrong reading answers files or comparing them.
 ///
@@ -39,7 +45,7 @@ pub enum EvalError {
         field: &'static str,
     },
     /// A logit or probability that is NaN, infinite or null.
-    #[error("{path}:{line}: id {id:?}: {field}[{index}] is not a finite number ({value})")]
+    #[error("{path}:{line}: id {}: {field}[{index}] is not a finite number ({})", shown_id(.id), elide(.value))]
     NonFinite {
         /// The answers file.
         path: PathBuf,
@@ -55,7 +61,7 @@ pub enum EvalError {
         value: String,
     },
     /// A record that is well-formed JSON but inconsistent in itself.
-    #[error("{path}:{line}: id {id:?}: {reason}")]
+    #[error("{path}:{line}: id {}: {reason}", shown_id(.id))]
     InvalidRecord {
         /// The answers file.
         path: PathBuf,
@@ -67,7 +73,7 @@ pub enum EvalError {
         reason: String,
     },
     /// The same id appears twice in one file.
-    #[error("{path}:{line}: duplicate id {id:?} (first at line {first_line})")]
+    #[error("{path}:{line}: duplicate id {} (first at line {first_line})", shown_id(.id))]
     DuplicateId {
         /// The answers file.
         path: PathBuf,
@@ -83,7 +89,8 @@ pub enum EvalError {
     Mismatch(Box<FieldMismatch>),
     /// A candidate id with no reference answer (without `allow_unpaired`).
     #[error(
-        "{path}:{line}: id {id:?} has no answer in {other_path} (pass --allow-unpaired to count such ids instead)"
+        "{path}:{line}: id {} has no answer in {other_path} (pass --allow-unpaired to count such ids instead)",
+        shown_id(.id)
     )]
     UnpairedCandidate {
         /// The candidate file.
@@ -97,7 +104,8 @@ pub enum EvalError {
     },
     /// Reference ids with no candidate answer (without `allow_unpaired`).
     #[error(
-        "{path}:{line}: id {id:?} has no answer in {other_path} ({count} reference ids unpaired in all; pass --allow-unpaired to count them instead)"
+        "{path}:{line}: id {} has no answer in {other_path} ({count} reference ids unpaired in all; pass --allow-unpaired to count them instead)",
+        shown_id(.id)
     )]
     UnpairedReference {
         /// The reference file.
@@ -113,7 +121,7 @@ pub enum EvalError {
     },
     /// A divergence or log-likelihood that would be infinite because a side gives
     /// probability zero where it must not.
-    #[error("{path}:{line}: id {id:?}: {reason}")]
+    #[error("{path}:{line}: id {}: {reason}", shown_id(.id))]
     Infinite {
         /// The file whose zero probability causes it.
         path: PathBuf,
@@ -139,7 +147,7 @@ pub enum EvalError {
     #[error("invalid option: {0}")]
     InvalidOption(String),
     /// A hidden-state file problem (missing key, shape or dtype mismatch, ...).
-    #[error("{path}: tensor {tensor}: {reason}")]
+    #[error("{path}: tensor {}: {reason}", elide(.tensor))]
     Hidden {
         /// The hidden-state file.
         path: PathBuf,
@@ -153,7 +161,10 @@ pub enum EvalError {
 /// Details of [`EvalError::Mismatch`] (boxed: it is the largest variant).
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "{path}:{line}: id {id:?}: {field} differ from {other_path}:{other_line} ({ours} vs {theirs})"
+    "{path}:{line}: id {}: {field} differ from {other_path}:{other_line} ({} vs {})",
+    shown_id(.id),
+    elide(.ours),
+    elide(.theirs)
 )]
 pub struct FieldMismatch {
     /// The candidate file.

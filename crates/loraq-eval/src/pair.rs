@@ -419,8 +419,9 @@ impl PairContext<'_> {
                         line: answer.line,
                         id: answer.id.to_string(),
                         reason: format!(
-                            "KL(reference || candidate) is infinite: probability 0 for option {:?}, which the reference gives {} (give logits, or probabilities without exact zeros; logits more than ~1e308 apart also underflow)",
-                            self.options[k], p[k]
+                            "KL(reference || candidate) is infinite: probability 0 for option {}, which the reference gives {} (give logits, or probabilities without exact zeros; logits more than ~1e308 apart also underflow)",
+                            loraq_io::limits::elide(&format!("{:?}", self.options[k])),
+                            p[k]
                         ),
                     });
                 }
@@ -439,8 +440,8 @@ impl PairContext<'_> {
                             line,
                             id: answer.id.to_string(),
                             reason: format!(
-                                "NLL is infinite: probability 0 for the gold option {:?} (give logits, or probabilities without exact zeros)",
-                                self.options[g]
+                                "NLL is infinite: probability 0 for the gold option {} (give logits, or probabilities without exact zeros)",
+                                loraq_io::limits::elide(&format!("{:?}", self.options[g]))
                             ),
                         });
                     }

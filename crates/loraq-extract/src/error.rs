@@ -60,6 +60,15 @@ pub enum ExtractError {
         /// (module path, residual / floor).
         modules: Vec<(String, f64)>,
     },
+    /// Modules whose residual after the bf16 cast of the factors is above the
+    /// threshold `loraq verify` applies by default: verify would reject the adapter.
+    #[error("after the bf16 cast of the factors, residual above {threshold} x the floor, the threshold of loraq verify, which would reject the adapter (the delta is too large for bf16 factors to stay at the merge's floor; --allow-residual writes it anyway):{}", list_residuals(.modules))]
+    CastAboveVerifyThreshold {
+        /// `loraq verify`'s default `--max-residual-ratio`.
+        threshold: f64,
+        /// (module path, residual after the cast / floor).
+        modules: Vec<(String, f64)>,
+    },
     /// A `--copy` pattern that matches no file of the merged checkpoint's directory.
     #[error("--copy {pattern}: no file in {dir} matches")]
     CopyNoMatch {
@@ -69,7 +78,8 @@ pub enum ExtractError {
         dir: std::path::PathBuf,
     },
     /// Reading a checkpoint file failed.
-    #[error("{path}: {source}")]
+    // The OS error is the source, printed once by the error chain.
+    #[error("{path}")]
     Read {
         /// The file.
         path: std::path::PathBuf,
@@ -78,7 +88,8 @@ pub enum ExtractError {
         source: std::io::Error,
     },
     /// Writing an output file failed.
-    #[error("{path}: {source}")]
+    // The OS error is the source, printed once by the error chain.
+    #[error("{path}")]
     Write {
         /// The file.
         path: std::path::PathBuf,

@@ -11,6 +11,12 @@ use rayon::prelude::*;
 use serde::Serialize;
 use std::path::PathBuf;
 
+/// `loraq verify`'s default threshold on residual / floor: the bf16 factors add
+/// their cast error to the truncation residual, hence above extract's 1.10.
+/// `loraq extract` refuses an adapter whose residual after the cast is above it,
+/// so that it never writes one that verify rejects.
+pub const DEFAULT_MAX_RESIDUAL_RATIO: f64 = 1.25;
+
 /// What `loraq verify` takes.
 #[derive(Debug, Clone)]
 pub struct VerifyOptions {
@@ -154,6 +160,16 @@ pub fn verify(
     options: &VerifyOptions,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<VerifyReport> {
+    // A NaN threshold made every comparison false: nothing was ever above it.
+    if !(options.max_residual_ratio.is_finite() && options.max_residual_ratio > 0.0) {
+        return Err(ExtractError::InvalidParameter {
+            name: "--max-residual-ratio",
+            detail: format!(
+                "{} is not a finite number above 0",
+                options.max_residual_ratio
+            ),
+        });
+    }
     let merged = Checkpoint::open(&options.merged)?;
     // Module paths in the merge's naming, whichever naming the adapter was written in;
     // a module the merge does not have is refused by name.
@@ -214,7 +230,12 @@ pub fn verify(
             delta_norm,
             residual,
             floor,
-            ratio: residual / floor,
+            // An exact reproduction of an all-zero merge is 0 / 0: at the floor.
+            ratio: if residual == 0.0 {
+                0.0
+            } else {
+                residual / floor
+            },
         });
     }
     progress(adapter.modules.len(), adapter.modules.len(), "");
@@ -249,7 +270,8 @@ pub fn verify(
         for &r in &ratios {
             let bin = [0.5, 0.9, 1.0, 1.05, 1.1]
                 .iter()
-                .take_while(|&&edge| r >= edge)
+                // NaN counts in the last bin ("more"), never under an edge.
+                .take_while(|&&edge| !(r < edge))
                 .count();
             histogram[bin] += 1;
         }
@@ -267,7 +289,8 @@ pub fn verify(
         .map(|m| m.module.clone());
     let above_threshold: Vec<String> = modules
         .iter()
-        .filter(|m| m.ratio > options.max_residual_ratio)
+        // Written so that a NaN ratio (a NaN residual) fails: NaN <= x is false.
+        .filter(|m| !(m.ratio <= options.max_residual_ratio))
         .map(|m| m.module.clone())
         .collect();
     let passed = unexplained.is_empty() && refused.is_empty() && above_threshold.is_empty();

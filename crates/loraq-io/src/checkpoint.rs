@@ -6,7 +6,7 @@
 //! tensor data is read from the mappings on demand, one tensor at a time.
 
 use crate::config::ModelConfig;
-use crate::convert::decode_to_f32;
+use crate::convert::{decode_to_f32, first_non_finite};
 use crate::dtype::DType;
 use crate::error::{IoError, OsContext, Result};
 use crate::header::{element_count, parse_header};
@@ -303,6 +303,7 @@ impl Checkpoint {
         let bytes = &self.shards[info.shard].map[info.byte_range.clone()];
         if !info.dtype.is_float() {
             return Err(IoError::Unconvertible {
+                path: self.shards[info.shard].path.clone(),
                 tensor: name.to_string(),
                 dtype: info.dtype.to_string(),
             });
@@ -320,6 +321,64 @@ impl Checkpoint {
         }
         let decoded = decode_to_f32(info.dtype, bytes, out);
         debug_assert!(decoded);
+        Ok(())
+    }
+
+    /// [`Checkpoint::read_f32`], refusing a NaN or infinite value with the file, the
+    /// tensor and the element's index.
+    pub fn read_f32_finite(&self, name: &str) -> Result<Vec<f32>> {
+        let values = self.read_f32(name)?;
+        self.ensure_finite(name, &values)?;
+        Ok(values)
+    }
+
+    /// Refuses `values` (the tensor `name` of this checkpoint, decoded by any means)
+    /// when one is NaN or infinite, naming the file, the tensor and the element.
+    pub fn ensure_finite(&self, name: &str, values: &[f32]) -> Result<()> {
+        let Some(index) = first_non_finite(values) else {
+            return Ok(());
+        };
+        let path = match self.tensors.get(name) {
+            Some(info) => self.shards[info.shard].path.clone(),
+            None => self.root.clone(),
+        };
+        Err(IoError::Tensor {
+            path,
+            tensor: name.to_string(),
+            reason: format!(
+                "element {index} is {} (a weight must be finite)",
+                values[index]
+            ),
+        })
+    }
+
+    /// Refuses a float tensor holding a NaN or infinite value, decoding its stored
+    /// bytes chunk by chunk without allocating the whole tensor; integer tensors
+    /// (packed 4-bit codes) pass.
+    pub fn ensure_stored_finite(&self, name: &str) -> Result<()> {
+        const CHUNK: usize = 1 << 14;
+        let info = self.info(name)?;
+        if !info.dtype.is_float() {
+            return Ok(());
+        }
+        let width = info.dtype.size_bytes();
+        let bytes = self.bytes(name)?;
+        let mut buffer = vec![0f32; CHUNK];
+        for (c, chunk) in bytes.chunks(CHUNK * width).enumerate() {
+            let values = &mut buffer[..chunk.len() / width];
+            decode_to_f32(info.dtype, chunk, values);
+            if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+                return Err(IoError::Tensor {
+                    path: self.shards[info.shard].path.clone(),
+                    tensor: name.to_string(),
+                    reason: format!(
+                        "element {} is {} (a weight must be finite)",
+                        c * CHUNK + i,
+                        values[i]
+                    ),
+                });
+            }
+        }
         Ok(())
     }
 

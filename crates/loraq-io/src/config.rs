@@ -3,6 +3,7 @@
 //! layer types and quantization.
 
 use crate::error::{IoError, OsContext, Result};
+use crate::limits::{MAX_DIMENSION, MAX_LAYERS, MAX_VOCAB};
 use serde_json::Value;
 use std::fmt;
 use std::path::Path;
@@ -245,14 +246,22 @@ impl ModelConfig {
         } else {
             Architecture::from_model_type(model_type)
         };
-        let size = |key: &str| -> Result<usize> {
-            text_section
+        // Every size is bounded before anything is allocated from it (a layer table
+        // of 2^40 entries aborted the process).
+        let size = |key: &str, limit: usize| -> Result<usize> {
+            let value = text_section
                 .get(key)
                 .and_then(Value::as_u64)
                 .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| json_err(format!("missing non-negative integer field {key}")))
+                .ok_or_else(|| json_err(format!("missing non-negative integer field {key}")))?;
+            if value > limit {
+                return Err(json_err(format!(
+                    "{key} is {value}, above loraq's limit of {limit} (docs/formats.md)"
+                )));
+            }
+            Ok(value)
         };
-        let num_hidden_layers = size("num_hidden_layers")?;
+        let num_hidden_layers = size("num_hidden_layers", MAX_LAYERS)?;
         let layer_types = match text_section.get("layer_types").and_then(Value::as_array) {
             Some(list) => {
                 let parsed = list
@@ -296,11 +305,11 @@ impl ModelConfig {
             .map(QuantizationConfig::from_json);
         Ok(ModelConfig {
             architecture,
-            hidden_size: size("hidden_size")?,
-            intermediate_size: size("intermediate_size")?,
+            hidden_size: size("hidden_size", MAX_DIMENSION)?,
+            intermediate_size: size("intermediate_size", MAX_DIMENSION)?,
             num_hidden_layers,
             layer_types,
-            vocab_size: size("vocab_size")?,
+            vocab_size: size("vocab_size", MAX_VOCAB)?,
             quantization,
             raw,
         })
@@ -344,6 +353,31 @@ mod tests {
         assert_eq!(c.layer_types[3], LayerType::FullAttention);
         assert_eq!(c.layer_types[4], LayerType::LinearAttention);
         assert_eq!(c.quantization.unwrap().scheme_name(), "fp8-block128");
+    }
+
+    #[test]
+    fn sizes_above_the_limits_are_refused_before_allocation() {
+        // 2^40 layers aborted inspect, run and extract allocating the layer table.
+        let config = |layers: u64, hidden: u64, vocab: u64| {
+            format!(
+                r#"{{"model_type":"qwen3_5_text","hidden_size":{hidden},"intermediate_size":128,
+                "num_hidden_layers":{layers},"vocab_size":{vocab}}}"#
+            )
+        };
+        for (text, field) in [
+            (config(1 << 40, 64, 256), "num_hidden_layers"),
+            (config(8, 1 << 40, 256), "hidden_size"),
+            (config(8, 64, 1 << 40), "vocab_size"),
+        ] {
+            let err = ModelConfig::from_json_str(&text, Path::new("c/config.json"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("c/config.json") && err.contains(field) && err.contains("limit"),
+                "{err}"
+            );
+        }
+        assert!(ModelConfig::from_json_str(&config(8, 64, 256), Path::new("config.json")).is_ok());
     }
 
     #[test]

@@ -105,6 +105,20 @@ fn decode_chunk(dtype: DType, src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// Index of the first NaN or infinite value, if any (scanned in parallel chunks).
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    values
+        .par_chunks(CHUNK_ELEMENTS)
+        .enumerate()
+        .filter_map(|(c, chunk)| {
+            chunk
+                .iter()
+                .position(|x| !x.is_finite())
+                .map(|i| c * CHUNK_ELEMENTS + i)
+        })
+        .min()
+}
+
 /// The bf16 unit in the last place of `m` as DESIGN.md defines it:
 /// `2^(floor(log2|m|) - 7)` for normal values, `2^-133` for subnormals and zero.
 #[inline]

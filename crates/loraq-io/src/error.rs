@@ -1,5 +1,6 @@
 //! The one error type of loraq-io.
 
+use crate::limits::elide;
 use std::path::PathBuf;
 
 /// Everything that can go wrong reading or writing checkpoints and adapters.
@@ -9,7 +10,9 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
     /// An operating-system error on a file.
-    #[error("{path}: {source}")]
+    // The OS error is the source, not part of the message: `loraq: {err:#}` prints
+    // the chain, which would otherwise show it twice.
+    #[error("{path}")]
     Os {
         /// The file or directory.
         path: PathBuf,
@@ -34,7 +37,7 @@ pub enum IoError {
         reason: String,
     },
     /// One tensor entry of a safetensors header is invalid.
-    #[error("{path}: tensor {tensor}: {reason}")]
+    #[error("{path}: tensor {}: {reason}", elide(.tensor))]
     Tensor {
         /// The file holding (or expected to hold) the tensor.
         path: PathBuf,
@@ -44,7 +47,7 @@ pub enum IoError {
         reason: String,
     },
     /// A dtype string that loraq does not know.
-    #[error("{path}: tensor {tensor}: unknown dtype {dtype:?}")]
+    #[error("{path}: tensor {}: unknown dtype {}", elide(.tensor), elide(.dtype))]
     UnknownDtype {
         /// The file.
         path: PathBuf,
@@ -70,7 +73,7 @@ pub enum IoError {
         reason: String,
     },
     /// A tensor asked for that the checkpoint does not hold.
-    #[error("{root}: no tensor named {tensor}")]
+    #[error("{root}: no tensor named {}", elide(.tensor))]
     TensorNotFound {
         /// The checkpoint root.
         root: PathBuf,
@@ -78,8 +81,10 @@ pub enum IoError {
         tensor: String,
     },
     /// A conversion that the tensor's dtype does not allow.
-    #[error("tensor {tensor}: cannot convert {dtype} to f32")]
+    #[error("{path}: tensor {}: cannot convert {dtype} to f32", elide(.tensor))]
     Unconvertible {
+        /// The file holding the tensor.
+        path: PathBuf,
         /// The tensor.
         tensor: String,
         /// Its dtype.

@@ -79,16 +79,24 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
         })?;
     let json = std::str::from_utf8(&bytes[8..data_start])
         .map_err(|e| header_err(format!("header is not UTF-8: {e}")))?;
-    let value: serde_json::Value = serde_json::from_str(json.trim_end_matches(' '))
-        .map_err(|e| header_err(format!("header is not valid JSON: {e}")))?;
-    let object = value
-        .as_object()
-        .ok_or_else(|| header_err("header is not a JSON object".to_string()))?;
+    let value: HeaderObject = serde_json::from_str(json.trim_end_matches(' '))
+        .map_err(|e| header_err(format!("header is not valid JSON (an object): {e}")))?;
+    let object = value.0;
+    // A JSON object may repeat a key; a map would keep the last and hide the other
+    // tensor, so a repeated name is refused.
+    let mut seen = std::collections::HashSet::with_capacity(object.len());
+    if let Some((name, _)) = object.iter().find(|(name, _)| !seen.insert(name.as_str())) {
+        return Err(IoError::Tensor {
+            path: path.to_path_buf(),
+            tensor: name.clone(),
+            reason: "the name appears more than once in the header".into(),
+        });
+    }
     let data_len = file_len - data_start;
 
     let mut metadata = BTreeMap::new();
     let mut entries = Vec::with_capacity(object.len());
-    for (name, entry) in object {
+    for (name, entry) in &object {
         if name == "__metadata__" {
             let map = entry
                 .as_object()
@@ -122,6 +130,32 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
         entries,
         metadata,
     })
+}
+
+/// A header's top-level JSON object with every key in file order, repeats kept.
+struct HeaderObject(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for HeaderObject {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = HeaderObject;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<HeaderObject, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry::<String, serde_json::Value>()? {
+                    entries.push(entry);
+                }
+                Ok(HeaderObject(entries))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
 }
 
 fn parse_entry(

@@ -14,6 +14,7 @@
 //! - [`write_sha256sums`] / [`verify_sha256sums`]: `sha256sum -c` compatible lists.
 //! - [`peft`]: PEFT LoRA adapters, read and written.
 //! - [`calibration`]: per-module input mean squares (`loraq run --collect-stats`).
+//! - [`limits`]: the limits on sizes from files and flags, and error-message elision.
 
 pub mod atomic;
 pub mod calibration;
@@ -23,6 +24,7 @@ pub mod convert;
 pub mod dtype;
 pub mod error;
 pub mod header;
+pub mod limits;
 pub mod module_name;
 pub mod peft;
 pub mod sha256sums;

@@ -9,6 +9,7 @@
 use crate::checkpoint::Checkpoint;
 use crate::dtype::DType;
 use crate::error::{IoError, OsContext, Result};
+use crate::limits::elide;
 use crate::module_name::ModulePathMap;
 use crate::writer::{TensorSpec, write_safetensors_file};
 use serde::{Deserialize, Serialize, Serializer};
@@ -171,6 +172,25 @@ impl AdapterConfig {
             .map(|(_, v)| v)
     }
 
+    /// Whether `target_modules` selects the module, as PEFT matches it: an entry
+    /// equal to the path or to its last components after a dot, or (a single
+    /// string in the file) a regular expression matching the whole path;
+    /// `all-linear` and an absent list select every module.
+    pub fn targets(&self, module_path: &str) -> bool {
+        // A one-element list and a single string read alike; accepting either
+        // reading never refuses an adapter that PEFT would apply.
+        self.target_modules.is_empty()
+            || self.target_modules.iter().any(|target| {
+                target == "all-linear"
+                    || target == module_path
+                    || module_path
+                        .strip_suffix(target.as_str())
+                        .is_some_and(|head| head.ends_with('.'))
+                    || regex::Regex::new(&format!("^(?:{target})$"))
+                        .is_ok_and(|re| re.is_match(module_path))
+            })
+    }
+
     /// The module's rank as PEFT resolves it.
     pub fn rank_for(&self, module_path: &str) -> usize {
         Self::pattern_key(&self.rank_pattern, module_path)
@@ -269,6 +289,12 @@ impl LoraAdapter {
                 reason: format!("peft_type is {:?}, not \"LORA\"", config.peft_type),
             });
         }
+        if config.fan_in_fan_out {
+            return Err(IoError::Adapter {
+                path: config_path,
+                reason: "fan_in_fan_out is true: the factors are stored transposed for GPT-2 style Conv1D layers, which loraq cannot apply (PEFT would transpose them; loraq reads [out, in] linears only)".into(),
+            });
+        }
         let weights_path = dir.join(ADAPTER_WEIGHTS_FILE);
         let weights = Checkpoint::open(&weights_path)?;
         let bad = |reason: String| IoError::Adapter {
@@ -305,14 +331,41 @@ impl LoraAdapter {
                     "{module_path}: lora_A has rank {rank}, lora_B has {b_rank}"
                 )));
             }
+            if rank == 0 {
+                return Err(bad(format!(
+                    "{}: rank 0 (lora_A has no rows): the scale alpha / r is undefined",
+                    elide(&module_path)
+                )));
+            }
+            if !config.targets(&module_path) {
+                return Err(IoError::Adapter {
+                    path: config_path,
+                    reason: format!(
+                        "module {} is not matched by target_modules {}: PEFT would leave it without an adapter and ignore its factors",
+                        elide(&module_path),
+                        elide(&format!("{:?}", config.target_modules))
+                    ),
+                });
+            }
             let declared = config.rank_for(&module_path);
             if declared != rank {
                 return Err(bad(format!(
                     "{module_path}: tensors have rank {rank}, adapter_config.json says {declared}"
                 )));
             }
+            let scale = config.scale_for(&module_path);
+            if !scale.is_finite() {
+                return Err(IoError::Adapter {
+                    path: config_path,
+                    reason: format!(
+                        "{}: the scale (alpha {} over rank {rank}) is {scale}, not a finite number",
+                        elide(&module_path),
+                        config.alpha_for(&module_path)
+                    ),
+                });
+            }
             modules.push(LoraModuleInfo {
-                scale: config.scale_for(&module_path),
+                scale,
                 stored_path: module_path.clone(),
                 module_path,
                 rank,
@@ -400,15 +453,17 @@ impl LoraAdapter {
     }
 
     /// lora_A of a module as f32, row-major [rank, in].
+    /// A NaN or infinite entry is refused with the file, tensor and element.
     pub fn read_a_f32(&self, module_path: &str) -> Result<Vec<f32>> {
         self.weights
-            .read_f32(&a_name(self.stored_path(module_path)))
+            .read_f32_finite(&a_name(self.stored_path(module_path)))
     }
 
     /// lora_B of a module as f32, row-major [out, rank].
+    /// A NaN or infinite entry is refused with the file, tensor and element.
     pub fn read_b_f32(&self, module_path: &str) -> Result<Vec<f32>> {
         self.weights
-            .read_f32(&b_name(self.stored_path(module_path)))
+            .read_f32_finite(&b_name(self.stored_path(module_path)))
     }
 
     /// The dtype lora_A of a module is stored in.
@@ -490,6 +545,23 @@ mod tests {
         assert!(pattern_matches(r"layers\.40\.linear_attn\.in_proj_a", path));
         assert!(!pattern_matches("proj_a", path));
         assert!(!pattern_matches("^layers.40.linear_attn.in_proj_a", path));
+    }
+
+    #[test]
+    fn target_modules_select_modules_like_peft() {
+        let path = "model.layers.3.self_attn.q_proj";
+        let with = |targets: &[&str]| AdapterConfig {
+            target_modules: targets.iter().map(|t| t.to_string()).collect(),
+            ..AdapterConfig::for_ranks(8, &BTreeMap::new(), None, None)
+        };
+        assert!(with(&["q_proj", "v_proj"]).targets(path));
+        assert!(with(&["self_attn.q_proj"]).targets(path));
+        assert!(with(&[r".*layers\.3\..*q_proj"]).targets(path));
+        assert!(with(&["all-linear"]).targets(path));
+        assert!(with(&[]).targets(path));
+        assert!(!with(&["v_proj"]).targets(path));
+        // A suffix must start after a dot: "proj" does not select "q_proj".
+        assert!(!with(&["proj"]).targets(path));
     }
 
     #[test]

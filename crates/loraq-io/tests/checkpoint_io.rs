@@ -410,3 +410,72 @@ fn single_file_written_in_memory_round_trips() {
         values
     );
 }
+
+#[test]
+fn duplicate_tensor_names_in_a_header_are_refused() {
+    // serde_json's map keeps the last of two equal keys, which hid the first tensor.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dup.safetensors");
+    raw_file(
+        &path,
+        r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+        &[0u8; 8],
+    );
+    let err = open_err(&path);
+    assert!(
+        err.contains("dup.safetensors")
+            && err.contains("tensor w")
+            && err.contains("more than once"),
+        "{err}"
+    );
+}
+
+#[test]
+fn control_characters_in_tensor_names_are_escaped_in_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("esc.safetensors");
+    raw_file(
+        &path,
+        r#"{"w\u001b[2J":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+        &[0u8; 4],
+    );
+    let err = open_err(&path);
+    assert!(!err.contains('\u{1b}'), "{err:?}");
+    assert!(err.contains(r"w\u{1b}[2J"), "{err}");
+}
+
+#[test]
+fn unconvertible_dtype_error_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ints.safetensors");
+    raw_file(
+        &path,
+        r#"{"w":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}}"#,
+        &[0u8; 4],
+    );
+    let err = Checkpoint::open(&path)
+        .unwrap()
+        .read_f32("w")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ints.safetensors") && err.contains("I16"),
+        "{err}"
+    );
+}
+
+#[test]
+fn os_error_is_printed_once_in_the_error_chain() {
+    // `loraq: {err:#}` prints every source; the message must not repeat it.
+    let dir = tempfile::tempdir().unwrap();
+    let not_a_dir = dir.path().join("file");
+    std::fs::write(&not_a_dir, b"x").unwrap();
+    let err = Checkpoint::open(not_a_dir.join("model.safetensors")).unwrap_err();
+    let mut chain = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        chain += &format!(": {s}");
+        source = s.source();
+    }
+    assert_eq!(chain.matches("os error").count(), 1, "{chain}");
+}

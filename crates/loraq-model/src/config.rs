@@ -1,6 +1,7 @@
 //! The dimensions the forward pass needs, read from a parsed config.json.
 
 use crate::error::{ModelError, Result};
+use loraq_io::limits::MAX_DIMENSION;
 use loraq_io::{Architecture, LayerType, ModelConfig};
 use serde_json::Value;
 use std::path::Path;
@@ -75,10 +76,20 @@ impl TextConfig {
             path: path.to_path_buf(),
             reason,
         };
+        // Head counts and widths are bounded before any table is sized from them.
+        let bounded = |key: &str, value: usize| -> Result<usize> {
+            if value > MAX_DIMENSION {
+                return Err(bad(format!(
+                    "{key} is {value}, above loraq's limit of {MAX_DIMENSION} (docs/formats.md)"
+                )));
+            }
+            Ok(value)
+        };
+        let optional = |key: &str| -> Result<Option<usize>> {
+            config.text_usize(key).map(|v| bounded(key, v)).transpose()
+        };
         let need = |key: &str| -> Result<usize> {
-            config
-                .text_usize(key)
-                .ok_or_else(|| bad(format!("missing non-negative integer field {key}")))
+            optional(key)?.ok_or_else(|| bad(format!("missing non-negative integer field {key}")))
         };
         let text = config.text();
         let rope = text
@@ -100,9 +111,7 @@ impl TextConfig {
         }
         let attention_heads = need("num_attention_heads")?;
         let hidden = config.hidden_size;
-        let head_dim = config
-            .text_usize("head_dim")
-            .unwrap_or(hidden / attention_heads.max(1));
+        let head_dim = optional("head_dim")?.unwrap_or(hidden / attention_heads.max(1));
         let partial = match family {
             Family::Qwen3_5 => rope_field("partial_rotary_factor").unwrap_or(1.0),
             Family::Qwen3 => 1.0,
@@ -114,9 +123,7 @@ impl TextConfig {
                 "rotary dimension {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}) must be even and at most head_dim"
             )));
         }
-        let kv_heads = config
-            .text_usize("num_key_value_heads")
-            .unwrap_or(attention_heads);
+        let kv_heads = optional("num_key_value_heads")?.unwrap_or(attention_heads);
         if kv_heads == 0 || attention_heads % kv_heads != 0 {
             return Err(bad(format!(
                 "num_attention_heads {attention_heads} is not a multiple of num_key_value_heads {kv_heads}"

@@ -1,5 +1,6 @@
 //! The one error type of loraq-model.
 
+use loraq_io::limits::elide;
 use std::path::PathBuf;
 
 /// Errors of loading a model, running it, and scoring records.
@@ -51,7 +52,7 @@ pub enum ModelError {
         reason: String,
     },
     /// A weight has a shape other than the config implies.
-    #[error("{root}: tensor {tensor} has shape {found:?}, the config implies {expected:?}")]
+    #[error("{root}: tensor {} has shape {found:?}, the config implies {expected:?}", elide(.tensor))]
     Shape {
         /// The checkpoint directory.
         root: PathBuf,
@@ -71,7 +72,7 @@ pub enum ModelError {
         reason: String,
     },
     /// A record cannot be scored.
-    #[error("{path}:{line}: record {id:?}: {reason}")]
+    #[error("{path}:{line}: record {}: {reason}", elide(&format!("{id:?}")))]
     Record {
         /// The records file.
         path: PathBuf,

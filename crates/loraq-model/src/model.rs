@@ -138,7 +138,7 @@ impl Loader<'_> {
                 });
             }
         }
-        Ok(self.checkpoint.read_f32(name)?)
+        Ok(self.checkpoint.read_f32_finite(name)?)
     }
 
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -208,9 +208,11 @@ impl Loader<'_> {
                 let modelopt = format!("{module_path}.input_scale");
                 let compressed_tensors = format!("{module_path}.input_global_scale");
                 let input_scale = if self.checkpoint.contains(&modelopt) {
-                    Nvfp4GlobalScale::Multiplier(self.checkpoint.read_f32(&modelopt)?[0])
+                    Nvfp4GlobalScale::Multiplier(self.checkpoint.read_f32_finite(&modelopt)?[0])
                 } else if self.checkpoint.contains(&compressed_tensors) {
-                    Nvfp4GlobalScale::Divisor(self.checkpoint.read_f32(&compressed_tensors)?[0])
+                    Nvfp4GlobalScale::Divisor(
+                        self.checkpoint.read_f32_finite(&compressed_tensors)?[0],
+                    )
                 } else {
                     return Err(ModelError::Config {
                         path: self.root(),
@@ -231,6 +233,8 @@ impl Loader<'_> {
         // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
         // on the decoded values, which is what a dequantizing kernel computes.
         let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
+        // A NaN weight would turn every logit into NaN; refuse it by file and tensor.
+        self.checkpoint.ensure_finite(&weight_name, &values)?;
         let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
         let lora = match self.adapter {
             Some((adapter, dir)) => match adapter.module(module_path) {
@@ -293,10 +297,14 @@ impl Loader<'_> {
             module: module_path.to_string(),
             source,
         };
+        // The stored values (and their scales) must be finite: a NaN weight makes
+        // every logit NaN. Checked on the stored bytes, before anything is built.
+        let finite = |name: &str| ckpt.ensure_stored_finite(name);
         let base = match stored {
             StoredWeight::Float {
                 dtype: loraq_io::DType::BF16,
             } => {
+                finite(&weight_name)?;
                 let data = ckpt
                     .bytes(&weight_name)?
                     .chunks_exact(2)
@@ -311,8 +319,11 @@ impl Loader<'_> {
                 k::Fp8Block128Weight::new(
                     out,
                     inp,
-                    ckpt.bytes(&weight_name)?.to_vec(),
-                    ckpt.read_f32(scale)?,
+                    {
+                        finite(&weight_name)?;
+                        ckpt.bytes(&weight_name)?.to_vec()
+                    },
+                    ckpt.read_f32_finite(scale)?,
                 )
                 .map_err(kernel_err)?,
             ),
@@ -324,8 +335,11 @@ impl Loader<'_> {
                     out,
                     inp,
                     ckpt.bytes(&weight_name)?.to_vec(),
-                    ckpt.bytes(block_scale)?.to_vec(),
-                    ckpt.read_f32(global_scale)?[0],
+                    {
+                        finite(block_scale)?;
+                        ckpt.bytes(block_scale)?.to_vec()
+                    },
+                    ckpt.read_f32_finite(global_scale)?[0],
                 )
                 .map_err(kernel_err)?,
             ),
@@ -663,6 +677,15 @@ impl Model {
                 source: candle_core::Error::Msg("empty prompt".into()),
             });
         }
+        if t > loraq_io::limits::MAX_PROMPT_TOKENS {
+            return Err(ModelError::Tensor {
+                context: "embedding".into(),
+                source: candle_core::Error::Msg(format!(
+                    "prompt of {t} tokens is longer than loraq's limit of {} tokens",
+                    loraq_io::limits::MAX_PROMPT_TOKENS
+                )),
+            });
+        }
         if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.config.vocab) {
             return Err(ModelError::Tensor {
                 context: "embedding".into(),
@@ -679,12 +702,11 @@ impl Model {
         let ids = Tensor::from_vec(tokens.to_vec(), t, &self.device).ctx("token ids")?;
         let mut x = self.embed.index_select(&ids, 0).ctx("embedding")?;
         let rope = self.rope_tables(t)?;
-        let mask = causal_mask(t, &self.device)?;
         for layer in &self.layers {
             let normed = rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
             let mixed = match &layer.mixer {
                 Mixer::Linear(net) => self.gated_delta_net(net, &normed)?,
-                Mixer::Full(attn) => self.attention(attn, &normed, &rope, &mask)?,
+                Mixer::Full(attn) => self.attention(attn, &normed, &rope)?,
             };
             x = (x + mixed).ctx("residual")?;
             let normed = rms_norm(&x, &layer.post_attention_norm, self.config.rms_norm_eps)?;
@@ -739,13 +761,7 @@ impl Model {
         ))
     }
 
-    fn attention(
-        &self,
-        attn: &Attention,
-        x: &Tensor,
-        rope: &(Tensor, Tensor),
-        mask: &Tensor,
-    ) -> Result<Tensor> {
+    fn attention(&self, attn: &Attention, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let c = &self.config;
         let (t, hd, heads, kv) = (
             x.dim(0).ctx("attention")?,
@@ -776,31 +792,18 @@ impl Model {
         let query = apply_rope(&query, rope, c.rotary_dim)?;
         let key = apply_rope(&key, rope, c.rotary_dim)?;
         // [heads, T, hd]; query head h reads kv head h / (heads / kv) (repeat_kv), so
-        // group the query heads of one kv head into its rows: [kv, group * T, hd].
+        // group the query heads of one kv head: [kv, group, T, hd].
         let group = heads / kv;
         let q = query
             .transpose(0, 1)
             .ctx(ctx)?
             .contiguous()
             .ctx(ctx)?
-            .reshape((kv, group * t, hd))
+            .reshape((kv, group, t, hd))
             .ctx(ctx)?;
         let k = key.transpose(0, 1).ctx(ctx)?.contiguous().ctx(ctx)?;
         let v = value.transpose(0, 1).ctx(ctx)?.contiguous().ctx(ctx)?;
-        let scores = (q.matmul(&k.t().ctx(ctx)?.contiguous().ctx(ctx)?).ctx(ctx)?
-            * (hd as f64).powf(-0.5))
-        .ctx(ctx)?;
-        let scores = scores
-            .reshape((kv, group, t, t))
-            .ctx(ctx)?
-            .broadcast_add(mask)
-            .ctx(ctx)?;
-        let probs = softmax_last(&scores)?
-            .reshape((kv, group * t, t))
-            .ctx(ctx)?;
-        let out = probs
-            .matmul(&v)
-            .ctx(ctx)?
+        let out = causal_attention_blocked(&q, &k, &v, ATTENTION_BLOCK)?
             .reshape((heads, t, hd))
             .ctx(ctx)?
             .transpose(0, 1)
@@ -897,20 +900,111 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
         .ctx(ctx)
 }
 
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let ctx = "softmax";
-    let max = x.max_keepdim(D::Minus1).ctx(ctx)?;
-    let e = x.broadcast_sub(&max).ctx(ctx)?.exp().ctx(ctx)?;
-    let sum = e.sum_keepdim(D::Minus1).ctx(ctx)?;
-    e.broadcast_div(&sum).ctx(ctx)
+/// Queries and keys per attention block: the scores of one block pair take
+/// `heads x 512 x 512` floats (1 MiB per head) whatever the prompt's length.
+pub const ATTENTION_BLOCK: usize = 512;
+
+/// Causal softmax attention computed block by block with a streaming (online)
+/// softmax, so that memory grows linearly with the prompt instead of holding a
+/// `T x T` score matrix (20,000 tokens took 6.4 GB that way).
+///
+/// `q` is `[kv, group, T, hd]` (the query heads sharing a kv head grouped), `k` and
+/// `v` are `[kv, T, hd]`; returns `[kv, group, T, hd]`. For each block of queries,
+/// the key blocks up to the diagonal are visited in order keeping per row the
+/// running maximum `m`, the sum `l` of `exp(s - m)` and the output `acc` of
+/// `exp(s - m) V`, each rescaled by `exp(m_old - m_new)` when the maximum grows;
+/// the result is `acc / l`, softmax(QK^T / sqrt(hd) + mask) V up to f32 rounding.
+pub(crate) fn causal_attention_blocked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    block: usize,
+) -> Result<Tensor> {
+    let ctx = "attention";
+    let (kv, group, t, hd) = q.dims4().ctx(ctx)?;
+    let block = block.max(1);
+    let scale = (hd as f64).powf(-0.5);
+    let mut outputs = Vec::with_capacity(t.div_ceil(block));
+    for q_start in (0..t).step_by(block) {
+        let q_len = block.min(t - q_start);
+        let q_block = q
+            .narrow(2, q_start, q_len)
+            .ctx(ctx)?
+            .contiguous()
+            .ctx(ctx)?
+            .reshape((kv, group * q_len, hd))
+            .ctx(ctx)?;
+        // Running maximum, normalizer and output of each query row.
+        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
+        for k_start in (0..q_start + q_len).step_by(block) {
+            let k_len = block.min(t - k_start);
+            let k_block = k.narrow(1, k_start, k_len).ctx(ctx)?;
+            let v_block = v.narrow(1, k_start, k_len).ctx(ctx)?;
+            let mut scores = (q_block
+                .matmul(&k_block.t().ctx(ctx)?.contiguous().ctx(ctx)?)
+                .ctx(ctx)?
+                * scale)
+                .ctx(ctx)?;
+            // Only blocks reaching past the first query's position need the mask.
+            if k_start + k_len > q_start + 1 {
+                let mask = causal_mask_block(q_start, q_len, k_start, k_len, q.device())?;
+                scores = scores
+                    .reshape((kv, group, q_len, k_len))
+                    .ctx(ctx)?
+                    .broadcast_add(&mask)
+                    .ctx(ctx)?
+                    .reshape((kv, group * q_len, k_len))
+                    .ctx(ctx)?;
+            }
+            let block_max = scores.max_keepdim(D::Minus1).ctx(ctx)?;
+            state = Some(match state {
+                // The first key block holds key 0, visible to every query: its
+                // maximum is finite.
+                None => {
+                    let p = scores.broadcast_sub(&block_max).ctx(ctx)?.exp().ctx(ctx)?;
+                    let sum = p.sum_keepdim(D::Minus1).ctx(ctx)?;
+                    let acc = p.matmul(&v_block).ctx(ctx)?;
+                    (block_max, sum, acc)
+                }
+                Some((max, sum, acc)) => {
+                    let new_max = max.maximum(&block_max).ctx(ctx)?;
+                    let rescale = (max - &new_max).ctx(ctx)?.exp().ctx(ctx)?;
+                    let p = scores.broadcast_sub(&new_max).ctx(ctx)?.exp().ctx(ctx)?;
+                    let sum = ((sum * &rescale).ctx(ctx)? + p.sum_keepdim(D::Minus1).ctx(ctx)?)
+                        .ctx(ctx)?;
+                    let acc = (acc.broadcast_mul(&rescale).ctx(ctx)?
+                        + p.matmul(&v_block).ctx(ctx)?)
+                    .ctx(ctx)?;
+                    (new_max, sum, acc)
+                }
+            });
+        }
+        let (_, sum, acc) = state.expect("every query block sees key block 0");
+        outputs.push(
+            acc.broadcast_div(&sum)
+                .ctx(ctx)?
+                .reshape((kv, group, q_len, hd))
+                .ctx(ctx)?,
+        );
+    }
+    Tensor::cat(&outputs, 2).ctx(ctx)
 }
 
-/// `[T, T]` additive mask: 0 on and below the diagonal, -inf above.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let v: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+/// `[q_len, k_len]` additive causal mask of one block pair: 0 where the key's
+/// position is at most the query's, -inf after it.
+fn causal_mask_block(
+    q_start: usize,
+    q_len: usize,
+    k_start: usize,
+    k_len: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let v: Vec<f32> = (q_start..q_start + q_len)
+        .flat_map(|i| {
+            (k_start..k_start + k_len).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })
+        })
         .collect();
-    Tensor::from_vec(v, (t, t), device).ctx("causal mask")
+    Tensor::from_vec(v, (q_len, k_len), device).ctx("causal mask")
 }
 
 /// Rotary embedding on the first `rotary_dim` dimensions of `x` `[T, heads, head_dim]`:
@@ -958,6 +1052,74 @@ mod tests {
             .to_vec1()
             .unwrap();
         assert_eq!(y, vec![-2.0, 1.0, 3.0, 4.0]);
+    }
+
+    /// The attention of the whole prompt at once, as the forward pass computed it
+    /// before blocking: a `[T, T]` score matrix, masked, softmaxed, times V.
+    fn attention_unblocked(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        let (kv, group, t, hd) = q.dims4().unwrap();
+        let q = q.reshape((kv, group * t, hd)).unwrap();
+        let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap()
+            * (hd as f64).powf(-0.5))
+        .unwrap();
+        let mask = causal_mask_block(0, t, 0, t, q.device()).unwrap();
+        let scores = scores
+            .reshape((kv, group, t, t))
+            .unwrap()
+            .broadcast_add(&mask)
+            .unwrap();
+        let max = scores.max_keepdim(D::Minus1).unwrap();
+        let e = scores.broadcast_sub(&max).unwrap().exp().unwrap();
+        let probs = e
+            .broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
+            .unwrap()
+            .reshape((kv, group * t, t))
+            .unwrap();
+        probs
+            .matmul(v)
+            .unwrap()
+            .reshape((kv, group, t, hd))
+            .unwrap()
+    }
+
+    #[test]
+    fn blocked_attention_equals_the_unblocked_score_matrix() {
+        // 37 tokens in blocks of 8 (five query blocks, the last partial), 2 kv heads
+        // of 3 query heads each, head_dim 16; scores spread over a wide range so the
+        // running maximum changes between key blocks.
+        let dev = Device::Cpu;
+        let (kv, group, t, hd) = (2, 3, 37, 16);
+        let values = |n: usize, seed: u32| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                    ((x >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 6.0
+                })
+                .collect()
+        };
+        let q = Tensor::from_vec(values(kv * group * t * hd, 1), (kv, group, t, hd), &dev).unwrap();
+        let k = Tensor::from_vec(values(kv * t * hd, 2), (kv, t, hd), &dev).unwrap();
+        let v = Tensor::from_vec(values(kv * t * hd, 3), (kv, t, hd), &dev).unwrap();
+        let reference: Vec<f32> = attention_unblocked(&q, &k, &v)
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for block in [1, 8, 36, 37, ATTENTION_BLOCK] {
+            let blocked: Vec<f32> = causal_attention_blocked(&q, &k, &v, block)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(blocked.len(), reference.len());
+            for (i, (a, b)) in blocked.iter().zip(&reference).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "block {block}, element {i}: {a} vs {b}"
+                );
+            }
+        }
     }
 
     #[test]

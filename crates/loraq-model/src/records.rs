@@ -3,8 +3,9 @@
 
 use crate::error::{ModelError, Result};
 use crate::model::Model;
+use loraq_io::limits::{CappedLine, MAX_JSON_LINE_BYTES, MAX_PROMPT_TOKENS, read_capped_line};
 use serde::{Deserialize, Serialize};
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 /// One question to score.
@@ -55,15 +56,31 @@ pub fn read_records(path: &Path) -> Result<Vec<Record>> {
         path: path.to_path_buf(),
         source,
     };
-    let reader = BufReader::new(std::fs::File::open(path).map_err(file_err)?);
+    let mut reader = BufReader::new(std::fs::File::open(path).map_err(file_err)?);
     let mut records = Vec::new();
-    for (i, line) in reader.lines().enumerate() {
-        let line = line.map_err(file_err)?;
-        if line.trim().is_empty() {
+    let mut line = Vec::new();
+    let mut line_no = 0u64;
+    loop {
+        line.clear();
+        line_no += 1;
+        match read_capped_line(&mut reader, &mut line, MAX_JSON_LINE_BYTES).map_err(file_err)? {
+            CappedLine::End => break,
+            CappedLine::Line => {}
+            CappedLine::TooLong => {
+                return Err(ModelError::Record {
+                    path: path.to_path_buf(),
+                    line: line_no,
+                    id: String::new(),
+                    reason: format!(
+                        "line longer than {MAX_JSON_LINE_BYTES} bytes, the limit of a JSON Lines record (docs/formats.md)"
+                    ),
+                });
+            }
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let line_no = i as u64 + 1;
-        let mut record: Record = serde_json::from_str(&line).map_err(|e| ModelError::Record {
+        let mut record: Record = serde_json::from_slice(&line).map_err(|e| ModelError::Record {
             path: path.to_path_buf(),
             line: line_no,
             id: String::new(),
@@ -110,6 +127,12 @@ fn validate<'r>(
     if tokens.is_empty() {
         return Err(bad("empty prompt (no tokens)".into()));
     }
+    if tokens.len() > MAX_PROMPT_TOKENS {
+        return Err(bad(format!(
+            "prompt of {} tokens is longer than loraq's limit of {MAX_PROMPT_TOKENS} tokens (docs/formats.md)",
+            tokens.len()
+        )));
+    }
     if tokens.len() > c.max_position_embeddings {
         return Err(bad(format!(
             "prompt of {} tokens is longer than max_position_embeddings {}",
@@ -145,14 +168,18 @@ fn validate<'r>(
         .find(|(_, t)| **t as usize >= c.vocab)
     {
         return Err(bad(format!(
-            "option {o:?} has token {t}, outside the vocabulary of {}",
+            "option {} has token {t}, outside the vocabulary of {}",
+            loraq_io::limits::elide(&format!("{o:?}")),
             c.vocab
         )));
     }
     if let Some(gold) = &record.gold
         && !record.options.contains(gold)
     {
-        return Err(bad(format!("gold {gold:?} is not one of the options")));
+        return Err(bad(format!(
+            "gold {} is not one of the options",
+            loraq_io::limits::elide(&format!("{gold:?}"))
+        )));
     }
     Ok((tokens, option_tokens))
 }
@@ -232,6 +259,24 @@ fn score(
             model.last_hidden(tokens)?
         };
         let logits = model.logits_of(&hidden, option_tokens)?;
+        // The weights were checked finite when loaded; an overflow in the forward
+        // pass can still give NaN, which the answers format cannot hold.
+        if let Some((option, logit)) = record
+            .options
+            .iter()
+            .zip(&logits)
+            .find(|(_, l)| !l.is_finite())
+        {
+            return Err(ModelError::Record {
+                path: options.source.clone(),
+                line: record.line,
+                id: record.id.clone(),
+                reason: format!(
+                    "the logit of option {} is {logit} (the forward pass overflowed); no answers written",
+                    loraq_io::limits::elide(&format!("{option:?}"))
+                ),
+            });
+        }
         answers.push(OptionAnswer {
             id: record.id.clone(),
             group: record.group.clone(),

@@ -118,7 +118,8 @@ pub enum QuantError {
     #[error(transparent)]
     Io(#[from] loraq_io::IoError),
     /// A file system error outside loraq-io.
-    #[error("{path}: {source}")]
+    // The OS error is the source, printed once by the error chain.
+    #[error("{path}")]
     File {
         /// The file.
         path: PathBuf,
