@@ -231,6 +231,30 @@ fn quant_error_refuses_a_nan_weight_by_file_and_tensor() {
 }
 
 #[test]
+fn quantize_names_the_file_and_tensor_of_a_nan_weight() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    copy_dir(&data().join("qwen3_5"), &model);
+    let tensor = edit_tensor(
+        &model.join("model.safetensors"),
+        "layers.2.mlp.up_proj.weight",
+        first_bf16_nan,
+    );
+    let out = dir.path().join("fp8");
+    let o = loraq(&[
+        "quantize",
+        "--in",
+        s(&model),
+        "--out",
+        s(&out),
+        "--scheme",
+        "fp8-block128",
+    ]);
+    assert_refused(&o, &["model.safetensors", &tensor, "NaN"]);
+    assert!(!out.exists());
+}
+
+#[test]
 fn extract_names_the_file_of_a_nan_input() {
     let dir = tempfile::tempdir().unwrap();
     let (base, merged, _) = synth_tiny(dir.path());

@@ -139,9 +139,11 @@ fn quantized_delta_and_floor(
     tensor: &str,
 ) -> Result<(Vec<f32>, f64)> {
     let info = merged.info(tensor)?;
-    let mut delta = merged.read_f32(tensor)?;
+    // Both inputs are refused by file and tensor when not finite, as extract does.
+    let mut delta = merged.read_f32_finite(tensor)?;
     let floor = crate::floor::rounding_floor(&delta, crate::extract::floor_format(info.dtype));
     let decoded = base.read_weight_f32(tensor)?;
+    base.checkpoint().ensure_finite(tensor, &decoded)?;
     if decoded.len() != delta.len() {
         return Err(ExtractError::BadShape {
             module: tensor.to_string(),

@@ -47,7 +47,7 @@ pub enum IoError {
         reason: String,
     },
     /// A dtype string that loraq does not know.
-    #[error("{path}: tensor {}: unknown dtype {}", elide(.tensor), elide(.dtype))]
+    #[error("{path}: tensor {}: unknown dtype {}", elide(.tensor), elide(&format!("{:?}", .dtype)))]
     UnknownDtype {
         /// The file.
         path: PathBuf,

@@ -959,7 +959,8 @@ pub fn write_quantized(
         match action {
             TensorAction::Copy => writer.write_tensor(name, input.bytes(name)?)?,
             TensorAction::Quantize { rows, cols } => {
-                let values = input.read_f32(name)?;
+                // Refused by file and tensor before the scheme sees a NaN.
+                let values = input.read_f32_finite(name)?;
                 let view = WeightView::new(name, *rows, *cols, &values)?;
                 let module = name.trim_end_matches(".weight");
                 if options.layout == Layout::Bf16Emulated {
