@@ -28,7 +28,7 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// Rewrites one safetensors file with `edit` applied to the bytes of the first tensor
 /// whose name ends with `suffix`; returns that tensor's name.
-fn edit_tensor(file: &Path, suffix: &str, edit: impl FnOnce(&mut Vec<u8>)) -> String {
+fn edit_tensor(file: &Path, suffix: &str, edit: impl FnOnce(&mut [u8])) -> String {
     let ckpt = Checkpoint::open(file).unwrap();
     let mut tensors: Vec<(TensorSpec, Vec<u8>)> = ckpt
         .tensors()
@@ -58,7 +58,7 @@ fn edit_tensor(file: &Path, suffix: &str, edit: impl FnOnce(&mut Vec<u8>)) -> St
 }
 
 /// bf16 NaN in the first element.
-fn first_bf16_nan(bytes: &mut Vec<u8>) {
+fn first_bf16_nan(bytes: &mut [u8]) {
     bytes[..2].copy_from_slice(&0x7FC0u16.to_le_bytes());
 }
 

@@ -963,8 +963,8 @@ fn extract_on_current_pool(
 
     let above: Vec<(String, f64)> = modules
         .iter()
-        // NaN <= x is false: a NaN ratio is above every threshold.
-        .filter(|m| !(m.ratio <= options.max_residual_ratio))
+        // A NaN ratio is above every threshold.
+        .filter(|m| crate::verify::above_threshold(m.ratio, options.max_residual_ratio))
         .map(|m| (m.module.clone(), m.ratio))
         .collect();
     if !above.is_empty() && !options.allow_residual {
@@ -981,7 +981,10 @@ fn extract_on_current_pool(
     let verify_threshold = crate::verify::DEFAULT_MAX_RESIDUAL_RATIO;
     let cast_above: Vec<(String, f64)> = modules
         .iter()
-        .filter(|m| m.target.is_none() && !(m.ratio_after_cast <= verify_threshold))
+        .filter(|m| {
+            m.target.is_none()
+                && crate::verify::above_threshold(m.ratio_after_cast, verify_threshold)
+        })
         .map(|m| (m.module.clone(), m.ratio_after_cast))
         .collect();
     if !cast_above.is_empty() && !options.allow_residual {

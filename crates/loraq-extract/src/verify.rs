@@ -17,6 +17,15 @@ use std::path::PathBuf;
 /// so that it never writes one that verify rejects.
 pub const DEFAULT_MAX_RESIDUAL_RATIO: f64 = 1.25;
 
+/// Whether a residual / floor ratio fails a threshold: above it, or NaN (a NaN
+/// residual must never pass, and `NaN > x` is false, so the test is "not at most").
+pub fn above_threshold(ratio: f64, threshold: f64) -> bool {
+    !matches!(
+        ratio.partial_cmp(&threshold),
+        Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+    )
+}
+
 /// What `loraq verify` takes.
 #[derive(Debug, Clone)]
 pub struct VerifyOptions {
@@ -273,7 +282,7 @@ pub fn verify(
             let bin = [0.5, 0.9, 1.0, 1.05, 1.1]
                 .iter()
                 // NaN counts in the last bin ("more"), never under an edge.
-                .take_while(|&&edge| !(r < edge))
+                .take_while(|&&edge| r.partial_cmp(&edge) != Some(std::cmp::Ordering::Less))
                 .count();
             histogram[bin] += 1;
         }
@@ -291,8 +300,7 @@ pub fn verify(
         .map(|m| m.module.clone());
     let above_threshold: Vec<String> = modules
         .iter()
-        // Written so that a NaN ratio (a NaN residual) fails: NaN <= x is false.
-        .filter(|m| !(m.ratio <= options.max_residual_ratio))
+        .filter(|m| above_threshold(m.ratio, options.max_residual_ratio))
         .map(|m| m.module.clone())
         .collect();
     let passed = unexplained.is_empty() && refused.is_empty() && above_threshold.is_empty();
@@ -307,4 +315,18 @@ pub fn verify(
         max_residual_ratio: options.max_residual_ratio,
         passed,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nan_ratio_is_above_every_threshold() {
+        assert!(above_threshold(f64::NAN, 1.25));
+        assert!(above_threshold(f64::INFINITY, 1.25));
+        assert!(above_threshold(1.26, 1.25));
+        assert!(!above_threshold(1.25, 1.25));
+        assert!(!above_threshold(0.0, 1.25));
+    }
 }
