@@ -1,5 +1,5 @@
 // Shared device code of the loraq kernels: weight formats decoded in registers.
-// Layouts are those of DESIGN.md ("Quantized checkpoints"); rows are output features,
+// Layouts are those of docs/quantization.md ("Checkpoint layouts"); rows are output features,
 // columns input features, row-major.
 #pragma once
 #include <cuda_bf16.h>

@@ -10,7 +10,7 @@ Writes under tests/data/model/ (run from the repository root):
   qwen3/          a dense Qwen3ForCausalLM with tied embeddings
   records.jsonl   prompts (tokens) with four option tokens each, lengths 1..48
   expected-qwen3_5.jsonl, expected-qwen3_5-lora.jsonl, expected-qwen3.jsonl:
-                  answers (DESIGN.md format) with the option logits transformers
+                  answers (docs/evaluation.md format) with the option logits transformers
                   computes at the last prompt position, float32 compute on the
                   bf16-representable weights.
 

@@ -119,7 +119,7 @@ pub fn first_non_finite(values: &[f32]) -> Option<usize> {
         .min()
 }
 
-/// The bf16 unit in the last place of `m` as DESIGN.md defines it:
+/// The bf16 unit in the last place of `m`, as the rounding floor uses it (docs/extraction.md):
 /// `2^(floor(log2|m|) - 7)` for normal values, `2^-133` for subnormals and zero.
 #[inline]
 pub fn bf16_ulp(m: f32) -> f64 {

@@ -1,7 +1,7 @@
 //! Fused "quantized base + LoRA" linear layers.
 //!
 //! `y = dequant(W_q) · act_q(x) + scale · B (A x)` over base weights stored as bf16,
-//! fp8-block128, NVFP4 or MXFP4 (layouts in DESIGN.md), LoRA rank 1..=512, batch from one
+//! fp8-block128, NVFP4 or MXFP4 (layouts in docs/quantization.md), LoRA rank 1..=512, batch from one
 //! token (decode) to thousands (prefill):
 //!
 //! - [`mod@reference`]: element-by-element decode, f64 accumulation: the oracle.

@@ -1,7 +1,7 @@
 //! Base weight containers in their stored (quantized) layouts.
 //!
-//! Every container keeps the bytes exactly as the checkpoint stores them (see DESIGN.md,
-//! "Quantized checkpoints"); nothing here dequantizes a whole matrix. Shapes follow
+//! Every container keeps the bytes exactly as the checkpoint stores them (see docs/quantization.md,
+//! "Checkpoint layouts"); nothing here dequantizes a whole matrix. Shapes follow
 //! PyTorch's `nn.Linear`: `[out_dim, in_dim]`, row `o` holds the weights of output `o`.
 
 use crate::error::{KernelError, Result};

@@ -6,7 +6,7 @@
 //!   optional PEFT adapter directory.
 //! - [`Model::last_hidden`] / [`Model::logits_of`]: the last prompt position's final
 //!   hidden state and the logits of chosen vocabulary rows only.
-//! - [`score_records`]: records in, answers out (the formats of DESIGN.md).
+//! - [`score_records`]: records in, answers out (the formats of docs/model.md and docs/evaluation.md).
 //! - [`Model::input_stats`]: with [`LoadOptions::collect_input_stats`], the mean
 //!   square of every linear's input per feature (calibration for
 //!   quantization-aware extraction; written by [`loraq_io::write_calibration`]).

@@ -1,5 +1,5 @@
 //! Records in (prompt tokens + option tokens), answers out: the JSON Lines formats
-//! of DESIGN.md.
+//! of docs/model.md and docs/evaluation.md ("The answers format").
 
 use crate::error::{ModelError, Result};
 use crate::model::Model;

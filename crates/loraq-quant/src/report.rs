@@ -34,7 +34,7 @@ pub struct MergedQuantError {
     pub exact_error_norm: f64,
     /// `||dequant(Q(W)) + s B A - M||`: the adapter on the quantized base.
     pub quantized_error_norm: f64,
-    /// bf16 rounding floor of M, `sqrt(sum ulp(m)^2 / 12)` (DESIGN.md).
+    /// bf16 rounding floor of M, `sqrt(sum ulp(m)^2 / 12)` (docs/extraction.md).
     pub floor: f64,
 }
 
