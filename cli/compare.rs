@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use loraq_eval::render::{markdown, svg, text_table};
 use loraq_eval::{CompareOptions, compare_files};
+use loraq_io::StagedOutputs;
 
 /// Arguments of `loraq compare`.
 #[derive(clap::Args)]
@@ -39,6 +40,9 @@ pub struct Args {
     /// Count ids present in only one file instead of refusing them.
     #[arg(long)]
     allow_unpaired: bool,
+    /// Replace existing report files (never one of the answers files).
+    #[arg(long)]
+    force: bool,
 }
 
 /// Runs `loraq compare`.
@@ -49,19 +53,39 @@ pub fn run(args: Args) -> Result<()> {
         seed: args.seed,
         allow_unpaired: args.allow_unpaired,
     };
+    // The reports are checked and staged before the comparison, and committed
+    // together once all are written: all or none.
+    let json_to_stdout = args.json.as_deref() == Some(Path::new("-"));
+    let mut outputs = StagedOutputs::new(
+        &[args.reference.as_path(), args.candidate.as_path()],
+        args.force,
+    );
+    let mut stage = |flag: &str, path: Option<&Path>| -> Result<Option<(PathBuf, PathBuf)>> {
+        path.map(|p| {
+            let temp = outputs
+                .stage_file(p)
+                .with_context(|| format!("{flag} {}", p.display()))?;
+            Ok((p.to_path_buf(), temp))
+        })
+        .transpose()
+    };
+    let json_temp = stage("--json", args.json.as_deref().filter(|_| !json_to_stdout))?;
+    let markdown_temp = stage("--markdown", args.markdown.as_deref())?;
+    let plot_temp = stage("--plot", args.plot.as_deref())?;
+    crate::outputs::report_stale(outputs.stale_siblings());
     let comparison = compare_files(&args.reference, &args.candidate, &options)?;
     let json = serde_json::to_string_pretty(&comparison.report)? + "\n";
     let table = text_table(&comparison);
-    let json_to_stdout = args.json.as_deref() == Some(Path::new("-"));
-    if let Some(path) = args.json.as_deref().filter(|_| !json_to_stdout) {
-        write_file(path, &json)?;
+    if let Some(staged) = &json_temp {
+        write_file(staged, &json)?;
     }
-    if let Some(path) = &args.markdown {
-        write_file(path, &markdown(&comparison))?;
+    if let Some(staged) = &markdown_temp {
+        write_file(staged, &markdown(&comparison))?;
     }
-    if let Some(path) = &args.plot {
-        write_file(path, &svg(&comparison))?;
+    if let Some(staged) = &plot_temp {
+        write_file(staged, &svg(&comparison))?;
     }
+    outputs.commit()?;
     if json_to_stdout {
         eprint!("{table}");
         std::io::stdout().write_all(json.as_bytes())?;
@@ -71,13 +95,8 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Writes `text` to a temporary sibling and renames it into place, so a failed run
-/// leaves no partial file.
-pub fn write_file(path: &Path, text: &str) -> Result<()> {
-    path.file_name()
-        .with_context(|| format!("{}: not a file name", path.display()))?;
-    loraq_io::write_file_atomically(path, |temp| -> Result<()> {
-        Ok(std::fs::write(temp, text)?)
-    })
-    .with_context(|| format!("{}: cannot write", path.display()))
+/// Writes `text` to a staged output's temporary file (`(target, temporary)`); an
+/// error names the target.
+fn write_file((target, temp): &(PathBuf, PathBuf), text: &str) -> Result<()> {
+    std::fs::write(temp, text).with_context(|| format!("{}: cannot write", target.display()))
 }

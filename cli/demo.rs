@@ -57,6 +57,8 @@ pub struct Args {
 }
 
 fn prepare_out(out: &Path) -> Result<()> {
+    // Never the working directory or one of its ancestors, marker or not.
+    loraq_io::check_output_path(out, &[])?;
     if out.exists() {
         if !out.join(DEMO_MARKER).is_file() {
             bail!(

@@ -134,6 +134,7 @@ pub fn run(args: Args) -> Result<()> {
         all_layers: args.all_layers,
         correction_rank: args.correction_rank.unwrap_or(0),
     };
+    crate::outputs::sweep_and_report(&options.out);
     let bar = crate::progress::bar(0, "extract");
     let report = extract(&options, &mut |event| match event {
         Progress::Scanned(scan) => {

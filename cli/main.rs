@@ -9,6 +9,7 @@ mod compare_hidden;
 mod demo;
 mod extract;
 mod inspect;
+mod outputs;
 mod progress;
 mod quant_error;
 mod quantize;

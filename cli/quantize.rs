@@ -92,6 +92,12 @@ pub fn run(args: Args) -> Result<()> {
         skip: compile_skip(&patterns)?,
         max_shard_bytes: args.max_shard_bytes,
     };
+    // Refuse an output over an input (or an existing one without --force) before
+    // opening anything.
+    let mut inputs = vec![args.input.as_path()];
+    inputs.extend(args.calibration.as_deref());
+    let out = AtomicDir::create(&args.out, args.force, &inputs)?;
+    crate::outputs::report_stale(out.stale_siblings());
     let calibration = match &args.calibration {
         Some(path) => {
             let stats = loraq_io::read_calibration(path)
@@ -112,7 +118,6 @@ pub fn run(args: Args) -> Result<()> {
             args.input.display()
         );
     }
-    let out = AtomicDir::create(&args.out, args.force)?;
     let bar = progress::bar(plan.actions.len() as u64, "quantize");
     write_quantized(&input, &plan, &options, out.path(), &mut |name| {
         bar.set_message(name.to_string());

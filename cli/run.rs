@@ -4,6 +4,7 @@
 use crate::progress;
 use anyhow::{Context, Result, anyhow, bail};
 use loraq_eval::answers::check_question;
+use loraq_io::StagedOutputs;
 use loraq_io::limits::elide;
 use loraq_model::{
     ActQuantScheme, LinearBackend, LoadOptions, Model, ScoreOptions, read_records,
@@ -37,14 +38,14 @@ pub struct Args {
     /// Records (JSON Lines: id, group?, tokens, options, option_tokens, gold?).
     #[arg(long)]
     records: PathBuf,
-    /// Answers output (JSON Lines), written atomically.
+    /// Answers output (JSON Lines). It and the other outputs are written to temporary
+    /// siblings and renamed into place together once all are written: all or none.
     #[arg(long)]
     out: PathBuf,
     /// Last-position hidden states of every layer (safetensors), for compare-hidden.
     #[arg(long)]
     hidden_out: Option<PathBuf>,
-    /// Calibration statistics output (safetensors, written atomically; an existing
-    /// file is replaced, as --out is): for every linear the model runs, the mean over
+    /// Calibration statistics output (safetensors): for every linear the model runs, the mean over
     /// all prompt tokens of each input feature's square, `<module>.input_sq_mean`
     /// F32 `[in_features]`, and the largest absolute input, `<module>.input_abs_max`
     /// F32 `[]` (docs/formats.md): the input of `loraq extract --calibration` and of
@@ -52,6 +53,9 @@ pub struct Args {
     /// evaluation questions.
     #[arg(long, value_name = "FILE")]
     collect_stats: Option<PathBuf>,
+    /// Replace existing output files (never one of the inputs).
+    #[arg(long)]
+    force: bool,
     /// Worker threads (default: the physical cores; at most 4 per logical core,
     /// 1024 in all).
     #[arg(long, value_parser = crate::args::threads)]
@@ -71,18 +75,31 @@ pub fn run(args: Args) -> Result<()> {
     }
     let act_quant = ActQuantScheme::parse(&args.act_quant)
         .with_context(|| format!("--act-quant {:?}", args.act_quant))?;
-    if let Some(path) = &args.collect_stats {
-        // Fail before the forward passes, not after them, when the statistics could
-        // never be written.
-        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
-        if let Some(dir) = parent.filter(|d| !d.is_dir()) {
-            bail!(
-                "--collect-stats {}: directory {} does not exist",
-                path.display(),
-                dir.display()
-            );
-        }
-    }
+    // Every output is checked and staged before the forward passes, so one that could
+    // never be written fails now; they are committed together at the end.
+    let mut inputs = vec![args.model.as_path(), args.records.as_path()];
+    inputs.extend(args.adapter.as_deref());
+    let mut outputs = StagedOutputs::new(&inputs, args.force);
+    let answers_temp = outputs
+        .stage_file(&args.out)
+        .with_context(|| format!("--out {}", args.out.display()))?;
+    let hidden_temp = match &args.hidden_out {
+        Some(path) => Some(
+            outputs
+                .stage_file(path)
+                .with_context(|| format!("--hidden-out {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let stats_temp = match &args.collect_stats {
+        Some(path) => Some(
+            outputs
+                .stage_file(path)
+                .with_context(|| format!("--collect-stats {}", path.display()))?,
+        ),
+        None => None,
+    };
+    crate::outputs::report_stale(outputs.stale_siblings());
     let mut records = read_records(&args.records)?;
     check_questions(&args.records, &records)?;
     loraq_model::tokenize_records(&args.model, &mut records, &args.records)?;
@@ -120,16 +137,23 @@ pub fn run(args: Args) -> Result<()> {
     )?;
     bar.finish_and_clear();
     let seconds = scoring.elapsed().as_secs_f64();
-    write_answers(&args.out, &answers)?;
-    if let (Some(path), Some(hidden)) = (&args.hidden_out, hidden) {
-        write_hidden(path, &hidden)?;
+    write_answers(&answers_temp, &answers)?;
+    if let (Some(temp), Some(hidden)) = (&hidden_temp, hidden) {
+        write_hidden(temp, &hidden)?;
     }
-    if let Some(path) = &args.collect_stats {
-        let stats = model
-            .input_stats()
-            .context("the model was loaded without input statistics")?;
-        loraq_io::write_calibration(path, &stats)
-            .with_context(|| format!("writing --collect-stats {}", path.display()))?;
+    let stats = match (&args.collect_stats, &stats_temp) {
+        (Some(path), Some(temp)) => {
+            let stats = model
+                .input_stats()
+                .context("the model was loaded without input statistics")?;
+            loraq_io::write_calibration(temp, &stats)
+                .with_context(|| format!("writing --collect-stats {}", path.display()))?;
+            Some((path, stats))
+        }
+        _ => None,
+    };
+    outputs.commit()?;
+    if let Some((path, stats)) = stats {
         eprintln!(
             "loraq run: input statistics of {} linears over {} tokens written to {}",
             stats.input_sq_mean.len(),

@@ -57,6 +57,7 @@ pub fn run(args: Args) -> Result<()> {
         rank: args.rank,
         lora_layers: args.lora_layers.as_deref().map(parse_layers).transpose()?,
     };
+    crate::outputs::sweep_and_report(&args.out);
     let started = std::time::Instant::now();
     let bar = crate::progress::bar(0, "synth");
     let summary = write_synth(&args.out, &options, args.force, &mut |done, total, name| {

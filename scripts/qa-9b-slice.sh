@@ -63,16 +63,16 @@ if [[ ! -d "$OUT/adapter" ]]; then
 fi
 records "$QUESTIONS" 1 q > "$OUT/questions.jsonl"
 records "$CALIBRATION" 2 c > "$OUT/calibration.jsonl"
-say "$LORAQ" run "${threads[@]}" --model "$pair/merged" --records "$OUT/calibration.jsonl" \
+say "$LORAQ" run --force "${threads[@]}" --model "$pair/merged" --records "$OUT/calibration.jsonl" \
     --out "$OUT/calibration-answers.jsonl" --collect-stats "$OUT/calibration.safetensors"
 mkdir -p "$OUT/answers"
-say "$LORAQ" run "${threads[@]}" --model "$pair/merged" --records "$OUT/questions.jsonl" \
+say "$LORAQ" run --force "${threads[@]}" --model "$pair/merged" --records "$OUT/questions.jsonl" \
     --out "$OUT/answers/merged.jsonl"
 
 compare() { # $1 label, $2 answers file
     echo
     echo "== $1 (vs the merged reference)"
-    "$LORAQ" compare --reference "$OUT/answers/merged.jsonl" --candidate "$2" \
+    "$LORAQ" compare --force --reference "$OUT/answers/merged.jsonl" --candidate "$2" \
         --json "${2%.jsonl}.compare.json"
 }
 
@@ -93,10 +93,10 @@ for scheme in $SCHEMES; do
                 --calibration "$OUT/calibration.safetensors" --extra-rank "$extra"
         fi
     done
-    say "$LORAQ" run "${threads[@]}" --model "$quantized" --adapter "$OUT/adapter" "${act[@]}" \
+    say "$LORAQ" run --force "${threads[@]}" --model "$quantized" --adapter "$OUT/adapter" "${act[@]}" \
         --records "$OUT/questions.jsonl" --out "$OUT/answers/$scheme-plain.jsonl"
     for extra in "${extras[@]}"; do
-        say "$LORAQ" run "${threads[@]}" --model "$quantized" \
+        say "$LORAQ" run --force "${threads[@]}" --model "$quantized" \
             --adapter "$OUT/adapter-qa-$scheme-extra$extra" "${act[@]}" \
             --records "$OUT/questions.jsonl" --out "$OUT/answers/$scheme-qa-extra$extra.jsonl"
     done

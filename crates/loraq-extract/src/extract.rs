@@ -554,6 +554,9 @@ fn glob_regex(glob: &str) -> regex::Regex {
     regex::Regex::new(&re).expect("escaped glob is a valid regex")
 }
 
+/// Lists the files under `dir` (paths relative to `root`). Directory symlinks are not
+/// followed (a link to `.` would otherwise walk forever); symlinks to files are listed
+/// and checked by [`copy_source`] when a glob matches them.
 fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
     let entries = std::fs::read_dir(dir).map_err(|source| ExtractError::Write {
         path: dir.to_path_buf(),
@@ -565,13 +568,60 @@ fn list_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
             source,
         })?;
         let path = entry.path();
-        if path.is_dir() {
+        let file_type = entry.file_type().map_err(|source| ExtractError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        if file_type.is_dir() {
             list_files(root, &path, out)?;
-        } else if let Ok(rel) = path.strip_prefix(root) {
+            continue;
+        }
+        if file_type.is_symlink() && path.is_dir() {
+            continue;
+        }
+        if let Ok(rel) = path.strip_prefix(root) {
             out.push(rel.to_string_lossy().replace('\\', "/"));
         }
     }
     Ok(())
+}
+
+/// The file `--copy` reads for `rel`: refused when it resolves (through symlinks)
+/// outside the merged directory, so a link to a file elsewhere is never copied into
+/// the adapter. One exception: a Hugging Face cache snapshot
+/// (`models--ORG--NAME/snapshots/REV/`), whose files are links into the same repo's
+/// `blobs/` directory.
+fn copy_source(merged_dir: &Path, rel: &str) -> Result<PathBuf> {
+    let source = merged_dir.join(rel);
+    let io_error = |path: &Path, source| ExtractError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let root = std::fs::canonicalize(merged_dir).map_err(|e| io_error(merged_dir, e))?;
+    let resolved = std::fs::canonicalize(&source).map_err(|e| io_error(&source, e))?;
+    let hub_blobs = root
+        .parent()
+        .filter(|snapshots| snapshots.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .filter(|repo| {
+            repo.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("models--"))
+        })
+        .map(|repo| repo.join("blobs"));
+    let inside =
+        resolved.starts_with(&root) || hub_blobs.is_some_and(|blobs| resolved.starts_with(blobs));
+    if !inside {
+        return Err(ExtractError::InvalidParameter {
+            name: "--copy",
+            detail: format!(
+                "{} resolves to {}, outside the merged directory {}: not copied",
+                source.display(),
+                resolved.display(),
+                merged_dir.display()
+            ),
+        });
+    }
+    Ok(source)
 }
 
 const GENERATED: [&str; 6] = [
@@ -615,7 +665,8 @@ fn copy_files(merged_dir: &Path, globs: &[String], out: &Path) -> Result<Vec<Str
                     source,
                 })?;
             }
-            std::fs::copy(merged_dir.join(rel), &dst).map_err(|source| ExtractError::Write {
+            let source = copy_source(merged_dir, rel)?;
+            std::fs::copy(&source, &dst).map_err(|source| ExtractError::Write {
                 path: dst.clone(),
                 source,
             })?;
@@ -780,8 +831,13 @@ fn extract_on_current_pool(
             detail: "must be positive".into(),
         });
     }
-    // Refuse an existing output before any work.
-    let out = AtomicDir::create(&options.out, options.force)?;
+    // Refuse an existing output, or one over an input, before any work.
+    let mut inputs = vec![options.merged.as_path(), options.base.as_path()];
+    inputs.extend(options.calibration.as_deref());
+    if let Some(TargetSpec::Dir(dir)) = &options.target_base {
+        inputs.push(dir);
+    }
+    let out = AtomicDir::create(&options.out, options.force, &inputs)?;
     let merged = Checkpoint::open(&options.merged)?;
     let base = Checkpoint::open(&options.base)?;
     let scanned = scan(&merged, &base)?.into_result()?;

@@ -96,6 +96,53 @@ pub enum IoError {
         /// The target directory.
         path: PathBuf,
     },
+    /// An output that is, contains or lies inside one of the command's inputs: refused
+    /// with or without `--force`, which would destroy the input.
+    #[error(
+        "refusing to write {output}: it {relation} the input {input} (refused with or without --force)"
+    )]
+    OutputOverInput {
+        /// The output as given.
+        output: PathBuf,
+        /// "is", "contains" or "lies inside".
+        relation: &'static str,
+        /// The input as given.
+        input: PathBuf,
+    },
+    /// An output that is the working directory or one of its ancestors: refused with
+    /// or without `--force`.
+    #[error(
+        "refusing to write {output}: it {relation} the working directory {cwd} (refused with or without --force)"
+    )]
+    OutputOverWorkingDir {
+        /// The output as given.
+        output: PathBuf,
+        /// "is" or "contains".
+        relation: &'static str,
+        /// The working directory, resolved.
+        cwd: PathBuf,
+    },
+    /// Two outputs of one command that are the same path or nested.
+    #[error("refusing to write {output}: it {relation} the other output {other}")]
+    OutputOverOutput {
+        /// The later output.
+        output: PathBuf,
+        /// "is", "contains" or "lies inside".
+        relation: &'static str,
+        /// The earlier output.
+        other: PathBuf,
+    },
+    /// An existing target of the other kind: a file output never replaces a
+    /// directory, nor a directory output a file, even with `--force`.
+    #[error("{path}: exists and is a {existing}; a {output} output never replaces it")]
+    OutputKindMismatch {
+        /// The target.
+        path: PathBuf,
+        /// "file" or "directory": what is there.
+        existing: &'static str,
+        /// "file" or "directory": what the command writes.
+        output: &'static str,
+    },
     /// A writer used out of its contract (wrong tensor order, wrong byte count, ...).
     #[error("{path}: {reason}")]
     Write {

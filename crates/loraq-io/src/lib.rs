@@ -10,7 +10,8 @@
 //!   (`model.language_model.layers.*` or `model.layers.*`) mapped onto a checkpoint's.
 //! - [`CheckpointWriter`] / [`SafetensorsWriter`]: streaming writers, sharded with an
 //!   index past a size limit.
-//! - [`AtomicDir`]: output directories that appear only when complete.
+//! - [`StagedOutputs`] / [`AtomicDir`]: outputs that appear only when complete, all
+//!   of a command's or none, never over its inputs.
 //! - [`write_sha256sums`] / [`verify_sha256sums`]: `sha256sum -c` compatible lists.
 //! - [`peft`]: PEFT LoRA adapters, read and written.
 //! - [`calibration`]: per-module input mean squares (`loraq run --collect-stats`).
@@ -30,7 +31,10 @@ pub mod peft;
 pub mod sha256sums;
 pub mod writer;
 
-pub use atomic::{AtomicDir, temp_file_sibling, write_file_atomically};
+pub use atomic::{
+    AtomicDir, OutputKind, StagedOutputs, StaleOutcome, StaleSibling, check_output_path,
+    sweep_stale_siblings, temp_file_sibling, write_file_atomically,
+};
 pub use calibration::{CalibrationStats, read_calibration, write_calibration};
 pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInfo};
 pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};

@@ -305,7 +305,7 @@ fn failed_write_leaves_no_target_directory() {
     let dir = tempfile::tempdir().unwrap();
     let target = dir.path().join("out");
     {
-        let out = AtomicDir::create(&target, false).unwrap();
+        let out = AtomicDir::create(&target, false, &[]).unwrap();
         std::fs::write(out.path().join("partial"), b"x").unwrap();
         // A check fails here: the directory is dropped without commit.
     }
@@ -324,10 +324,10 @@ fn existing_target_is_refused_unless_forced() {
     std::fs::create_dir(&target).unwrap();
     std::fs::write(target.join("old"), b"old").unwrap();
     assert!(matches!(
-        AtomicDir::create(&target, false),
+        AtomicDir::create(&target, false, &[]),
         Err(IoError::OutputExists { .. })
     ));
-    let out = AtomicDir::create(&target, true).unwrap();
+    let out = AtomicDir::create(&target, true, &[]).unwrap();
     std::fs::write(out.path().join("new"), b"new").unwrap();
     out.commit().unwrap();
     assert!(target.join("new").is_file() && !target.join("old").exists());

@@ -570,7 +570,7 @@ pub fn write_synth(
             layers - 1
         )));
     }
-    let dir = AtomicDir::create(out, force)?;
+    let dir = AtomicDir::create(out, force, &[])?;
     let base_dir = dir.path().join("base");
     let merged_dir = dir.path().join("merged");
     let adapter_dir = dir.path().join("true-adapter");
