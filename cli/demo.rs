@@ -190,8 +190,9 @@ fn write_question_set(reference: &Path, out: &Path, seed: u64) -> Result<()> {
 }
 
 /// Writes the calibration record set: random prompts drawn with another seed than
-/// the questions'. `loraq run` scores an option for every record, so each carries a
-/// single placeholder option; only the prompts' activations matter here.
+/// the questions'. `loraq run` scores the options of every record and, like `loraq
+/// compare`, refuses a record with fewer than two, so each carries two placeholder
+/// options; only the prompts' activations matter here.
 fn write_calibration_set(vocab: usize, out: &Path, seed: u64) -> Result<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xca1b_5e75);
     let mut file = std::io::BufWriter::new(
@@ -204,8 +205,8 @@ fn write_calibration_set(vocab: usize, out: &Path, seed: u64) -> Result<()> {
         let line = json!({
             "id": format!("c{i:04}"),
             "tokens": tokens,
-            "options": ["A"],
-            "option_tokens": [0],
+            "options": ["A", "B"],
+            "option_tokens": [0, 1],
         });
         writeln!(file, "{line}").with_context(|| format!("writing {}", out.display()))?;
     }
