@@ -281,10 +281,38 @@ fn run_records(
     Ok(())
 }
 
+/// How many records the demo draws.
+#[derive(Debug, Clone, Copy)]
+struct DemoSizes {
+    /// Questions.
+    questions: usize,
+    /// Calibration prompts.
+    calibration_prompts: usize,
+}
+
+/// What the demo measured, typed, for the tables.
+struct DemoResults {
+    synth: SynthSummary,
+    extraction: ExtractionReport,
+    verification: VerifyReport,
+    weight_rows: Vec<WeightRow>,
+    answer_rows: Vec<AnswerRow>,
+}
+
 /// Runs `loraq demo`.
 pub fn run(args: Args) -> Result<()> {
     prepare_out(&args.out)?;
-    let out = &args.out;
+    let sizes = DemoSizes {
+        questions: QUESTIONS,
+        calibration_prompts: CALIBRATION_PROMPTS,
+    };
+    let results = run_steps(&args.out, args.seed, sizes)?;
+    print_tables(&results, sizes, &args.out);
+    Ok(())
+}
+
+/// Every step of the demo, writing under `out` (prepared), with `sizes` records.
+fn run_steps(out: &Path, seed: u64, sizes: DemoSizes) -> Result<DemoResults> {
     let pair = out.join("pair");
     let (base, merged, true_adapter) = (
         pair.join("base"),
@@ -292,7 +320,7 @@ pub fn run(args: Args) -> Result<()> {
         pair.join("true-adapter"),
     );
     let adapter = out.join("adapter");
-    let seed = args.seed.to_string();
+    let seed_text = seed.to_string();
 
     // 1. The model pair.
     announce(&[
@@ -302,14 +330,14 @@ pub fn run(args: Args) -> Result<()> {
         "--out",
         path_str(&pair)?,
         "--seed",
-        &seed,
+        &seed_text,
     ]);
     let bar = crate::progress::bar(0, "synth");
     let synth: SynthSummary = write_synth(
         &pair,
         &SynthOptions {
             preset: Preset::Demo,
-            seed: args.seed,
+            seed,
             rank: None,
             lora_layers: None,
         },
@@ -409,19 +437,22 @@ pub fn run(args: Args) -> Result<()> {
     let calibration_records = out.join("calibration.jsonl");
     let calibration = out.join("calibration.safetensors");
     let vocab = loraq_io::ModelConfig::from_file(&merged.join(loraq_io::CONFIG_FILE))?.vocab_size;
-    eprintln!("$ (demo) writing {CALIBRATION_PROMPTS} calibration prompts (not the questions)");
+    eprintln!(
+        "$ (demo) writing {} calibration prompts (not the questions)",
+        sizes.calibration_prompts
+    );
     let record_spec = |count| RecordSetSpec {
         count,
         prompt_tokens: PROMPT_TOKENS,
         vocab,
-        seed: args.seed,
+        seed,
     };
     write_records(
         &calibration_records,
-        &calibration_set(&record_spec(CALIBRATION_PROMPTS)),
+        &calibration_set(&record_spec(sizes.calibration_prompts)),
     )?;
     run_records(
-        CALIBRATION_PROMPTS,
+        sizes.calibration_prompts,
         &merged,
         None,
         ActQuantScheme::None,
@@ -455,20 +486,21 @@ pub fn run(args: Args) -> Result<()> {
     // 5. Answers: the merged reference, then the adapter on each base.
     let records = out.join("questions.jsonl");
     eprintln!(
-        "$ (demo) writing {QUESTIONS} questions with gold drawn from the reference's probabilities"
+        "$ (demo) writing {} questions with gold drawn from the reference's probabilities",
+        sizes.questions
     );
     let reference_model = Reference(
         Model::load(&merged, None, &LoadOptions::default())
             .with_context(|| format!("loading {}", merged.display()))?,
     );
-    let questions = question_set(&reference_model, &record_spec(QUESTIONS))?;
+    let questions = question_set(&reference_model, &record_spec(sizes.questions))?;
     drop(reference_model);
     write_records(&records, &questions)?;
     let answers = out.join("answers");
     std::fs::create_dir_all(&answers).with_context(|| format!("creating {}", answers.display()))?;
     let reference = answers.join("merged.jsonl");
     run_records(
-        QUESTIONS,
+        sizes.questions,
         &merged,
         None,
         ActQuantScheme::None,
@@ -482,7 +514,7 @@ pub fn run(args: Args) -> Result<()> {
     let qa_fp8 = out.join("adapter-qa-fp8-block128");
     let qa_nvfp4 = out.join("adapter-qa-nvfp4");
     let qa_int4 = out.join("adapter-qa-int4-g128");
-    let qa_extra_label = format!("nvfp4 W4A16 + QA adapter, rank +{QA_EXTRA_RANK}");
+    let qa_extra_label = qa_extra_label();
     let none = ActQuantScheme::None;
     let fp8_group = ActQuantScheme::Fp8PerGroup;
     let setup = |label: &str, file, model, adapter, act_quant| Setup {
@@ -569,7 +601,7 @@ pub fn run(args: Args) -> Result<()> {
     {
         let answer_file = answers.join(format!("{file}.jsonl"));
         run_records(
-            QUESTIONS,
+            sizes.questions,
             model,
             lora,
             act_quant,
@@ -610,7 +642,31 @@ pub fn run(args: Args) -> Result<()> {
         });
     }
 
-    // 6. The tables.
+    Ok(DemoResults {
+        synth,
+        extraction,
+        verification,
+        weight_rows,
+        answer_rows,
+    })
+}
+
+/// The label of the extra-rank quantization-aware setup.
+fn qa_extra_label() -> String {
+    format!("nvfp4 W4A16 + QA adapter, rank +{QA_EXTRA_RANK}")
+}
+
+/// Prints the demo's two tables and the lines around them.
+fn print_tables(results: &DemoResults, sizes: DemoSizes, out: &Path) {
+    let DemoResults {
+        synth,
+        extraction,
+        verification,
+        weight_rows,
+        answer_rows,
+    } = results;
+    let rank = synth.rank;
+    let qa_extra_label = qa_extra_label();
     println!();
     println!(
         "Model pair: Qwen3.5 architecture (Gated DeltaNet + gated attention), {} parameters; a rank-{} LoRA on {} modules merged in bf16.",
@@ -637,7 +693,7 @@ pub fn run(args: Args) -> Result<()> {
         "bf16 floor",
         "quant base + QA BA"
     );
-    for r in &weight_rows {
+    for r in weight_rows {
         let adapter = r.totals.adapter.as_ref();
         println!(
             "{:<14} {:>14} {:>16} {:>16} {:>12} {:>19}",
@@ -651,11 +707,13 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!();
     println!(
-        "Answers on {QUESTIONS} four-option questions (gold drawn from the reference's own probabilities):"
+        "Answers on {} four-option questions (gold drawn from the reference's own probabilities):",
+        sizes.questions
     );
-    print_answer_table(&answer_rows);
+    print_answer_table(answer_rows);
     println!(
-        "QA adapter: `extract --target-base <quantized base> --calibration <E[x^2] of {CALIBRATION_PROMPTS} other prompts>`, rank {rank} as the plain one (\"rank +{QA_EXTRA_RANK}\": rank {}); it factors merged - dequant(base) instead of merged - base.",
+        "QA adapter: `extract --target-base <quantized base> --calibration <E[x^2] of {} other prompts>`, rank {rank} as the plain one (\"rank +{QA_EXTRA_RANK}\": rank {}); it factors merged - dequant(base) instead of merged - base.",
+        sizes.calibration_prompts,
         rank + QA_EXTRA_RANK
     );
     let mean_kl = |setup: &str| {
@@ -697,5 +755,66 @@ pub fn run(args: Args) -> Result<()> {
         "Everything the demo wrote (checkpoints, adapter, answers, reliability plots) is under {}.",
         out.display()
     );
-    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole demo at a reduced size (24 questions, 8 calibration prompts): its
+    /// typed results must agree with each other and with what the pair is known to
+    /// hold (a rank-`synth.rank` LoRA merged in bf16).
+    #[test]
+    fn demo_at_reduced_size_is_consistent() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("demo");
+        std::fs::create_dir(&out).unwrap();
+        let sizes = DemoSizes {
+            questions: 24,
+            calibration_prompts: 8,
+        };
+        let r = run_steps(&out, 0, sizes).unwrap();
+
+        // The extraction finds every adapted module back, at most at the LoRA's rank,
+        // and verify agrees with it.
+        assert_eq!(r.extraction.totals.modules, r.synth.adapted_modules);
+        assert!(r.extraction.modules.iter().all(|m| m.rank <= r.synth.rank));
+        assert!(r.extraction.totals.max_ratio <= 1.10);
+        assert!(r.verification.passed);
+        assert_eq!(r.verification.modules.len(), r.synth.adapted_modules);
+
+        // Weights: the adapter on the bf16 base sits near the bf16 floor, far below
+        // its error on any quantized base, and the quantization-aware adapter lowers
+        // the error on its own base.
+        assert_eq!(r.weight_rows.len(), SCHEMES.len());
+        for row in &r.weight_rows {
+            let a = row.totals.adapter.expect("measured with the adapter");
+            assert_eq!(a.modules, r.synth.adapted_modules, "{}", row.scheme);
+            assert!(a.exact_rel_error < 2.0 * a.bf16_floor_rel, "{}", row.scheme);
+            assert!(
+                a.quantized_rel_error > 5.0 * a.exact_rel_error,
+                "{}",
+                row.scheme
+            );
+            let qa = row.quantization_aware.expect("a target summary");
+            assert!(qa < a.quantized_rel_error, "{}: {qa}", row.scheme);
+        }
+
+        // Answers: every setup answered every question; the extracted adapter is far
+        // closer to the merged reference than the bare base.
+        assert_eq!(r.answer_rows.len(), 10);
+        for row in &r.answer_rows {
+            assert_eq!(row.report.n, sizes.questions, "{}", row.setup);
+        }
+        let kl = |setup: &str| {
+            r.answer_rows
+                .iter()
+                .find(|row| row.setup == setup)
+                .map(|row| row.report.kl.mean)
+                .unwrap()
+        };
+        assert!(kl("bf16 base + extracted adapter") < 0.1 * kl("bf16 base, no adapter"));
+        let questions = std::fs::read_to_string(out.join("questions.jsonl")).unwrap();
+        assert_eq!(questions.lines().count(), sizes.questions);
+    }
 }
