@@ -5,15 +5,14 @@
 //! what was factored before it is committed.
 
 use crate::error::{ExtractError, Result};
-use crate::extract::{
-    CARD_FILE, ExtractOptions, Factored, MANIFEST_FILE, ModuleFigures, REPORT_FILE, RankChoice,
-    adapter_r,
-};
+use crate::factoring::{Factored, ModuleFigures};
+use crate::options::{CARD_FILE, ExtractOptions, MANIFEST_FILE, REPORT_FILE, RankChoice};
 use crate::plan::ExtractionPlan;
 use crate::report::{
     CalibrationRecord, ExtractionReport, InputRecord, TargetSummary, Totals, relative_totals,
 };
 use crate::target::TargetSpec;
+use loraq_io::peft::VLLM_MAX_LORA_RANKS;
 use loraq_io::sha256sums::sha256_file;
 use loraq_io::{
     AdapterConfig, AdapterNaming, Checkpoint, LoraAdapter, LoraFactors, ModulePathMap,
@@ -305,6 +304,19 @@ pub fn check_written(
     }
     verify_sha256sums(dir)?;
     Ok(())
+}
+
+/// Adapter `r`: the smallest rank vLLM serves (its `--max-lora-rank` values) that covers
+/// the largest module rank. Modules below it go through rank_pattern with alpha = rank,
+/// so the scale is 1 everywhere; an `r` above every module would only force a larger
+/// `--max-lora-rank` (vLLM refuses an adapter whose r exceeds it).
+pub fn adapter_r(module_ranks: impl IntoIterator<Item = usize>) -> usize {
+    let largest = module_ranks.into_iter().max().unwrap_or(1);
+    VLLM_MAX_LORA_RANKS
+        .iter()
+        .copied()
+        .find(|&v| v >= largest)
+        .unwrap_or(largest)
 }
 
 /// The base's absolute path, as `base_model_name_or_path`: the directory (a

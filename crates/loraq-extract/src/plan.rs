@@ -6,7 +6,7 @@
 
 use crate::calibration::Calibration;
 use crate::error::{ExtractError, Result};
-use crate::extract::{ExtractOptions, RankChoice};
+use crate::options::{ExtractOptions, RankChoice};
 use crate::scan::{Projection, ScanReport, scan};
 use crate::target::{TargetBase, TargetSpec};
 use loraq_io::peft::VLLM_MAX_LORA_RANKS;
