@@ -6,7 +6,7 @@
 //! questions (the top token against far-down ones) through ordinary ones to near-ties
 //! (neighbours in the ranking). Its gold answer is drawn from the softmax of the
 //! reference's option logits with a fixed seed, so the reference is calibrated by
-//! construction. The records are the JSON Lines `loraq run` reads (docs/formats.md).
+//! construction. The records are the JSON Lines `loraq run` reads (docs/model.md).
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
