@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use loraq_eval::render::{markdown, svg, text_table};
-use loraq_eval::{CompareOptions, compare_files};
+use loraq_eval::{CompareOptions, Comparison, compare_files};
 use loraq_io::StagedOutputs;
 
 /// Arguments of `loraq compare`.
@@ -47,19 +47,64 @@ pub struct Args {
 
 /// Runs `loraq compare`.
 pub fn run(args: Args) -> Result<()> {
-    let options = CompareOptions {
-        bins: usize::from(args.bins),
-        bootstrap: args.bootstrap,
-        seed: args.seed,
-        allow_unpaired: args.allow_unpaired,
-    };
-    // The reports are checked and staged before the comparison, and committed
-    // together once all are written: all or none.
     let json_to_stdout = args.json.as_deref() == Some(Path::new("-"));
-    let mut outputs = StagedOutputs::new(
-        &[args.reference.as_path(), args.candidate.as_path()],
-        args.force,
-    );
+    let request = CompareRequest {
+        reference: &args.reference,
+        candidate: &args.candidate,
+        options: CompareOptions {
+            bins: usize::from(args.bins),
+            bootstrap: args.bootstrap,
+            seed: args.seed,
+            allow_unpaired: args.allow_unpaired,
+        },
+        json: args.json.as_deref().filter(|_| !json_to_stdout),
+        markdown: args.markdown.as_deref(),
+        plot: args.plot.as_deref(),
+        force: args.force,
+    };
+    let compared = compare_to_files(&request)?;
+    let table = text_table(&compared.comparison);
+    if json_to_stdout {
+        eprint!("{table}");
+        std::io::stdout().write_all(compared.json.as_bytes())?;
+    } else {
+        std::io::stdout().write_all(table.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// A comparison of two answers files and the reports to write: what `loraq compare`
+/// does, and what the demo asks for without going through the command line.
+pub struct CompareRequest<'a> {
+    /// Reference answers.
+    pub reference: &'a Path,
+    /// Candidate answers.
+    pub candidate: &'a Path,
+    /// Bins, bootstrap, seed, unpaired ids.
+    pub options: CompareOptions,
+    /// JSON report output.
+    pub json: Option<&'a Path>,
+    /// Markdown report output.
+    pub markdown: Option<&'a Path>,
+    /// SVG figure output.
+    pub plot: Option<&'a Path>,
+    /// Replace existing report files.
+    pub force: bool,
+}
+
+/// The comparison and its JSON report as written.
+pub struct Compared {
+    /// The typed comparison.
+    pub comparison: Comparison,
+    /// The JSON report's text.
+    pub json: String,
+}
+
+/// Compares the answers and writes the reports asked for, staged and committed
+/// together once all are written: all or none.
+pub fn compare_to_files(request: &CompareRequest<'_>) -> Result<Compared> {
+    // The reports are checked and staged before the comparison.
+    let mut outputs = StagedOutputs::new(&[request.reference, request.candidate], request.force);
     let mut stage = |flag: &str, path: Option<&Path>| -> Result<Option<(PathBuf, PathBuf)>> {
         path.map(|p| {
             let temp = outputs
@@ -69,13 +114,12 @@ pub fn run(args: Args) -> Result<()> {
         })
         .transpose()
     };
-    let json_temp = stage("--json", args.json.as_deref().filter(|_| !json_to_stdout))?;
-    let markdown_temp = stage("--markdown", args.markdown.as_deref())?;
-    let plot_temp = stage("--plot", args.plot.as_deref())?;
+    let json_temp = stage("--json", request.json)?;
+    let markdown_temp = stage("--markdown", request.markdown)?;
+    let plot_temp = stage("--plot", request.plot)?;
     crate::outputs::report_stale(outputs.stale_siblings());
-    let comparison = compare_files(&args.reference, &args.candidate, &options)?;
+    let comparison = compare_files(request.reference, request.candidate, &request.options)?;
     let json = serde_json::to_string_pretty(&comparison.report)? + "\n";
-    let table = text_table(&comparison);
     if let Some(staged) = &json_temp {
         write_file(staged, &json)?;
     }
@@ -86,13 +130,7 @@ pub fn run(args: Args) -> Result<()> {
         write_file(staged, &svg(&comparison))?;
     }
     outputs.commit()?;
-    if json_to_stdout {
-        eprint!("{table}");
-        std::io::stdout().write_all(json.as_bytes())?;
-    } else {
-        std::io::stdout().write_all(table.as_bytes())?;
-    }
-    Ok(())
+    Ok(Compared { comparison, json })
 }
 
 /// Writes `text` to a staged output's temporary file (`(target, temporary)`); an

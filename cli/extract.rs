@@ -136,51 +136,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     crate::outputs::sweep_and_report(&options.out);
     let bar = crate::progress::bar(0, "extract");
-    let report = extract(&options, &mut |event| match event {
-        Progress::Scanned(scan) => {
-            bar.set_length(scan.projections.len() as u64);
-            bar.println(format!(
-                "scan: {} identical, {} differing projections, {} base-only (ignored)",
-                scan.identical,
-                scan.projections.len(),
-                scan.base_only.len()
-            ));
-        }
-        Progress::ModuleStarted {
-            index, projection, ..
-        } => {
-            bar.set_position(index as u64);
-            bar.set_message(format!(
-                "{} [{}x{}]",
-                projection.module_path, projection.out_features, projection.in_features
-            ));
-        }
-        Progress::ModuleDone(m) => {
-            bar.inc(1);
-            let on_target = m.target.as_ref().map_or(String::new(), |t| {
-                format!(
-                    "; on the target: plain {:.3e}, quantization-aware {:.3e} of ||merged|| (rank {})",
-                    t.plain.relative, t.quantization_aware.relative, m.adapter_rank
-                )
-            });
-            bar.println(format!(
-                "{}: rank {}, residual {:.3} x floor{on_target} ({:.2} s)",
-                m.module, m.rank, m.ratio, m.seconds
-            ));
-        }
-        Progress::CorrectionDone(c) => {
-            bar.inc(1);
-            bar.println(format!(
-                "{}: correction rank {}, on the target: {:.3e} -> {:.3e} of ||merged|| ({:.2} s)",
-                c.module,
-                c.adapter_rank,
-                c.target.plain.relative,
-                c.target.quantization_aware.relative,
-                c.seconds
-            ));
-        }
-        Progress::Writing => bar.set_message("writing and validating"),
-    });
+    let report = extract(&options, &mut |event| show_progress(&bar, event));
     bar.finish_and_clear();
     let report = report?;
     if args.json {
@@ -230,6 +186,56 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Shows an extraction's progress on `bar`: the scan's counts, each module as it
+/// starts, and a line per module done.
+pub fn show_progress(bar: &indicatif::ProgressBar, event: Progress<'_>) {
+    match event {
+        Progress::Scanned(scan) => {
+            bar.set_length(scan.projections.len() as u64);
+            bar.println(format!(
+                "scan: {} identical, {} differing projections, {} base-only (ignored)",
+                scan.identical,
+                scan.projections.len(),
+                scan.base_only.len()
+            ));
+        }
+        Progress::ModuleStarted {
+            index, projection, ..
+        } => {
+            bar.set_position(index as u64);
+            bar.set_message(format!(
+                "{} [{}x{}]",
+                projection.module_path, projection.out_features, projection.in_features
+            ));
+        }
+        Progress::ModuleDone(m) => {
+            bar.inc(1);
+            let on_target = m.target.as_ref().map_or(String::new(), |t| {
+                format!(
+                    "; on the target: plain {:.3e}, quantization-aware {:.3e} of ||merged|| (rank {})",
+                    t.plain.relative, t.quantization_aware.relative, m.adapter_rank
+                )
+            });
+            bar.println(format!(
+                "{}: rank {}, residual {:.3} x floor{on_target} ({:.2} s)",
+                m.module, m.rank, m.ratio, m.seconds
+            ));
+        }
+        Progress::CorrectionDone(c) => {
+            bar.inc(1);
+            bar.println(format!(
+                "{}: correction rank {}, on the target: {:.3e} -> {:.3e} of ||merged|| ({:.2} s)",
+                c.module,
+                c.adapter_rank,
+                c.target.plain.relative,
+                c.target.quantization_aware.relative,
+                c.seconds
+            ));
+        }
+        Progress::Writing => bar.set_message("writing and validating"),
+    }
 }
 
 /// One row of the target table: plain vs quantization-aware, relative to ||merged||,

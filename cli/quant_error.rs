@@ -6,11 +6,11 @@ use anyhow::{Context, Result, bail};
 use loraq_io::LoraAdapter;
 use loraq_quant::layout::{DEFAULT_SKIP, compile_skip};
 use loraq_quant::report::{
-    LoraUpdate, ModuleReport, merged_quant_error, totals_json, weight_quant_error,
+    LoraUpdate, ModuleReport, merged_quant_error, totals, totals_json, weight_quant_error,
 };
 use loraq_quant::{QuantizedBase, Scheme, WeightView};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Per module, the relative error of dequant(Q(W)) against W, and with --adapter
 /// and --merged, of dequant(Q(W_base)) + B A against the merged weight, with the
@@ -37,13 +37,30 @@ pub struct Args {
     json: bool,
 }
 
-pub fn run(args: Args) -> Result<()> {
-    let base = QuantizedBase::open(&args.base)
-        .with_context(|| format!("cannot open base {}", args.base.display()))?;
+/// A measurement of a scheme on a base, alone and with an adapter against a merge:
+/// what `loraq quant-error` does, and what the demo asks for without going through
+/// the command line.
+pub struct QuantErrorRequest<'a> {
+    /// Base checkpoint.
+    pub base: &'a Path,
+    /// Scheme applied to it.
+    pub scheme: Scheme,
+    /// Adapter directory (with `merged`).
+    pub adapter: Option<&'a Path>,
+    /// Merged checkpoint (with `adapter`).
+    pub merged: Option<&'a Path>,
+    /// Extra skip regexes.
+    pub skip: &'a [String],
+}
+
+/// Per module, the scheme's error alone and under the adapter.
+pub fn measure(request: &QuantErrorRequest<'_>) -> Result<Vec<ModuleReport>> {
+    let base = QuantizedBase::open(request.base)
+        .with_context(|| format!("cannot open base {}", request.base.display()))?;
     let mut patterns: Vec<String> = DEFAULT_SKIP.iter().map(|s| s.to_string()).collect();
-    patterns.extend(args.skip.iter().cloned());
+    patterns.extend(request.skip.iter().cloned());
     let skip = compile_skip(&patterns)?;
-    let adapter = match &args.adapter {
+    let adapter = match request.adapter {
         Some(dir) => Some(
             // Module paths in the base's naming, whichever naming the adapter uses; a
             // module the base does not have is refused by name.
@@ -52,7 +69,7 @@ pub fn run(args: Args) -> Result<()> {
         ),
         None => None,
     };
-    let merged = match &args.merged {
+    let merged = match request.merged {
         Some(dir) => Some(
             QuantizedBase::open(dir)
                 .with_context(|| format!("cannot open merged {}", dir.display()))?,
@@ -70,7 +87,7 @@ pub fn run(args: Args) -> Result<()> {
         .map(|w| w.name.clone())
         .collect();
     if names.is_empty() {
-        bail!("{}: no linear weight to measure", args.base.display());
+        bail!("{}: no linear weight to measure", request.base.display());
     }
     let bar = progress::bar(names.len() as u64, "quant-error");
     let mut reports = Vec::with_capacity(names.len());
@@ -82,7 +99,7 @@ pub fn run(args: Args) -> Result<()> {
         // A NaN weight gives a NaN error figure; refuse it by file and tensor.
         base.checkpoint().ensure_finite(name, &values)?;
         let view = WeightView::new(name, rows, cols, &values)?;
-        let (quantized, weight_error) = weight_quant_error(args.scheme, view)?;
+        let (quantized, weight_error) = weight_quant_error(request.scheme, view)?;
         let merged_error = match (adapted.get(name), &adapter, &merged) {
             (Some(module), Some(adapter), Some(merged)) => {
                 if (module.out_features, module.in_features) != (rows, cols) {
@@ -122,7 +139,18 @@ pub fn run(args: Args) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let totals = totals_json(&reports);
+    Ok(reports)
+}
+
+/// Runs `loraq quant-error`.
+pub fn run(args: Args) -> Result<()> {
+    let reports = measure(&QuantErrorRequest {
+        base: &args.base,
+        scheme: args.scheme,
+        adapter: args.adapter.as_deref(),
+        merged: args.merged.as_deref(),
+        skip: &args.skip,
+    })?;
     if args.json {
         let value = serde_json::json!({
             "base": args.base,
@@ -130,7 +158,7 @@ pub fn run(args: Args) -> Result<()> {
             "adapter": args.adapter,
             "merged": args.merged,
             "modules": reports.iter().map(ModuleReport::to_json).collect::<Vec<_>>(),
-            "totals": totals,
+            "totals": totals_json(&reports),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(());
@@ -158,18 +186,16 @@ pub fn run(args: Args) -> Result<()> {
         }
         println!("{line}");
     }
+    let totals = totals(&reports);
     println!(
         "total ({} modules): W rel err {:.3e}",
         reports.len(),
-        totals["quant_rel_error"].as_f64().unwrap_or(0.0)
+        totals.quant_rel_error
     );
-    if let Some(a) = totals.get("adapter") {
+    if let Some(a) = &totals.adapter {
         println!(
             "adapted ({} modules): exact+BA {:.3e}, quant+BA {:.3e}, bf16 floor {:.3e}",
-            a["modules"],
-            a["exact_rel_error"].as_f64().unwrap_or(0.0),
-            a["quantized_rel_error"].as_f64().unwrap_or(0.0),
-            a["bf16_floor_rel"].as_f64().unwrap_or(0.0)
+            a.modules, a.exact_rel_error, a.quantized_rel_error, a.bf16_floor_rel
         );
     }
     Ok(())

@@ -10,6 +10,9 @@ use loraq_quant::layout::{
 };
 use std::path::{Path, PathBuf};
 
+/// The largest shard `loraq quantize` writes unless told otherwise, in bytes.
+pub const DEFAULT_MAX_SHARD_BYTES: usize = 5_000_000_000;
+
 /// Quantize a checkpoint, one tensor at a time, into a new directory.
 #[derive(clap::Args)]
 pub struct Args {
@@ -45,7 +48,7 @@ pub struct Args {
     #[arg(long)]
     no_default_skip: bool,
     /// Largest shard of the output, in bytes.
-    #[arg(long, default_value_t = 5_000_000_000)]
+    #[arg(long, default_value_t = DEFAULT_MAX_SHARD_BYTES)]
     max_shard_bytes: usize,
     /// Replace the output directory if it exists.
     #[arg(long)]
@@ -78,44 +81,120 @@ fn copy_side_files(input: &Path, out: &Path) -> Result<usize> {
     Ok(copied)
 }
 
+/// Runs `loraq quantize`.
 pub fn run(args: Args) -> Result<()> {
-    let layout = args.layout.unwrap_or(Layout::default_for(args.scheme));
-    let mut patterns: Vec<String> = if args.no_default_skip {
+    let summary = quantize_to_dir(&QuantizeRequest {
+        input: &args.input,
+        out: &args.out,
+        scheme: args.scheme,
+        layout: args.layout,
+        calibration: args.calibration.as_deref(),
+        skip: &args.skip,
+        no_default_skip: args.no_default_skip,
+        max_shard_bytes: args.max_shard_bytes,
+        force: args.force,
+    })?;
+    let activations = if !summary.layout.is_nvfp4() {
+        ""
+    } else if !summary.activation_scales {
+        " (weight-only, W4A16)"
+    } else {
+        " (W4A4, static activation scales)"
+    };
+    println!(
+        "wrote {}: {} of {} tensors quantized with {} in the {} layout{activations}, {} kept as they were, {} side files copied",
+        summary.out.display(),
+        summary.quantized,
+        summary.tensors,
+        args.scheme,
+        summary.layout,
+        summary.tensors - summary.quantized,
+        summary.side_files,
+    );
+    Ok(())
+}
+
+/// A quantized copy of a checkpoint to write: what `loraq quantize` does, and what
+/// the demo asks for without going through the command line.
+pub struct QuantizeRequest<'a> {
+    /// Input checkpoint.
+    pub input: &'a Path,
+    /// Output directory.
+    pub out: &'a Path,
+    /// Scheme.
+    pub scheme: Scheme,
+    /// Layout (`None`: the scheme's own).
+    pub layout: Option<Layout>,
+    /// Calibration statistics (NVFP4 static activation scales).
+    pub calibration: Option<&'a Path>,
+    /// Extra skip regexes.
+    pub skip: &'a [String],
+    /// Only the `skip` patterns, not the default list.
+    pub no_default_skip: bool,
+    /// Largest shard, in bytes.
+    pub max_shard_bytes: usize,
+    /// Replace the output directory.
+    pub force: bool,
+}
+
+/// What was written.
+pub struct QuantizeSummary {
+    /// The output directory, committed.
+    pub out: PathBuf,
+    /// The layout written.
+    pub layout: Layout,
+    /// Tensors in the checkpoint.
+    pub tensors: usize,
+    /// Tensors quantized.
+    pub quantized: usize,
+    /// Whether NVFP4 static activation scales were written.
+    pub activation_scales: bool,
+    /// Side files copied.
+    pub side_files: usize,
+}
+
+/// Quantizes `request.input` into `request.out`, written to a temporary sibling and
+/// renamed into place only when complete.
+pub fn quantize_to_dir(request: &QuantizeRequest<'_>) -> Result<QuantizeSummary> {
+    let layout = request
+        .layout
+        .unwrap_or(Layout::default_for(request.scheme));
+    let mut patterns: Vec<String> = if request.no_default_skip {
         Vec::new()
     } else {
         DEFAULT_SKIP.iter().map(|s| s.to_string()).collect()
     };
-    patterns.extend(args.skip.iter().cloned());
+    patterns.extend(request.skip.iter().cloned());
     let options = QuantizeOptions {
-        scheme: args.scheme,
+        scheme: request.scheme,
         layout,
         skip: compile_skip(&patterns)?,
-        max_shard_bytes: args.max_shard_bytes,
+        max_shard_bytes: request.max_shard_bytes,
     };
     // Refuse an output over an input (or an existing one without --force) before
     // opening anything.
-    let mut inputs = vec![args.input.as_path()];
-    inputs.extend(args.calibration.as_deref());
-    let out = AtomicDir::create(&args.out, args.force, &inputs)?;
+    let mut inputs = vec![request.input];
+    inputs.extend(request.calibration);
+    let out = AtomicDir::create(request.out, request.force, &inputs)?;
     crate::outputs::report_stale(out.stale_siblings());
-    let calibration = match &args.calibration {
+    let calibration = match request.calibration {
         Some(path) => {
             let stats = loraq_io::read_calibration(path)
                 .with_context(|| format!("--calibration {}", path.display()))?;
             Some(InputCalibration {
-                source: path.clone(),
+                source: path.to_path_buf(),
                 abs_max: stats.input_abs_max,
             })
         }
         None => None,
     };
-    let input = Checkpoint::open(&args.input)
-        .with_context(|| format!("cannot open checkpoint {}", args.input.display()))?;
+    let input = Checkpoint::open(request.input)
+        .with_context(|| format!("cannot open checkpoint {}", request.input.display()))?;
     let plan = plan_quantization_calibrated(&input, &options, calibration.as_ref())?;
     if plan.quantized_count() == 0 {
         bail!(
             "{}: no tensor to quantize (every 2-D float .weight is skipped)",
-            args.input.display()
+            request.input.display()
         );
     }
     let bar = progress::bar(plan.actions.len() as u64, "quantize");
@@ -124,26 +203,16 @@ pub fn run(args: Args) -> Result<()> {
         bar.inc(1);
     })
     // The scheme's errors name the tensor; this names the checkpoint holding it.
-    .with_context(|| format!("quantizing {}", args.input.display()))?;
+    .with_context(|| format!("quantizing {}", request.input.display()))?;
     bar.finish_and_clear();
-    let side_files = copy_side_files(&args.input, out.path())?;
-    let target = out.commit()?;
-    let activations = if !layout.is_nvfp4() {
-        ""
-    } else if plan.input_abs_max.is_empty() {
-        " (weight-only, W4A16)"
-    } else {
-        " (W4A4, static activation scales)"
-    };
-    println!(
-        "wrote {}: {} of {} tensors quantized with {} in the {} layout{activations}, {} kept as they were, {} side files copied",
-        target.display(),
-        plan.quantized_count(),
-        plan.actions.len(),
-        args.scheme,
+    let side_files = copy_side_files(request.input, out.path())?;
+    let out = out.commit()?;
+    Ok(QuantizeSummary {
+        out,
         layout,
-        plan.actions.len() - plan.quantized_count(),
+        tensors: plan.actions.len(),
+        quantized: plan.quantized_count(),
+        activation_scales: !plan.input_abs_max.is_empty(),
         side_files,
-    );
-    Ok(())
+    })
 }

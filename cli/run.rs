@@ -73,17 +73,68 @@ pub fn run(args: Args) -> Result<()> {
         // SAFETY: set before this process starts any thread.
         unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
     }
-    let act_quant = ActQuantScheme::parse(&args.act_quant)
-        .with_context(|| format!("--act-quant {:?}", args.act_quant))?;
+    let request = RunRequest {
+        model: &args.model,
+        adapter: args.adapter.as_deref(),
+        act_quant: ActQuantScheme::parse(&args.act_quant)
+            .with_context(|| format!("--act-quant {:?}", args.act_quant))?,
+        backend: LinearBackend::parse(&args.backend)
+            .with_context(|| format!("--backend {:?}", args.backend))?,
+        records: &args.records,
+        out: &args.out,
+        hidden_out: args.hidden_out.as_deref(),
+        collect_stats: args.collect_stats.as_deref(),
+        force: args.force,
+    };
+    score_to_files(&request)?;
+    println!("{}", args.out.display());
+    Ok(())
+}
+
+/// One run of the model over a records file: what `loraq run` does, and what the
+/// demo asks for without going through the command line.
+pub struct RunRequest<'a> {
+    /// Model directory.
+    pub model: &'a Path,
+    /// PEFT adapter directory, applied unmerged.
+    pub adapter: Option<&'a Path>,
+    /// Activation fake-quant of the base path.
+    pub act_quant: ActQuantScheme,
+    /// Linear implementation.
+    pub backend: LinearBackend,
+    /// Records file.
+    pub records: &'a Path,
+    /// Answers output.
+    pub out: &'a Path,
+    /// Hidden-states output.
+    pub hidden_out: Option<&'a Path>,
+    /// Calibration statistics output.
+    pub collect_stats: Option<&'a Path>,
+    /// Replace existing outputs.
+    pub force: bool,
+}
+
+/// What a run did.
+pub struct RunSummary {
+    /// Records scored.
+    pub records: usize,
+    /// Prompt tokens run.
+    pub tokens: usize,
+}
+
+/// Scores every record of `request.records` and writes the answers (and the hidden
+/// states and input statistics asked for), all outputs staged and committed together;
+/// progress and the summary go to stderr.
+pub fn score_to_files(request: &RunRequest<'_>) -> Result<RunSummary> {
     // Every output is checked and staged before the forward passes, so one that could
     // never be written fails now; they are committed together at the end.
-    let mut inputs = vec![args.model.as_path(), args.records.as_path()];
-    inputs.extend(args.adapter.as_deref());
-    let mut outputs = StagedOutputs::new(&inputs, args.force);
+    let mut inputs = vec![request.model, request.records];
+    inputs.extend(request.adapter);
+    let mut outputs = StagedOutputs::new(&inputs, request.force);
     let answers_temp = outputs
-        .stage_file(&args.out)
-        .with_context(|| format!("--out {}", args.out.display()))?;
-    let hidden_temp = match &args.hidden_out {
+        .stage_file(request.out)
+        .with_context(|| format!("--out {}", request.out.display()))?;
+    let hidden_temp = match request.hidden_out {
         Some(path) => Some(
             outputs
                 .stage_file(path)
@@ -91,7 +142,7 @@ pub fn run(args: Args) -> Result<()> {
         ),
         None => None,
     };
-    let stats_temp = match &args.collect_stats {
+    let stats_temp = match request.collect_stats {
         Some(path) => Some(
             outputs
                 .stage_file(path)
@@ -100,22 +151,21 @@ pub fn run(args: Args) -> Result<()> {
         None => None,
     };
     crate::outputs::report_stale(outputs.stale_siblings());
-    let mut records = read_records(&args.records)?;
-    check_questions(&args.records, &records)?;
-    loraq_model::tokenize_records(&args.model, &mut records, &args.records)?;
+    let mut records = read_records(request.records)?;
+    check_questions(request.records, &records)?;
+    loraq_model::tokenize_records(request.model, &mut records, request.records)?;
     let started = Instant::now();
     let model = Model::load(
-        &args.model,
-        args.adapter.as_deref(),
+        request.model,
+        request.adapter,
         &LoadOptions {
-            act_quant,
-            backend: LinearBackend::parse(&args.backend)
-                .with_context(|| format!("--backend {:?}", args.backend))?,
-            collect_input_stats: args.collect_stats.is_some(),
+            act_quant: request.act_quant,
+            backend: request.backend,
+            collect_input_stats: request.collect_stats.is_some(),
             ..LoadOptions::default()
         },
     )
-    .with_context(|| format!("loading {}", args.model.display()))?;
+    .with_context(|| format!("loading {}", request.model.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
     let bar = progress::bar(records.len() as u64, "run");
     let tick = |done: usize| {
@@ -130,10 +180,10 @@ pub fn run(args: Args) -> Result<()> {
         &model,
         &records,
         &ScoreOptions {
-            source: args.records.clone(),
+            source: request.records.to_path_buf(),
             on_record: Some(&tick),
         },
-        args.hidden_out.is_some(),
+        request.hidden_out.is_some(),
     )?;
     bar.finish_and_clear();
     let seconds = scoring.elapsed().as_secs_f64();
@@ -141,7 +191,7 @@ pub fn run(args: Args) -> Result<()> {
     if let (Some(temp), Some(hidden)) = (&hidden_temp, hidden) {
         write_hidden(temp, &hidden)?;
     }
-    let stats = match (&args.collect_stats, &stats_temp) {
+    let stats = match (request.collect_stats, &stats_temp) {
         (Some(path), Some(temp)) => {
             let stats = model
                 .input_stats()
@@ -172,8 +222,10 @@ pub fn run(args: Args) -> Result<()> {
         tokens as f64 / seconds.max(1e-9),
         model.adapted_modules()
     );
-    println!("{}", args.out.display());
-    Ok(())
+    Ok(RunSummary {
+        records: answers.len(),
+        tokens,
+    })
 }
 
 fn score_records_with_hidden_opt(

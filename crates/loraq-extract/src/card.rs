@@ -7,7 +7,7 @@
 //! Rendered from the typed [`ExtractionReport`], never from its JSON, so a renamed field
 //! fails to compile instead of printing a blank.
 
-use crate::extract::{ExtractionReport, ModuleReport};
+use crate::report::{ExtractionReport, ModuleReport};
 use loraq_io::module_name::MULTIMODAL_TEXT_PREFIX;
 use loraq_io::{AdapterNaming, ModuleName};
 use std::collections::BTreeMap;

@@ -6,6 +6,9 @@
 //! $F^2 = \sum_{ij} \mathrm{ulp}(m_{ij})^2 / 12$. No factorization of the delta can be
 //! expected to do better than this noise allows, so every residual is reported over $F$.
 
+use crate::error::{ExtractError, Result};
+use crate::read::ShardFiles;
+use loraq_io::{Checkpoint, DType};
 use rayon::prelude::*;
 
 /// The floating-point format whose rounding floor is measured: the merged tensor's dtype.
@@ -20,6 +23,16 @@ pub enum FloorFormat {
 }
 
 impl FloorFormat {
+    /// The format of a stored tensor: f16 and f32 as themselves, everything else
+    /// (bf16, and the quantized formats whose merge is bf16) as bf16.
+    pub fn of(dtype: DType) -> FloorFormat {
+        match dtype {
+            DType::F16 => FloorFormat::F16,
+            DType::F32 => FloorFormat::F32,
+            _ => FloorFormat::Bf16,
+        }
+    }
+
     /// Number of stored significand bits.
     fn mantissa_bits(self) -> i32 {
         match self {
@@ -98,6 +111,85 @@ pub fn expected_floor_ratio(rows: usize, cols: usize, rank: usize) -> f64 {
         return 0.0;
     }
     (1.0 - r * (m + n - r) / (m * n)).max(0.0).sqrt()
+}
+
+/// $D = f32(merged) - f32(base)$ and the floor of the merged tensor, in one parallel pass
+/// over both mappings; refuses a non-finite value in either input.
+pub fn delta_and_floor(
+    merged: &Checkpoint,
+    base: &Checkpoint,
+    tensor: &str,
+) -> Result<(Vec<f32>, f64)> {
+    let info = merged.info(tensor)?;
+    let dtype = info.dtype;
+    let width = dtype.size_bytes();
+    let base_info = base.info(tensor)?;
+    if base_info.dtype != dtype || base_info.shape != info.shape {
+        return Err(ExtractError::BadShape {
+            module: tensor.to_string(),
+            what: format!(
+                "base is {} {:?}, merged {} {:?}",
+                base_info.dtype.as_str(),
+                base_info.shape,
+                dtype.as_str(),
+                info.shape
+            ),
+        });
+    }
+    let (merged_files, base_files) = (ShardFiles::open(merged)?, ShardFiles::open(base)?);
+    let format = FloorFormat::of(dtype);
+    const CHUNK: usize = 1 << 16;
+    let mut delta = vec![0f32; info.element_count()];
+    let partials = delta
+        .par_chunks_mut(CHUNK)
+        .enumerate()
+        .map(|(c, d)| {
+            let offset = c * CHUNK * width;
+            let mut m_bytes = vec![0u8; d.len() * width];
+            let mut b_bytes = vec![0u8; d.len() * width];
+            merged_files.read(info, offset, &mut m_bytes)?;
+            base_files.read(base_info, offset, &mut b_bytes)?;
+            let mut m = vec![0f32; d.len()];
+            let mut b = vec![0f32; d.len()];
+            loraq_io::convert::decode_to_f32(dtype, &m_bytes, &mut m);
+            loraq_io::convert::decode_to_f32(dtype, &b_bytes, &mut b);
+            let bad_m = m.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+            let bad_b = b.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+            let mut sq = 0f64;
+            for ((d, &m), &b) in d.iter_mut().zip(&m).zip(&b) {
+                *d = m - b;
+                let u = format.ulp(m);
+                sq += u * u;
+            }
+            Ok((bad_m, bad_b, sq))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (bad_merged, bad_base, floor_sq) = partials.into_iter().fold((None, None, 0.0), |x, y| {
+        (min_index(x.0, y.0), min_index(x.1, y.1), x.2 + y.2)
+    });
+    // Named by the file that holds the value, as every refusal of an input is.
+    let non_finite = |checkpoint: &Checkpoint, shard: usize, index: usize| {
+        ExtractError::Io(loraq_io::IoError::Tensor {
+            path: checkpoint.shard_path(shard).to_path_buf(),
+            tensor: tensor.to_string(),
+            reason: format!("element {index} is not finite (NaN or infinite)"),
+        })
+    };
+    if let Some(index) = bad_merged {
+        return Err(non_finite(merged, info.shard, index));
+    }
+    if let Some(index) = bad_base {
+        return Err(non_finite(base, base_info.shard, index));
+    }
+    Ok((delta, (floor_sq / 12.0).sqrt()))
+}
+
+fn min_index(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
 }
 
 #[cfg(test)]

@@ -6,8 +6,11 @@
 //! - [`floor`]: the bf16 rounding floor and the residual a perfect fit leaves.
 //! - [`factor`]: the top-r factorization (randomized with a certificate, or exact).
 //! - [`split`]: balanced / orthonormal-A split, bf16 cast, cast error.
-//! - [`extract`]: the whole `loraq extract`, written atomically; [`card`]: the model
-//!   card (README.md) it writes into the adapter directory.
+//! - [`extract`]: the whole `loraq extract`, written atomically, as stages over one
+//!   list of planned modules: [`options`], [`plan`] (inputs opened and scanned,
+//!   modules listed), [`factoring`] (factor, thresholds), [`output`] (write, then
+//!   re-read and check); [`report`]: what it reports; [`card`]: the model card
+//!   (README.md) it writes into the adapter directory.
 //! - [`target`] / [`quant_aware`] / [`calibration`]: quantization-aware extraction
 //!   (`--target-base`): factor merged - dequant(Q(base)), optionally weighted by the
 //!   input second moments of a calibration run.
@@ -20,9 +23,14 @@ pub mod check;
 pub mod error;
 pub mod extract;
 pub mod factor;
+pub mod factoring;
 pub mod floor;
+pub mod options;
+pub mod output;
+pub mod plan;
 pub mod quant_aware;
 pub mod read;
+pub mod report;
 pub mod scan;
 pub mod split;
 pub mod target;

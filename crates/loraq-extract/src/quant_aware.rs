@@ -13,8 +13,8 @@
 
 use crate::calibration::Calibration;
 use crate::error::{ExtractError, Result};
-use crate::extract::floor_format;
 use crate::factor::{FactorParams, Method, factorize};
+use crate::floor::FloorFormat;
 use crate::read::ShardFiles;
 use crate::split::{CastFactors, Split, cast_pair, f32_factors};
 use crate::target::TargetBase;
@@ -197,8 +197,8 @@ pub(crate) fn qa_module(
         });
     }
     let floor =
-        floor.unwrap_or_else(|| crate::floor::rounding_floor(&merged, floor_format(info.dtype)));
-    let format = floor_format(info.dtype);
+        floor.unwrap_or_else(|| crate::floor::rounding_floor(&merged, FloorFormat::of(info.dtype)));
+    let format = FloorFormat::of(info.dtype);
     let (merged_sq, weighted_merged_sq, weighted_floor_sq) = merged
         .par_chunks(cols)
         .map(|row| {

@@ -2,7 +2,7 @@
 //! bf16 rounding floor, with every differing tensor accounted for.
 
 use crate::error::{ExtractError, Result};
-use crate::extract::delta_and_floor;
+use crate::floor::{FloorFormat, delta_and_floor};
 use crate::scan::scan;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -150,7 +150,7 @@ fn quantized_delta_and_floor(
     let info = merged.info(tensor)?;
     // Both inputs are refused by file and tensor when not finite, as extract does.
     let mut delta = merged.read_f32_finite(tensor)?;
-    let floor = crate::floor::rounding_floor(&delta, crate::extract::floor_format(info.dtype));
+    let floor = crate::floor::rounding_floor(&delta, FloorFormat::of(info.dtype));
     let decoded = base.read_weight_f32(tensor)?;
     base.checkpoint().ensure_finite(tensor, &decoded)?;
     if decoded.len() != delta.len() {

@@ -211,8 +211,33 @@ impl ModuleReport {
     }
 }
 
+/// Totals over the adapted modules, each `sqrt(sum error^2) / sqrt(sum ||M||^2)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdapterTotals {
+    /// Modules with an adapter.
+    pub modules: usize,
+    /// The adapter on the unquantized base.
+    pub exact_rel_error: f64,
+    /// The adapter on the quantized base.
+    pub quantized_rel_error: f64,
+    /// The merged weights' bf16 rounding floor.
+    pub bf16_floor_rel: f64,
+}
+
+/// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure (the
+/// `totals` object of `loraq quant-error --json`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QuantErrorTotals {
+    /// Under an adapter, over the adapted modules.
+    pub adapter: Option<AdapterTotals>,
+    /// Modules measured.
+    pub modules: usize,
+    /// The weights' own error.
+    pub quant_rel_error: f64,
+}
+
 /// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure.
-pub fn totals_json(reports: &[ModuleReport]) -> Value {
+pub fn totals(reports: &[ModuleReport]) -> QuantErrorTotals {
     let sum = |f: &dyn Fn(&ModuleReport) -> Option<f64>| -> f64 {
         reports
             .iter()
@@ -223,15 +248,11 @@ pub fn totals_json(reports: &[ModuleReport]) -> Value {
     };
     let weight_norm = sum(&|r| Some(r.weight.weight_norm));
     let weight_error = sum(&|r| Some(r.weight.error_norm));
-    let mut value = json!({
-        "modules": reports.len(),
-        "quant_rel_error": ratio(weight_error, weight_norm),
-    });
     let adapted: Vec<&MergedQuantError> = reports
         .iter()
         .filter_map(|r| r.merged.as_ref().map(|m| &m.1))
         .collect();
-    if !adapted.is_empty() {
+    let adapter = (!adapted.is_empty()).then(|| {
         let norm = adapted
             .iter()
             .map(|m| m.merged_norm.powi(2))
@@ -248,11 +269,33 @@ pub fn totals_json(reports: &[ModuleReport]) -> Value {
             .sum::<f64>()
             .sqrt();
         let floor = adapted.iter().map(|m| m.floor.powi(2)).sum::<f64>().sqrt();
+        AdapterTotals {
+            modules: adapted.len(),
+            exact_rel_error: ratio(exact, norm),
+            quantized_rel_error: ratio(quant, norm),
+            bf16_floor_rel: ratio(floor, norm),
+        }
+    });
+    QuantErrorTotals {
+        adapter,
+        modules: reports.len(),
+        quant_rel_error: ratio(weight_error, weight_norm),
+    }
+}
+
+/// [`totals`] as JSON.
+pub fn totals_json(reports: &[ModuleReport]) -> Value {
+    let totals = totals(reports);
+    let mut value = json!({
+        "modules": totals.modules,
+        "quant_rel_error": totals.quant_rel_error,
+    });
+    if let Some(a) = totals.adapter {
         value["adapter"] = json!({
-            "modules": adapted.len(),
-            "exact_rel_error": ratio(exact, norm),
-            "quantized_rel_error": ratio(quant, norm),
-            "bf16_floor_rel": ratio(floor, norm),
+            "modules": a.modules,
+            "exact_rel_error": a.exact_rel_error,
+            "quantized_rel_error": a.quantized_rel_error,
+            "bf16_floor_rel": a.bf16_floor_rel,
         });
     }
     value

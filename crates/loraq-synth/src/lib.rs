@@ -11,6 +11,11 @@
 //! LoRA delta of each module has an RMS of 11-60 bf16 ulps of the weights
 //! (drawn per module), with a singular spectrum decaying tenfold over the rank, so a
 //! perfect extraction leaves 0.2-4% of the delta norm (the bf16 rounding floor).
+//!
+//! [`questions`] draws the demo's record sets: questions whose gold answers follow a
+//! reference model's own probabilities, and calibration prompts.
+
+pub mod questions;
 
 use loraq_io::convert::{f32_to_bf16_bits, round_to_bf16};
 use loraq_io::{
