@@ -150,11 +150,13 @@ def run_converter(llama_cpp: Path, script: str, argv: list[str]):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-cpp", type=Path, required=True,
+    parser.add_argument("--llama-cpp", type=Path,
                         help="llama.cpp's Python side (convert_*.py, conversion/, gguf-py/)")
     parser.add_argument("--model", type=Path, required=True, help="a transformers Qwen3.5 checkpoint")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--no-gguf", action="store_true",
+                        help="write hf/ and adapter/ only (for vLLM, scripts/gpu-check.sh)")
     args = parser.parse_args()
 
     hf = args.out / "hf"
@@ -164,6 +166,11 @@ def main():
     config = json.loads((hf / "config.json").read_text())
     write_tokenizer(hf, config["vocab_size"])
     write_adapter(hf, args.out / "adapter", args.seed)
+    if args.no_gguf:
+        print(args.out)
+        return
+    if args.llama_cpp is None:
+        parser.error("--llama-cpp is required to write the GGUF files")
 
     run_converter(args.llama_cpp, "convert_hf_to_gguf.py",
                   [str(hf), "--outtype", "f32", "--no-mtp", "--outfile", str(args.out / "base-f32.gguf")])
