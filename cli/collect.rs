@@ -18,15 +18,17 @@ pub struct Args {
     /// The server's base URL, e.g. http://127.0.0.1:8080 (plain http).
     #[arg(long)]
     server: String,
-    /// vllm (/v1/completions with logprob_token_ids) or llama-cpp (llama-server's
-    /// /completion with logit bias on the options).
-    #[arg(long, value_parser = ["vllm", "llama-cpp"])]
+    /// vllm (/v1/completions with logprob_token_ids), llama-cpp (llama-server's
+    /// /completion with logit bias on the options) or openai (the standard
+    /// /v1/completions top-k logprobs only; needs --tokenizer).
+    #[arg(long, value_parser = ["vllm", "llama-cpp", "openai"])]
     engine: String,
     /// The served base model's name, as the server's /v1/models lists it (vLLM:
     /// --served-model-name; llama-server: --alias, else the model path).
     #[arg(long)]
     model: String,
-    /// vLLM: the adapter's served name (--lora-modules NAME=PATH); requests go to it.
+    /// vLLM (and openai): the adapter's served name (--lora-modules NAME=PATH);
+    /// requests go to it.
     #[arg(long, conflicts_with_all = ["lora_id"])]
     adapter: Option<String>,
     /// llama.cpp: the adapter's id in /lora-adapters (llama-server --lora FILE
@@ -45,6 +47,14 @@ pub struct Args {
     /// --out skips the ids already there; its header OUT.collect.json must match.
     #[arg(long)]
     out: PathBuf,
+    /// openai: the model's tokenizer.json, which gives each option token's text (the
+    /// standard API keys its top-k by text).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// openai: how many top log-probabilities to ask for; an option outside them is
+    /// missing (the record goes to OUT.incomplete.jsonl).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    top_logprobs: u32,
     /// Requests in flight.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
@@ -90,9 +100,30 @@ pub fn run(args: Args) -> Result<()> {
         adapter: args.adapter.clone(),
         lora_id: args.lora_id,
         lora_scale: args.lora_scale,
+        top_logprobs: args.top_logprobs,
+    };
+    let option_texts = match (kind, &args.tokenizer) {
+        (EngineKind::OpenAi, Some(path)) => option_texts(path, &questions)?,
+        (EngineKind::OpenAi, None) => bail!(
+            "--engine openai needs --tokenizer TOKENIZER.json: the standard API keys its top-k by token text"
+        ),
+        (_, Some(_)) => bail!("--tokenizer is for --engine openai"),
+        (_, None) => HashMap::new(),
     };
     let client = Client::new(&args.server, Duration::from_secs_f64(args.timeout));
-    let engine = Engine::connect(target, client, &questions)?;
+    let mut engine = Engine::connect(target, client, &questions)?;
+    if kind == EngineKind::OpenAi {
+        let ambiguous = option_texts.values().filter(|t| t.is_none()).count();
+        if ambiguous > 0 {
+            eprintln!(
+                "warning: {ambiguous} option tokens share their text with another token of the vocabulary; their records go to the incomplete file"
+            );
+        }
+        engine.warnings.push(
+            "the standard API has no tokenizer endpoint: the records' tokens are not checked against the server's tokenizer".into(),
+        );
+        engine.option_texts = option_texts;
+    }
     for warning in &engine.warnings {
         eprintln!("warning: {warning}");
     }
@@ -178,6 +209,46 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The text of every option token as `tokenizer` decodes it alone, `None` where
+/// another token of the vocabulary decodes to the same text (a top-k keyed by text
+/// could not tell them apart).
+fn option_texts(
+    path: &std::path::Path,
+    questions: &[Question],
+) -> Result<HashMap<u32, Option<String>>> {
+    let tokenizer = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| anyhow!("--tokenizer {}: {e}", path.display()))?;
+    let decode = |id: u32| {
+        tokenizer
+            .decode(&[id], false)
+            .map_err(|e| anyhow!("--tokenizer {}: decoding token {id}: {e}", path.display()))
+    };
+    let mut texts: HashMap<u32, Option<String>> = HashMap::new();
+    for q in questions {
+        for t in &q.option_tokens {
+            if !texts.contains_key(t) {
+                texts.insert(*t, Some(decode(*t)?));
+            }
+        }
+    }
+    let mut owners: HashMap<String, u32> = texts
+        .iter()
+        .filter_map(|(id, t)| t.clone().map(|t| (t, *id)))
+        .collect();
+    let size = u32::try_from(tokenizer.get_vocab_size(true))
+        .map_err(|_| anyhow!("--tokenizer {}: vocabulary too large", path.display()))?;
+    for id in 0..size {
+        let text = decode(id)?;
+        if let Some(owner) = owners.get(&text).copied()
+            && owner != id
+        {
+            texts.insert(owner, None);
+            owners.remove(&text);
+        }
+    }
+    Ok(texts)
 }
 
 /// The records as questions, refused (with file, line and id) where `loraq compare`

@@ -3,9 +3,9 @@
 From a small Qwen3.5 checkpoint written by transformers (tests/data/model/qwen3_5:
 hybrid Gated DeltaNet + attention, vocabulary 128), writes under OUT:
 
-  hf/            the checkpoint plus a tokenizer (byte-level BPE over the 128 ASCII
-                 bytes, no merges: every ASCII text is one token per byte), so that
-                 llama.cpp's converter and its /tokenize have one;
+  hf/            the checkpoint plus a tokenizer (byte-level BPE: ids 0-126 the ASCII
+                 bytes but DEL, id 127 two spaces, the one merge), so that llama.cpp's
+                 converter and its /tokenize have one;
   adapter/       a PEFT LoRA adapter (rank 4 on every linear of every layer, alpha 8,
                  scale 2, bf16 factors, seeded), uniform in rank so that llama.cpp's
                  per-tensor scale alpha / rank equals PEFT's alpha / r;
@@ -62,7 +62,12 @@ def write_tokenizer(out: Path, vocab_size: int):
     if vocab_size < 128:
         sys.exit(f"vocab_size {vocab_size}: the fixture tokenizer needs 128 ids (the ASCII bytes)")
     alphabet = bytes_to_unicode()
-    vocab = {alphabet[b]: b for b in range(128)}
+    # Ids 0-126 are the ASCII bytes but DEL; id 127 is two spaces, the one merge: a
+    # BPE vocabulary without merges is refused by llama.cpp ("cannot find tokenizer
+    # merges in model file").
+    vocab = {alphabet[b]: b for b in range(127)}
+    space = alphabet[ord(" ")]
+    vocab[space + space] = 127
     tokenizer = {
         "version": "1.0",
         "truncation": None,
@@ -74,7 +79,7 @@ def write_tokenizer(out: Path, vocab_size: int):
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": []},
+                  "ignore_merges": False, "vocab": vocab, "merges": [[space, space]]},
     }
     (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=1))
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -164,6 +169,16 @@ def main():
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(args.model / name, hf / name)
     config = json.loads((hf / "config.json").read_text())
+    # Qwen3.5's rotary embedding is interleaved MRoPE; llama.cpp's converter writes
+    # Qwen3.5-9B's sections [11, 11, 10] (32 rotary pairs) when the config has none,
+    # more pairs than this model's head has (ggml asserts). Sections split the rotary
+    # pairs between the time / height / width positions, which are all equal for text,
+    # so any split gives plain RoPE; this one splits the model's own pairs the same way.
+    rope = config.setdefault("rope_parameters", {})
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    pairs = int(head_dim * rope.get("partial_rotary_factor", 0.25)) // 2
+    rope.setdefault("mrope_section", [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3])
+    (hf / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(hf, config["vocab_size"])
     write_adapter(hf, args.out / "adapter", args.seed)
     if args.no_gguf:

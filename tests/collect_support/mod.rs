@@ -105,8 +105,19 @@ pub struct Server {
 
 impl Server {
     /// Starts llama-server on `port` with the fixture's base and adapter (loaded at
-    /// scale 0), 2 slots, and waits until /health answers 200.
+    /// scale 0), 2 slots, an f32 KV cache, and waits until /health answers 200.
     pub fn start(binary: &Path, dir: &Path, port: u16, log_name: &str) -> Server {
+        Server::start_with(binary, dir, port, log_name, &[])
+    }
+
+    /// [`Server::start`] with more llama-server arguments.
+    pub fn start_with(
+        binary: &Path,
+        dir: &Path,
+        port: u16,
+        log_name: &str,
+        extra: &[&str],
+    ) -> Server {
         let log = dir.join(log_name);
         let log_file = std::fs::File::create(&log).expect("server log");
         let child = Command::new(binary)
@@ -126,11 +137,12 @@ impl Server {
                 "--no-webui",
                 "--no-warmup",
             ])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
             .expect("start llama-server");
-        let server = Server {
+        let mut server = Server {
             child,
             url: format!("http://127.0.0.1:{port}"),
             log,
@@ -139,7 +151,7 @@ impl Server {
         server
     }
 
-    fn wait_healthy(&self) {
+    fn wait_healthy(&mut self) {
         let started = Instant::now();
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_secs(2)))
@@ -147,6 +159,12 @@ impl Server {
             .build()
             .into();
         while started.elapsed() < Duration::from_secs(120) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "llama-server exited ({status}) before it was healthy; its log:\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
             if let Ok(r) = agent.get(format!("{}/health", self.url)).call()
                 && r.status().as_u16() == 200
             {

@@ -33,6 +33,10 @@ pub enum EngineKind {
     /// llama.cpp's `llama-server`, `/completion` with logit bias and post-sampling
     /// probabilities.
     LlamaCpp,
+    /// Any OpenAI-compatible `/v1/completions`: only the standard `logprobs` (the
+    /// top-k, keyed by token text); an option outside the top-k is missing.
+    #[serde(rename = "openai")]
+    OpenAi,
 }
 
 impl EngineKind {
@@ -41,6 +45,7 @@ impl EngineKind {
         match text {
             "vllm" => Some(EngineKind::Vllm),
             "llama-cpp" => Some(EngineKind::LlamaCpp),
+            "openai" => Some(EngineKind::OpenAi),
             _ => None,
         }
     }
@@ -50,6 +55,7 @@ impl EngineKind {
         match self {
             EngineKind::Vllm => "vllm",
             EngineKind::LlamaCpp => "llama-cpp",
+            EngineKind::OpenAi => "openai",
         }
     }
 
@@ -61,6 +67,9 @@ impl EngineKind {
             }
             EngineKind::LlamaCpp => {
                 "log of the softmax over the option tokens (logit bias +100 on the options, temperature 1)"
+            }
+            EngineKind::OpenAi => {
+                "full-vocabulary log-probabilities of the option tokens from the top-k (logprobs), matched by token text"
             }
         }
     }
@@ -81,6 +90,8 @@ pub struct Target {
     pub lora_id: Option<u32>,
     /// llama.cpp: the scale of `lora_id`.
     pub lora_scale: f64,
+    /// openai: how many top log-probabilities to ask for (`logprobs`).
+    pub top_logprobs: u32,
 }
 
 /// A target bound to a server, after the checks made before the first request.
@@ -96,6 +107,10 @@ pub struct Engine {
     pub server_version: String,
     /// Warnings found by the checks (the tokenizer round trip, option labels).
     pub warnings: Vec<String>,
+    /// openai: the text of each option token, as the standard API keys its
+    /// top-k; `None` where the text is not unique in the vocabulary (the answer
+    /// could not tell that token from another).
+    pub option_texts: std::collections::HashMap<u32, Option<String>>,
 }
 
 /// Distinct option tokens of a question, in first-seen order.
@@ -253,6 +268,88 @@ pub fn vllm_parse(q: &Question, body: &Value) -> std::result::Result<Scores, Str
     Ok(Scores { values })
 }
 
+/// The standard `/v1/completions` body for `q`: the prompt's ids, one greedy token,
+/// the top `k` log-probabilities.
+pub fn openai_request(q: &Question, model: &str, k: u32) -> Value {
+    json!({
+        "model": model,
+        "prompt": q.tokens,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": k,
+        "stream": false,
+    })
+}
+
+/// Reads a standard `/v1/completions` answer: `choices[0].logprobs.top_logprobs[0]`
+/// (a map from token text to log-probability, the legacy completions format) or
+/// `choices[0].logprobs.content[0].top_logprobs` (a list of `{token, logprob}`, the
+/// chat format some servers use for completions too). Each option is looked up by its
+/// token's text (`texts`); one whose text is not unique, or that is not in the top-k,
+/// is `None`.
+pub fn openai_parse(
+    q: &Question,
+    texts: &std::collections::HashMap<u32, Option<String>>,
+    body: &Value,
+) -> std::result::Result<Scores, String> {
+    let logprobs = body
+        .pointer("/choices/0/logprobs")
+        .ok_or("no choices[0].logprobs in the answer (does the server support logprobs?)")?;
+    let mut top: Vec<(String, f64)> = Vec::new();
+    if let Some(map) = logprobs
+        .pointer("/top_logprobs/0")
+        .and_then(Value::as_object)
+    {
+        for (text, v) in map {
+            let lp = v
+                .as_f64()
+                .ok_or_else(|| format!("top_logprobs[0][{text:?}] is {v}, not a number"))?;
+            top.push((text.clone(), lp));
+        }
+    } else if let Some(list) = logprobs
+        .pointer("/content/0/top_logprobs")
+        .and_then(Value::as_array)
+    {
+        for entry in list {
+            let text = entry
+                .get("token")
+                .and_then(Value::as_str)
+                .ok_or("a top_logprobs entry without a token")?;
+            let lp = entry
+                .get("logprob")
+                .and_then(Value::as_f64)
+                .ok_or("a top_logprobs entry without a logprob")?;
+            top.push((text.to_string(), lp));
+        }
+    } else {
+        return Err(format!(
+            "choices[0].logprobs has neither top_logprobs[0] nor content[0].top_logprobs: {}",
+            elide(&logprobs.to_string())
+        ));
+    }
+    let mut values = Vec::with_capacity(q.option_tokens.len());
+    for t in &q.option_tokens {
+        let Some(Some(text)) = texts.get(t) else {
+            values.push(None);
+            continue;
+        };
+        let value = match top.iter().find(|(k, _)| k == text) {
+            None => None,
+            Some((_, lp)) if *lp == VLLM_NEG_INF || *lp == f64::NEG_INFINITY => {
+                Some(f64::NEG_INFINITY)
+            }
+            Some((_, lp)) if lp.is_finite() && *lp <= 1e-6 => Some(lp.min(0.0)),
+            Some((k, lp)) => {
+                return Err(format!(
+                    "token {k:?} has log-probability {lp}, not in [-inf, 0]"
+                ));
+            }
+        };
+        values.push(value);
+    }
+    Ok(Scores { values })
+}
+
 /// Checks a question can be sent to `kind`: token ids present, at most
 /// [`MAX_VLLM_OPTION_TOKENS`] distinct option tokens for vLLM.
 pub fn check_question(kind: EngineKind, q: &Question) -> std::result::Result<(), String> {
@@ -322,9 +419,28 @@ impl Engine {
             lora_ids: Vec::new(),
             server_version: String::new(),
             warnings: Vec::new(),
+            option_texts: std::collections::HashMap::new(),
         };
         let mut n_vocab = None;
         match engine.target.kind {
+            EngineKind::OpenAi => {
+                // The standard API has no version or tokenizer endpoint.
+                engine.server_version = format!(
+                    "openai-compatible (models owned by {})",
+                    models
+                        .pointer("/data/0/owned_by")
+                        .and_then(Value::as_str)
+                        .unwrap_or("?")
+                );
+                if let Some(adapter) = &engine.target.adapter
+                    && !names.contains(adapter)
+                {
+                    return Err(fail(format!(
+                        "the server does not serve {adapter:?}; /v1/models lists [{shown}]"
+                    )));
+                }
+                return Ok(engine);
+            }
             EngineKind::Vllm => {
                 if let Some(adapter) = &engine.target.adapter
                     && !names.contains(adapter)
@@ -403,7 +519,7 @@ impl Engine {
     fn tokenize(&self, text: &str) -> std::result::Result<Vec<u64>, Failure> {
         let body = match self.target.kind {
             EngineKind::LlamaCpp => json!({"content": text, "add_special": false}),
-            EngineKind::Vllm => {
+            EngineKind::Vllm | EngineKind::OpenAi => {
                 json!({"model": self.target.model, "prompt": text, "add_special_tokens": false})
             }
         };
@@ -418,7 +534,7 @@ impl Engine {
     fn detokenize(&self, tokens: &[u32]) -> std::result::Result<String, Failure> {
         let (body, field) = match self.target.kind {
             EngineKind::LlamaCpp => (json!({"tokens": tokens}), "content"),
-            EngineKind::Vllm => (
+            EngineKind::Vllm | EngineKind::OpenAi => (
                 json!({"model": self.target.model, "tokens": tokens}),
                 "prompt",
             ),
@@ -518,6 +634,12 @@ impl Engine {
                     .post("/v1/completions", &vllm_request(q, model))?;
                 vllm_parse(q, &body).map_err(Failure::Permanent)
             }
+            EngineKind::OpenAi => {
+                let model = self.target.adapter.as_deref().unwrap_or(&self.target.model);
+                let request = openai_request(q, model, self.target.top_logprobs);
+                let body = self.client.post("/v1/completions", &request)?;
+                openai_parse(q, &self.option_texts, &body).map_err(Failure::Permanent)
+            }
         }
     }
 
@@ -525,7 +647,7 @@ impl Engine {
     pub fn request_path(&self) -> &'static str {
         match self.target.kind {
             EngineKind::LlamaCpp => "POST /completion",
-            EngineKind::Vllm => "POST /v1/completions",
+            EngineKind::Vllm | EngineKind::OpenAi => "POST /v1/completions",
         }
     }
 }
