@@ -88,8 +88,15 @@ pub fn run(args: Args) -> Result<()> {
             args.timeout
         );
     }
-    if args.out == args.records {
-        bail!("--out {} is the records file", args.out.display());
+    // The answers file and its siblings are appended to, never over the records (or
+    // the working directory), symlinks resolved.
+    for out in [
+        args.out.clone(),
+        loraq_collect::output::header_path(&args.out),
+        loraq_collect::output::incomplete_path(&args.out),
+    ] {
+        loraq_io::check_output_path(&out, &[args.records.as_path()])
+            .with_context(|| format!("--out {}", args.out.display()))?;
     }
     let records = loraq_model::read_records(&args.records)?;
     let questions = questions(&args.records, records, kind)?;
