@@ -4,6 +4,7 @@
 
 mod args;
 mod check;
+mod collect;
 mod compare;
 mod compare_hidden;
 mod demo;
@@ -48,6 +49,8 @@ enum Command {
     Quantize(quantize::Args),
     /// Per-module error of a quantization scheme, alone and under an adapter.
     QuantError(quant_error::Args),
+    /// Collect answers from a running vLLM or llama.cpp server, resumable.
+    Collect(collect::Args),
     /// Compare a candidate's answers with a reference's: flips, KL, accuracy, calibration.
     Compare(compare::Args),
     /// Compare two hidden-state files per tensor: cosine, relative L2, SQNR.
@@ -66,6 +69,7 @@ fn main() {
         Command::Run(args) => run::run(args),
         Command::Quantize(args) => quantize::run(args),
         Command::QuantError(args) => quant_error::run(args),
+        Command::Collect(args) => collect::run(args),
         Command::Compare(args) => compare::run(args),
         Command::CompareHidden(args) => compare_hidden::run(args),
     };

@@ -170,4 +170,81 @@ done
 cp "$log_dir/test.log" "${report%.md}-test.log"
 cp "$log_dir/bench.log" "${report%.md}-bench.log"
 echo "gpu-check: wrote $report and its -test.log / -bench.log"
+# >>> collect: vLLM step (owner: collect; docs/collect.md) >>>
+# Serves the tiny Qwen3.5 of tests/data/model/qwen3_5 with the collect fixture's LoRA in
+# vLLM, runs `loraq collect` on the base and the adapter, compares each with `loraq run`
+# on the same weights, and keeps vLLM's own answers (models, version, one completion with
+# logprob_token_ids) beside the report, for tests/data/collect/vllm/. Skipped without
+# vllm; at most about 6 minutes (server start 300 s, the rest seconds).
+vllm_status="skipped (vllm is not installed)"
+if python3 -c 'import vllm' >/dev/null 2>&1; then
+    vdir="$log_dir/vllm"
+    mkdir -p "$vdir"
+    vllm_status="failed (see ${report%.md}-vllm.log)"
+    (
+        set -e
+        loraq_bin="${LORAQ_BIN:-}"
+        if [[ -z "$loraq_bin" ]]; then
+            cargo build --release --bin loraq >/dev/null 2>&1
+            loraq_bin="$CARGO_TARGET_DIR/release/loraq"
+        fi
+        python3 scripts/collect_fixture.py --no-gguf --model tests/data/model/qwen3_5 --out "$vdir/fx"
+        python3 - "$vdir/records.jsonl" <<'PY'
+import json, random, sys
+rng = random.Random(19)
+with open(sys.argv[1], "w") as f:
+    for i in range(200):
+        f.write(json.dumps({"id": f"r{i}", "tokens": [rng.randrange(128) for _ in range(rng.randint(1, 40))],
+                            "options": ["A", "B", "C", "D"], "option_tokens": rng.sample(range(128), 4),
+                            "gold": rng.choice("ABCD")}) + "\n")
+PY
+        port=8765
+        python3 -m vllm.entrypoints.openai.api_server --model "$vdir/fx/hf" --served-model-name base \
+            --enable-lora --max-lora-rank 8 --lora-modules "adapter=$vdir/fx/adapter" \
+            --max-model-len 64 --enforce-eager --gpu-memory-utilization 0.3 --port "$port" \
+            >"$vdir/server.log" 2>&1 &
+        server=$!
+        trap 'kill $server 2>/dev/null || true' EXIT
+        for _ in $(seq 300); do
+            curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+            sleep 1
+        done
+        url="http://127.0.0.1:$port"
+        curl -sf "$url/v1/models" >"$vdir/models.json"
+        curl -sf "$url/version" >"$vdir/version.json"
+        curl -sf "$url/v1/completions" -H 'Content-Type: application/json' -d '{"model": "adapter",
+            "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "logprob_token_ids": [11, 12, 13, 14], "return_tokens_as_token_ids": true}' >"$vdir/completion.json"
+        for side in base adapter; do
+            extra=()
+            run_extra=()
+            if [[ $side == adapter ]]; then
+                extra=(--adapter adapter)
+                run_extra=(--adapter "$vdir/fx/adapter")
+            fi
+            timeout 120 "$loraq_bin" collect --server "$url" --engine vllm --model base "${extra[@]}" \
+                --records "$vdir/records.jsonl" --out "$vdir/vllm-$side.jsonl" --concurrency 16 --json
+            timeout 120 "$loraq_bin" run --model "$vdir/fx/hf" "${run_extra[@]}" \
+                --records "$vdir/records.jsonl" --out "$vdir/run-$side.jsonl"
+            timeout 60 "$loraq_bin" compare --reference "$vdir/run-$side.jsonl" \
+                --candidate "$vdir/vllm-$side.jsonl" --json "$vdir/compare-$side.json"
+        done
+    ) >"${report%.md}-vllm.log" 2>&1 && vllm_status="done"
+    for f in models.json version.json completion.json compare-base.json compare-adapter.json; do
+        [[ -f "$vdir/$f" ]] && cp "$vdir/$f" "${report%.md}-vllm-$f"
+    done
+fi
+{
+    echo
+    echo "## vLLM: loraq collect against loraq run (tiny Qwen3.5 + LoRA)"
+    echo
+    echo "- status: $vllm_status"
+    for side in base adapter; do
+        f="${report%.md}-vllm-compare-$side.json"
+        if [[ -f "$f" ]]; then
+            echo "- $side: $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"n={r[\"n\"]}, same top {r[\"same_top\"]:.4f}, mean KL {r[\"kl\"][\"mean\"]:.3e}, max KL {r[\"kl\"][\"max\"]:.3e}")' "$f")"
+        fi
+    done
+} >>"$report"
+# <<< collect <<<
 [[ "$test_status" == passed && "$bench_status" == done ]]
