@@ -130,10 +130,11 @@ pub(crate) fn tensor_core_plan(
 mod host_emulation {
     use super::*;
     use crate::reference::forward_reference_with_magnitude;
-    use crate::{
-        BaseWeight, Bf16Weight, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, QuantLoraLinear,
-    };
+    use crate::{LoraAdapter, QuantLoraLinear};
     use half::bf16;
+    use loraq_quant::{
+        Bf16Weight, Fp8Granularity, Fp8Weight, Nvfp4GlobalScale, Nvfp4Weight, QuantizedWeight,
+    };
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
     use std::path::{Path, PathBuf};
@@ -238,9 +239,11 @@ mod host_emulation {
     fn random_linear(format: &str, n: usize, k: usize, rank: usize, seed: u64) -> QuantLoraLinear {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let base = match format {
-            "bf16" => {
-                BaseWeight::Bf16(Bf16Weight::new(n, k, bf16s(&mut rng, n * k, 0.05)).unwrap())
-            }
+            "bf16" => QuantizedWeight::Bf16(Bf16Weight {
+                rows: n,
+                cols: k,
+                data: bf16s(&mut rng, n * k, 0.05),
+            }),
             "fp8b128" => {
                 let codes = (0..n * k)
                     .map(|_| rng.random::<u8>())
@@ -249,7 +252,13 @@ mod host_emulation {
                 let scales = (0..n.div_ceil(128) * k.div_ceil(128))
                     .map(|_| rng.random_range(1e-3f32..1e-2))
                     .collect();
-                BaseWeight::Fp8Block128(Fp8Block128Weight::new(n, k, codes, scales).unwrap())
+                QuantizedWeight::Fp8(Fp8Weight {
+                    rows: n,
+                    cols: k,
+                    granularity: Fp8Granularity::Block128,
+                    codes,
+                    scales,
+                })
             }
             _ => {
                 let packed = (0..n * k / 2).map(|_| rng.random()).collect();
@@ -258,7 +267,13 @@ mod host_emulation {
                     .map(|_| rng.random_range(0u8..0x60) | (rng.random::<u8>() & 0x80))
                     .collect();
                 let global = rng.random_range(1e-3f32..1e-1);
-                BaseWeight::Nvfp4(Nvfp4Weight::new(n, k, packed, scales, global).unwrap())
+                QuantizedWeight::Nvfp4(Nvfp4Weight {
+                    rows: n,
+                    cols: k,
+                    packed,
+                    block_scales: scales,
+                    global_scale: Nvfp4GlobalScale::Multiplier(global),
+                })
             }
         };
         let lora = (rank > 0).then(|| {
@@ -394,13 +409,18 @@ mod host_emulation {
     ) -> Option<Vec<f32>> {
         let (n, k) = (linear.out_dim(), linear.in_dim());
         let (codes, scales, global) = match linear.base() {
-            BaseWeight::Bf16(w) => (bf16_bytes(&w.data), Vec::new(), 1.0f32),
-            BaseWeight::Fp8Block128(w) => (
+            QuantizedWeight::Bf16(w) => (bf16_bytes(&w.data), Vec::new(), 1.0f32),
+            QuantizedWeight::Fp8(w) => (
                 w.codes.clone(),
                 w.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
                 1.0,
             ),
-            BaseWeight::Nvfp4(w) => (w.packed.clone(), w.block_scales.clone(), w.global_scale),
+            QuantizedWeight::Nvfp4(Nvfp4Weight {
+                packed,
+                block_scales,
+                global_scale: Nvfp4GlobalScale::Multiplier(global),
+                ..
+            }) => (packed.clone(), block_scales.clone(), *global),
             _ => unreachable!("the GPU kernels take bf16, fp8-block128 and NVFP4"),
         };
         let (rank, scale, a, b) = match linear.lora() {
@@ -589,8 +609,14 @@ mod host_emulation {
                         let Some(got) = run(exe, format, path, &linear, &x, batch) else {
                             continue;
                         };
-                        let (want, magnitude) =
-                            forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+                        let (want, magnitude) = forward_reference_with_magnitude(
+                            linear.base(),
+                            linear.lora(),
+                            linear.activation_quant(),
+                            &x,
+                            batch,
+                        )
+                        .unwrap();
                         let tag = format!("{format} {n}x{k} r={rank} batch={batch} {path:?}");
                         failures.extend(compare(&tag, &got, &want, &magnitude));
                         checked += 1;
