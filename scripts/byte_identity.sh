@@ -42,7 +42,9 @@ awk -v vocab="$VOCAB" 'BEGIN {
     }
 }' > records.jsonl
 
-run extract extract --merged pair/merged --base pair/base --out adapter --rank 8
+# --base-id: the adapter config otherwise names the base by its absolute path.
+run extract extract --merged pair/merged --base pair/base --out adapter --rank 8 \
+    --base-id loraq/synth-tiny
 run stats run --model pair/merged --records records.jsonl --out stats-answers.jsonl \
     --collect-stats stats.safetensors
 

@@ -2,7 +2,7 @@
 //! ([`QuantizedWeight`]) and the LoRA factors go in once, [`Backend::build`] gives
 //! something that runs them behind [`LoraLinear`], whichever backend was asked for.
 //! A backend that cannot run a weight refuses it when it is built
-//! ([`KernelError::UnsupportedScheme`], [`KernelError::UnsupportedOnGpu`]); nothing
+//! ([`crate::KernelError::UnsupportedScheme`], [`crate::KernelError::UnsupportedOnGpu`]); nothing
 //! falls back to another backend.
 
 use crate::cpu::CpuOptions;

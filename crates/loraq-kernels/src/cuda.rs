@@ -9,7 +9,7 @@
 //! accumulation is f32; the LoRA intermediate `s * A x` is f32.
 
 use crate::error::{KernelError, Result};
-use crate::launch_plan::{self, FusedPlan};
+use crate::launch_plan::{self, DecodeKernel, FusedPlan};
 use crate::linear::QuantLoraLinear;
 use crate::lora::MAX_RANK;
 use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
@@ -589,8 +589,11 @@ impl GpuLinear {
             GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
                 let tensor_cores = if mode == GpuMode::FusedTensorCoreDecode {
                     let tc_nb = if batch <= 8 { 8 } else { 16 };
-                    let (f, resident) =
-                        backend.decode_fn(&format!("{}_tcdec_fused_b{tc_nb}", self.format))?;
+                    let (f, resident) = backend.decode_fn(&format!(
+                        "{}_{}_b{tc_nb}",
+                        self.format,
+                        DecodeKernel::TensorCore.name()
+                    ))?;
                     launch_plan::tensor_core_plan(self.n, self.k, batch, rank, resident)
                         .map(|plan| (f, plan))
                 } else {
@@ -599,8 +602,11 @@ impl GpuLinear {
                 let (function, plan): (CudaFunction, FusedPlan) = match tensor_cores {
                     Some(chosen) => chosen,
                     None => {
-                        let (f, resident) =
-                            backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
+                        let (f, resident) = backend.decode_fn(&format!(
+                            "{}_{}_b{nb}",
+                            self.format,
+                            DecodeKernel::CudaCore.name()
+                        ))?;
                         (
                             f,
                             launch_plan::cuda_core_plan(self.n, batch, rank, resident),
@@ -662,8 +668,9 @@ impl GpuLinear {
                 ];
                 // Only the CUDA-core kernel waits before touching what the previous
                 // kernel may use (griddep_wait in lora_decode.cu).
-                let programmatic =
-                    backend.programmatic_launch && plan.kind == "fused" && backend.major >= 9;
+                let programmatic = backend.programmatic_launch
+                    && plan.kind == DecodeKernel::CudaCore
+                    && backend.major >= 9;
                 // SAFETY: the parameters match `{format}_fused_b{NB}` and
                 // `{format}_tcdec_fused_b{NB}` in lora_decode.cu, in order and type, and
                 // outlive the call; t holds batch * rank floats (forward), tc_part the

@@ -15,12 +15,31 @@ const TC_DECODE_CHUNK: usize = 128;
 /// Chunks per slice of the tensor-core decode's shrink, when the grid has room.
 const TC_SHRINK_SLICE_CHUNKS: usize = 8;
 
+/// Which fused decode kernel a plan launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DecodeKernel {
+    /// The CUDA-core kernel, `{format}_fused_b{NB}`.
+    CudaCore,
+    /// The tensor-core kernel, `{format}_tcdec_fused_b{NB}`.
+    TensorCore,
+}
+
+impl DecodeKernel {
+    /// The middle of the kernel's name in lora_decode.cu.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::CudaCore => "fused",
+            Self::TensorCore => "tcdec_fused",
+        }
+    }
+}
+
 /// One fused decode launch: kernel `{format}_{kind}_b{nb}`, `shrink_blocks` blocks of
 /// LoRA shrink first in the grid, then `base_blocks` of base stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FusedPlan {
-    /// `fused` (CUDA cores) or `tcdec_fused` (tensor cores).
-    pub kind: &'static str,
+    /// The CUDA-core or the tensor-core kernel.
+    pub kind: DecodeKernel,
     /// The instantiation's token count.
     pub nb: usize,
     /// Blocks computing the LoRA shrink.
@@ -56,7 +75,7 @@ pub(crate) fn cuda_core_plan(n: usize, batch: usize, rank: usize, resident: usiz
     let rows_per_block = DECODE_THREADS / 32 * rows_per_warp;
     let shrink_blocks = rank.div_ceil(rows_per_block);
     FusedPlan {
-        kind: "fused",
+        kind: DecodeKernel::CudaCore,
         nb,
         shrink_blocks,
         // Every block co-resident (the base blocks wait for the shrink), and no more
@@ -107,7 +126,7 @@ pub(crate) fn tensor_core_plan(
     let tiles = n.div_ceil(16);
     let per_block = tiles.div_ceil(resident - shrink_blocks);
     Some(FusedPlan {
-        kind: "tcdec_fused",
+        kind: DecodeKernel::TensorCore,
         nb: if batch <= 8 { 8 } else { 16 },
         shrink_blocks,
         base_blocks: tiles.div_ceil(per_block),
@@ -448,7 +467,7 @@ mod host_emulation {
                 let counter = job.zeros(4);
                 let part = job.zeros(4 * plan.slices * 16 * rank);
                 let tickets = job.zeros(4 * 32);
-                let name = format!("{format}_{}_b{}", plan.kind, plan.nb);
+                let name = format!("{format}_{}_b{}", plan.kind.name(), plan.nb);
                 job.launch(
                     &name,
                     (plan.shrink_blocks + plan.base_blocks, 1),

@@ -163,7 +163,8 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
 }
 
 /// Whether the kernels have a path for `format` at all (the lengths and codes of a
-/// particular weight are checked by [`check_runnable`]).
+/// particular weight are checked when its linear is built,
+/// [`crate::QuantLoraLinear::new`]).
 pub fn has_kernel(format: WeightFormat) -> bool {
     !matches!(
         format,

@@ -2,7 +2,7 @@
 //!
 //! * [`element`]: E4M3 (fn), E5M2, E2M1 and E8M0 encode (round to nearest even,
 //!   saturating) and decode, scalar and over slices.
-//! * [`format`]: the stored weight formats ([`WeightFormat`]) with their block
+//! * [`mod@format`]: the stored weight formats ([`WeightFormat`]) with their block
 //!   geometry, declared once, the NVFP4 global scale and the block scale codes.
 //! * [`weight`]: [`QuantizedWeight`], a linear weight in its stored format (codes,
 //!   scales, global scale), and its exact dequantization.

@@ -1,5 +1,5 @@
 //! Hot loops over runs of values (the crate's SIMD layer; built on [`crate::element`]
-//! and [`crate::format`] only), compiled several times (AVX-512, AVX2, baseline)
+//! and [`mod@crate::format`] only), compiled several times (AVX-512, AVX2, baseline)
 //! and picked at run time, so the branch-free encoders vectorize on the machine at
 //! hand while the crate still builds for the baseline target. Every version runs the
 //! same scalar code, so results are bit-identical whichever is picked.
