@@ -148,7 +148,6 @@ pub(crate) fn tensor_core_plan(
 #[cfg(test)]
 mod host_emulation {
     use super::*;
-    use crate::reference::forward_reference_with_magnitude;
     use crate::{LoraAdapter, QuantLoraLinear};
     use half::bf16;
     use loraq_quant::{
@@ -628,14 +627,8 @@ mod host_emulation {
                         let Some(got) = run(exe, format, path, &linear, &x, batch) else {
                             continue;
                         };
-                        let (want, magnitude) = forward_reference_with_magnitude(
-                            linear.base(),
-                            linear.lora(),
-                            linear.activation_quant(),
-                            &x,
-                            batch,
-                        )
-                        .unwrap();
+                        let (want, magnitude) =
+                            linear.forward_reference_with_magnitude(&x, batch).unwrap();
                         let tag = format!("{format} {n}x{k} r={rank} batch={batch} {path:?}");
                         failures.extend(compare(&tag, &got, &want, &magnitude));
                         checked += 1;

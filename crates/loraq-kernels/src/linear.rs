@@ -187,6 +187,23 @@ impl QuantLoraLinear {
         )
     }
 
+    /// As [`Self::forward_reference`], also returning per output the sum of the
+    /// magnitudes of its products (see
+    /// [`crate::reference::forward_reference_with_magnitude`]).
+    pub fn forward_reference_with_magnitude(
+        &self,
+        x: &[f32],
+        batch: usize,
+    ) -> Result<(Vec<f32>, Vec<f64>)> {
+        crate::reference::forward_reference_with_magnitude(
+            &self.base,
+            self.lora.as_ref(),
+            self.activation_quant,
+            x,
+            batch,
+        )
+    }
+
     /// Dequantizes the whole base weight to f32, row-major `[out_dim, in_dim]`.
     /// This is what the fused path avoids; it exists for the baseline and debugging.
     pub fn dequantize_base(&self, opts: CpuOptions) -> Vec<f32> {

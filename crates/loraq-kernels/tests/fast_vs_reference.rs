@@ -5,7 +5,6 @@
 mod common;
 
 use common::{FORMATS, Format, assert_close, legal_in_dim, random_activations, random_linear};
-use loraq_kernels::reference::forward_reference_with_magnitude;
 use loraq_kernels::{
     ActivationQuant, CpuOptions, Fp8Weight, Isa, Mxfp4Weight, Nvfp4Weight, Parallelism,
     QuantLoraLinear, QuantizedWeight,
@@ -31,14 +30,7 @@ fn check(
     let in_dim = legal_in_dim(format, in_dim);
     let linear = random_linear(format, out_dim, in_dim, rank, seed).with_activation_quant(act);
     let x = random_activations(batch * in_dim, seed);
-    let (want, magnitude) = forward_reference_with_magnitude(
-        linear.base(),
-        linear.lora(),
-        linear.activation_quant(),
-        &x,
-        batch,
-    )
-    .unwrap();
+    let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
     for isa in Isa::available() {
         for parallelism in [Parallelism::Rayon, Parallelism::Sequential] {
             let opts = CpuOptions {
@@ -138,14 +130,7 @@ fn dense_baseline_matches_reference() {
             let in_dim = legal_in_dim(format, 160);
             let linear = random_linear(format, 50, in_dim, 24, 3);
             let x = random_activations(batch * in_dim, 3);
-            let (want, magnitude) = forward_reference_with_magnitude(
-                linear.base(),
-                linear.lora(),
-                linear.activation_quant(),
-                &x,
-                batch,
-            )
-            .unwrap();
+            let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
             let opts = CpuOptions::default();
             let dense = linear.dequantize_base(opts);
             let mut y = vec![0f32; batch * 50];
@@ -196,14 +181,7 @@ fn lora_phased_schedule_gives_the_same_bits() {
 }
 
 fn check_linear(linear: &QuantLoraLinear, batch: usize, x: &[f32], context: &str) {
-    let (want, magnitude) = forward_reference_with_magnitude(
-        linear.base(),
-        linear.lora(),
-        linear.activation_quant(),
-        x,
-        batch,
-    )
-    .unwrap();
+    let (want, magnitude) = linear.forward_reference_with_magnitude(x, batch).unwrap();
     for isa in Isa::available() {
         let opts = CpuOptions {
             isa: Some(isa),
@@ -301,14 +279,7 @@ fn mxfp4_extreme_block_scales_match_reference() {
                 .iter()
                 .map(|v| v * x_scale)
                 .collect();
-            let (want, magnitude) = forward_reference_with_magnitude(
-                linear.base(),
-                linear.lora(),
-                linear.activation_quant(),
-                &x,
-                batch,
-            )
-            .unwrap();
+            let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
             assert!(want.iter().all(|v| v.is_normal() || *v == 0.0));
             for isa in Isa::available() {
                 let mut y = vec![f32::NAN; batch * out_dim];

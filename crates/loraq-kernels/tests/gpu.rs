@@ -7,7 +7,6 @@ mod common;
 
 use common::{Format, random_activations, random_linear};
 use loraq_kernels::cuda::{CudaBackend, GpuMode, driver_available};
-use loraq_kernels::reference::forward_reference_with_magnitude;
 
 fn backend_or_skip() -> Option<CudaBackend> {
     if !driver_available() {
@@ -52,14 +51,8 @@ fn check_against_reference(
                 let mut gpu = backend.upload(&linear).unwrap();
                 for &batch in batches {
                     let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
-                    let (want, magnitude) = forward_reference_with_magnitude(
-                        linear.base(),
-                        linear.lora(),
-                        linear.activation_quant(),
-                        &x,
-                        batch,
-                    )
-                    .unwrap();
+                    let (want, magnitude) =
+                        linear.forward_reference_with_magnitude(&x, batch).unwrap();
                     for &mode in modes {
                         let config = format!(
                             "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {mode:?}"
@@ -226,14 +219,9 @@ fn with_programmatic_launch_chained_decodes_match_cpu_reference() {
                         let config = format!(
                             "{format:?} {dim}x{dim} r={rank} batch={batch} chain step {step}"
                         );
-                        let (want, magnitude) = forward_reference_with_magnitude(
-                            linear.base(),
-                            linear.lora(),
-                            linear.activation_quant(),
-                            &values[step],
-                            batch,
-                        )
-                        .unwrap();
+                        let (want, magnitude) = linear
+                            .forward_reference_with_magnitude(&values[step], batch)
+                            .unwrap();
                         if let Some(failure) =
                             compare(&config, &values[step + 1], &want, &magnitude)
                         {

@@ -3,7 +3,6 @@
 //! (`scripts/kernels_oracle.py`, vectors in `tests/data/oracle_vectors.json`).
 
 use half::bf16;
-use loraq_kernels::reference::forward_reference_with_magnitude;
 use loraq_kernels::{
     Bf16Weight, CpuOptions, Fp8Weight, Isa, LoraAdapter, Mxfp4Weight, Nvfp4Weight, Parallelism,
     QuantLoraLinear, QuantizedWeight,
@@ -100,14 +99,7 @@ fn reference_and_fast_path_match_numpy_ml_dtypes() {
             .iter()
             .map(|e| e.as_f64().unwrap())
             .collect();
-        let (reference, magnitude) = forward_reference_with_magnitude(
-            linear.base(),
-            linear.lora(),
-            linear.activation_quant(),
-            &x,
-            batch,
-        )
-        .unwrap();
+        let (reference, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
         let name = case["format"].as_str().unwrap();
         for (i, (&r, &w)) in reference.iter().zip(&want).enumerate() {
             // The reference rounds an f64 sum to f32 once.

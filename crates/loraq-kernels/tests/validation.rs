@@ -175,6 +175,28 @@ fn loraq_quant_weights_convert_and_decode_identically() {
             }
         }
     }
+    // NVFP4 with a compressed-tensors divisor global scale: every decoder gives
+    // loraq-quant's own dequantization (`element * (block_scale / d)`) bit for bit.
+    let QuantizedWeight::Nvfp4(mut nvfp4) = Scheme::Nvfp4
+        .quantize(WeightView::new("w", rows, cols, &data).unwrap())
+        .unwrap()
+    else {
+        unreachable!("nvfp4 quantizes to NVFP4")
+    };
+    nvfp4.global_scale = loraq_quant::Nvfp4GlobalScale::Divisor(2688.0 / 1.5);
+    let divisor = QuantizedWeight::Nvfp4(nvfp4);
+    let expected = divisor.dequantize();
+    let linear = QuantLoraLinear::new(divisor, None).unwrap();
+    for isa in Isa::available() {
+        let opts = CpuOptions {
+            isa: Some(isa),
+            ..CpuOptions::default()
+        };
+        let dense = linear.dequantize_base(opts);
+        for (i, (&got, &e)) in dense.iter().zip(&expected).enumerate() {
+            assert_eq!(got, e, "nvfp4 divisor {} element {i}", isa.name());
+        }
+    }
     // fp8 per tensor has no fused kernel.
     let per_tensor = Scheme::Fp8Tensor
         .quantize(WeightView::new("w", 2, 128, &data[..256]).unwrap())

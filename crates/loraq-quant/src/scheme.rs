@@ -14,7 +14,7 @@ use crate::format::{
 pub(crate) use crate::runs::abs_max_bits;
 use crate::runs::{self, MXFP4_RUN, NVFP4_RUN};
 use crate::weight::{
-    Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight, pack_int4_row,
+    Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight, pack_int4_rows,
 };
 use rayon::prelude::*;
 use std::fmt;
@@ -462,13 +462,7 @@ pub fn quantize_int4(weight: WeightView<'_>, symmetric: bool) -> Result<Int4Weig
                 }
             });
     }
-    let row_bytes = cols.div_ceil(2);
-    let mut packed = vec![0u8; rows * row_bytes];
-    if cols > 0 {
-        for (dst, src) in packed.chunks_mut(row_bytes).zip(codes.chunks(cols)) {
-            pack_int4_row(src, dst);
-        }
-    }
+    let packed = pack_int4_rows(rows, cols, &codes);
     Ok(Int4Weight {
         rows,
         cols,

@@ -336,8 +336,21 @@ pub struct Int4Weight {
     pub zeros: Vec<u8>,
 }
 
+/// Packs INT4 codes (one per byte, `[rows, cols]`) two per byte, each row padded to
+/// whole bytes.
+pub(crate) fn pack_int4_rows(rows: usize, cols: usize, codes: &[u8]) -> Vec<u8> {
+    let row_bytes = cols.div_ceil(2);
+    let mut packed = vec![0u8; rows * row_bytes];
+    if cols > 0 {
+        for (dst, src) in packed.chunks_mut(row_bytes).zip(codes.chunks(cols)) {
+            pack_int4_row(src, dst);
+        }
+    }
+    packed
+}
+
 /// Packs one row of INT4 codes (one per byte) two per byte, even element low.
-pub(crate) fn pack_int4_row(codes: &[u8], packed: &mut [u8]) {
+fn pack_int4_row(codes: &[u8], packed: &mut [u8]) {
     for (byte, pair) in packed.iter_mut().zip(codes.chunks(2)) {
         *byte = (pair[0] & 0xF) | (pair.get(1).map_or(0, |hi| hi & 0xF) << 4);
     }
@@ -398,13 +411,7 @@ impl Int4Weight {
                 code: codes[index],
             });
         }
-        let row_bytes = cols.div_ceil(2);
-        let mut packed = vec![0u8; rows * row_bytes];
-        if cols > 0 {
-            for (dst, src) in packed.chunks_mut(row_bytes).zip(codes.chunks(cols)) {
-                pack_int4_row(src, dst);
-            }
-        }
+        let packed = pack_int4_rows(rows, cols, codes);
         Ok(Self {
             rows,
             cols,
