@@ -22,7 +22,8 @@ use loraq_eval::{CompareOptions, Report};
 use loraq_extract::extract::{ExtractOptions, ExtractionReport, RankChoice, extract};
 use loraq_extract::target::TargetSpec;
 use loraq_extract::verify::{DEFAULT_MAX_RESIDUAL_RATIO, VerifyOptions, VerifyReport, verify};
-use loraq_model::{ActQuantScheme, LinearBackend, LoadOptions, Model};
+use loraq_model::{LinearBackend, LoadOptions, Model};
+use loraq_quant::ActivationQuantKind;
 use loraq_quant::Scheme;
 use loraq_quant::report::{QuantErrorTotals, totals};
 use loraq_synth::questions::{
@@ -135,7 +136,7 @@ struct Setup<'a> {
     file: &'static str,
     model: &'a Path,
     adapter: Option<&'a Path>,
-    act_quant: ActQuantScheme,
+    act_quant: ActivationQuantKind,
 }
 
 /// One row of the answers table: a setup compared against the merged reference.
@@ -239,7 +240,7 @@ fn run_records(
     expected: usize,
     model: &Path,
     adapter: Option<&Path>,
-    act_quant: ActQuantScheme,
+    act_quant: ActivationQuantKind,
     records: &Path,
     out: &Path,
     collect_stats: Option<&Path>,
@@ -249,10 +250,10 @@ fn run_records(
         line.extend(["--adapter", path_str(adapter)?]);
     }
     match act_quant {
-        ActQuantScheme::None => {}
-        ActQuantScheme::Fp8PerToken => line.extend(["--act-quant", "fp8"]),
-        ActQuantScheme::Fp8PerGroup => line.extend(["--act-quant", "fp8-group"]),
-        ActQuantScheme::Nvfp4 => line.extend(["--act-quant", "nvfp4"]),
+        ActivationQuantKind::None => {}
+        ActivationQuantKind::Fp8PerToken => line.extend(["--act-quant", "fp8"]),
+        ActivationQuantKind::Fp8PerGroup128 => line.extend(["--act-quant", "fp8-group"]),
+        ActivationQuantKind::Nvfp4 => line.extend(["--act-quant", "nvfp4"]),
     }
     line.extend(["--records", path_str(records)?, "--out", path_str(out)?]);
     if let Some(stats) = collect_stats {
@@ -455,7 +456,7 @@ fn run_steps(out: &Path, seed: u64, sizes: DemoSizes) -> Result<DemoResults> {
         sizes.calibration_prompts,
         &merged,
         None,
-        ActQuantScheme::None,
+        ActivationQuantKind::None,
         &calibration_records,
         &out.join("calibration-answers.jsonl"),
         Some(&calibration),
@@ -503,7 +504,7 @@ fn run_steps(out: &Path, seed: u64, sizes: DemoSizes) -> Result<DemoResults> {
         sizes.questions,
         &merged,
         None,
-        ActQuantScheme::None,
+        ActivationQuantKind::None,
         &records,
         &reference,
         None,
@@ -515,8 +516,8 @@ fn run_steps(out: &Path, seed: u64, sizes: DemoSizes) -> Result<DemoResults> {
     let qa_nvfp4 = out.join("adapter-qa-nvfp4");
     let qa_int4 = out.join("adapter-qa-int4-g128");
     let qa_extra_label = qa_extra_label();
-    let none = ActQuantScheme::None;
-    let fp8_group = ActQuantScheme::Fp8PerGroup;
+    let none = ActivationQuantKind::None;
+    let fp8_group = ActivationQuantKind::Fp8PerGroup128;
     let setup = |label: &str, file, model, adapter, act_quant| Setup {
         label: label.to_string(),
         file,

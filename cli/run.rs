@@ -7,9 +7,10 @@ use loraq_eval::answers::check_question;
 use loraq_io::StagedOutputs;
 use loraq_io::limits::elide;
 use loraq_model::{
-    ActQuantScheme, LinearBackend, LoadOptions, Model, ScoreOptions, read_records,
-    score_records_with_hidden, write_answers, write_hidden,
+    LinearBackend, LoadOptions, Model, ScoreOptions, read_records, score_records_with_hidden,
+    write_answers, write_hidden,
 };
+use loraq_quant::ActivationQuantKind;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -30,11 +31,20 @@ pub struct Args {
     /// input_scale / input_global_scale; `loraq quantize --calibration` writes them).
     #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4"])]
     act_quant: String,
-    /// Linear implementation: kernels (loraq-kernels' fused quantized-base + LoRA CPU
-    /// linear on the stored bf16 / fp8-block128 / NVFP4 weights, the default) or dense
-    /// (weights decoded to f32 once, candle matmul; faster on this CPU, more memory).
-    #[arg(long, default_value = "kernels", value_parser = ["dense", "kernels"])]
+    /// Linear implementation: auto (the default: loraq-kernels' fused quantized-base +
+    /// LoRA CPU linear for every linear whose stored format and adapter it runs, bf16 /
+    /// fp8-block128 / NVFP4 with bf16 factors, dense for the others; the summary says
+    /// how many went where), kernels (the CPU linear for every linear, refusing any it
+    /// cannot run), reference (loraq-kernels' f64 reference; slow, for checks), or
+    /// dense (weights decoded to f32 once, candle matmul; more memory).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "dense", "kernels", "reference"])]
     backend: String,
+    /// Where the linears run: cpu, or cuda (loraq-kernels' CUDA kernels for every
+    /// linear, the rest of each layer on the CPU; needs a build with the `cuda` feature,
+    /// a GPU, and NVRTC or LORAQ_CUBIN_DIR; formats the GPU kernels do not run are
+    /// refused). With cuda, --backend must be auto.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
     /// Records (JSON Lines: id, group?, tokens, options, option_tokens, gold?).
     #[arg(long)]
     records: PathBuf,
@@ -73,13 +83,22 @@ pub fn run(args: Args) -> Result<()> {
         // SAFETY: set before this process starts any thread.
         unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
     }
+    let act_quant: ActivationQuantKind = args
+        .act_quant
+        .parse()
+        .with_context(|| format!("--act-quant {:?}", args.act_quant))?;
+    let backend = match (args.device.as_str(), args.backend.as_str()) {
+        ("cuda", "auto") => LinearBackend::Cuda,
+        ("cuda", other) => bail!(
+            "--device cuda runs every linear on the GPU; --backend {other} is a CPU implementation (leave --backend at auto)"
+        ),
+        (_, name) => LinearBackend::parse(name).with_context(|| format!("--backend {name:?}"))?,
+    };
     let request = RunRequest {
         model: &args.model,
         adapter: args.adapter.as_deref(),
-        act_quant: ActQuantScheme::parse(&args.act_quant)
-            .with_context(|| format!("--act-quant {:?}", args.act_quant))?,
-        backend: LinearBackend::parse(&args.backend)
-            .with_context(|| format!("--backend {:?}", args.backend))?,
+        act_quant,
+        backend,
         records: &args.records,
         out: &args.out,
         hidden_out: args.hidden_out.as_deref(),
@@ -99,7 +118,7 @@ pub struct RunRequest<'a> {
     /// PEFT adapter directory, applied unmerged.
     pub adapter: Option<&'a Path>,
     /// Activation fake-quant of the base path.
-    pub act_quant: ActQuantScheme,
+    pub act_quant: ActivationQuantKind,
     /// Linear implementation.
     pub backend: LinearBackend,
     /// Records file.
@@ -215,12 +234,18 @@ pub fn score_to_files(request: &RunRequest<'_>) -> Result<RunSummary> {
         .iter()
         .map(|r| r.tokens.as_ref().map_or(0, Vec::len))
         .sum();
+    let linears: Vec<String> = model
+        .linears_by_backend()
+        .iter()
+        .map(|(backend, count)| format!("{count} {backend}"))
+        .collect();
     eprintln!(
-        "loraq run: {} records ({tokens} prompt tokens) in {seconds:.2} s ({:.1} records/s, {:.0} tokens/s); model loaded in {load_seconds:.2} s, {} adapted modules",
+        "loraq run: {} records ({tokens} prompt tokens) in {seconds:.2} s ({:.1} records/s, {:.0} tokens/s); model loaded in {load_seconds:.2} s, {} adapted modules, linears: {}",
         answers.len(),
         answers.len() as f64 / seconds.max(1e-9),
         tokens as f64 / seconds.max(1e-9),
-        model.adapted_modules()
+        model.adapted_modules(),
+        linears.join(", ")
     );
     Ok(RunSummary {
         records: answers.len(),

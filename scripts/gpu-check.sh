@@ -72,7 +72,11 @@ if [[ "${1:-}" == "--prepare" ]]; then
         # Debug line tables make up most of the size; the device copy needs none.
         if command -v strip >/dev/null 2>&1; then strip --strip-debug "$out/$(basename "${kind#* }")"; fi
     done
-    echo "gpu-check: prepared $out (gpu, gpu_linear, cubins/)"
+    # `loraq run --device cuda` (the model's linears on the GPU) for the run check.
+    cargo build --release --features cuda --bin loraq
+    cp target/release/loraq "$out/loraq"
+    if command -v strip >/dev/null 2>&1; then strip --strip-debug "$out/loraq"; fi
+    echo "gpu-check: prepared $out (gpu, gpu_linear, loraq, cubins/)"
     exit 0
 fi
 
@@ -96,6 +100,7 @@ if [[ -n "${LORAQ_GPU_PREBUILT:-}" ]]; then
     export LORAQ_CUBIN_DIR="${LORAQ_CUBIN_DIR:-$prebuilt/cubins}"
     test_cmd=("$prebuilt/gpu" --nocapture --test-threads=1)
     bench_cmd=("$prebuilt/gpu_linear" --bench)
+    loraq_bin="$prebuilt/loraq"
 else
     command -v cargo >/dev/null 2>&1 || { echo "gpu-check: no cargo; use --prepare elsewhere and LORAQ_GPU_PREBUILT" >&2; exit 1; }
     find_nvrtc
@@ -103,6 +108,55 @@ else
     timeout 150 cargo build --release -p loraq-kernels --features cuda --tests --benches
     test_cmd=(cargo test --release -p loraq-kernels --features cuda --test gpu -- --nocapture --test-threads=1)
     bench_cmd=(cargo bench -p loraq-kernels --features cuda --bench gpu_linear --)
+    timeout 300 cargo build --release --features cuda --bin loraq
+    loraq_bin="$(pwd)/target/release/loraq"
+fi
+
+# `loraq run --device cuda`: a tiny synthetic model with its adapter on a bf16, an
+# fp8-block128 and an NVFP4 base, every linear on the GPU kernels (activations cross
+# as bf16), against the CPU kernels' answers of the same run (`loraq compare`).
+run_check() {
+    local dir="$log_dir/run"
+    mkdir -p "$dir"
+    "$loraq_bin" synth --preset tiny --out "$dir/pair" --seed 3 >/dev/null || return 1
+    local vocab
+    vocab=$(sed -n 's/.*"vocab_size": *\([0-9]*\).*/\1/p' "$dir/pair/base/config.json" | head -n 1)
+    awk -v vocab="${vocab:-256}" 'BEGIN {
+        srand(7)
+        for (i = 0; i < 24; i++) {
+            line = sprintf("{\"id\":\"q%02d\",\"tokens\":[", i)
+            for (t = 0; t < 12; t++) line = line (t ? "," : "") int(rand() * vocab)
+            split("", used); opts = ""
+            for (k = 0; k < 4; k++) {
+                do { o = int(rand() * vocab) } while (o in used)
+                used[o] = 1; opts = opts (k ? "," : "") o
+            }
+            print line "],\"options\":[\"A\",\"B\",\"C\",\"D\"],\"option_tokens\":[" opts "]}"
+        }
+    }' > "$dir/records.jsonl"
+    local status=0
+    for scheme in bf16 fp8-block128 nvfp4; do
+        local model="$dir/pair/base"
+        if [[ "$scheme" != bf16 ]]; then
+            model="$dir/base-$scheme"
+            "$loraq_bin" quantize --in "$dir/pair/base" --out "$model" --scheme "$scheme" >/dev/null || return 1
+        fi
+        for device in cpu cuda; do
+            local backend=()
+            [[ "$device" == cpu ]] && backend=(--backend kernels)
+            "$loraq_bin" run --model "$model" --adapter "$dir/pair/true-adapter" --records "$dir/records.jsonl" \
+                --device "$device" "${backend[@]}" --out "$dir/$scheme-$device.jsonl" || status=1
+        done
+        echo "### $scheme: CUDA answers against the CPU answers"
+        "$loraq_bin" compare --reference "$dir/$scheme-cpu.jsonl" --candidate "$dir/$scheme-cuda.jsonl" || status=1
+    done
+    return $status
+}
+echo "== loraq run --device cuda vs the CPU"
+run_status=passed
+if ! timeout 240 bash -c "$(declare -f run_check); log_dir='$log_dir' loraq_bin='$loraq_bin' run_check" \
+    2>&1 | tee "$log_dir/run.log"; then
+    run_status=FAILED
 fi
 
 echo "== GPU kernels vs CPU reference"
@@ -157,6 +211,7 @@ done
     echo "- GPU: $gpu_name"
     echo "- GPU tests against the CPU reference (bf16 tolerance): $test_status"
     echo "- benchmark: $bench_status"
+    echo "- loraq run --device cuda against the CPU answers: $run_status (log: -run.log)"
     echo "- wall time: $(( $(date +%s) - start )) s"
     echo
     if [[ -s "$table" ]]; then cat "$table"; else echo "(no table: see the bench log below)"; tail -n 30 "$log_dir/bench.log" | sed 's/^/    /'; fi
@@ -169,6 +224,7 @@ done
 # Full logs beside the report: a failing configuration or a hang is read from them.
 cp "$log_dir/test.log" "${report%.md}-test.log"
 cp "$log_dir/bench.log" "${report%.md}-bench.log"
+cp "$log_dir/run.log" "${report%.md}-run.log"
 echo "gpu-check: wrote $report and its -test.log / -bench.log"
 # >>> collect: vLLM step (owner: collect; docs/collect.md) >>>
 # Serves the tiny Qwen3.5 of tests/data/model/qwen3_5 with the collect fixture's LoRA in
@@ -247,4 +303,4 @@ fi
     done
 } >>"$report"
 # <<< collect <<<
-[[ "$test_status" == passed && "$bench_status" == done ]]
+[[ "$test_status" == passed && "$bench_status" == done && "$run_status" == passed ]]

@@ -18,9 +18,10 @@
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Int4G128Weight, Isa, LoraAdapter,
-    Mxfp4Weight, Nvfp4Weight, QuantLoraLinear,
+    Bf16Weight, CpuOptions, Fp8Weight, Int4Weight, Isa, LoraAdapter, Mxfp4Weight, Nvfp4Weight,
+    QuantLoraLinear, QuantizedWeight,
 };
+use loraq_quant::Nvfp4GlobalScale;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -56,38 +57,34 @@ fn lora() -> LoraAdapter {
 }
 
 fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
-    let fp8 = Fp8Block128Weight::new(
+    let fp8 = Fp8Weight::block128(
         OUT,
         IN,
         random_bytes(OUT * IN, 1, |b| if b & 0x7F == 0x7F { b ^ 1 } else { b }),
         vec![1e-3; OUT.div_ceil(128) * IN.div_ceil(128)],
-    )
-    .unwrap();
+    );
     let nvfp4 = Nvfp4Weight::new(
         OUT,
         IN,
         random_bytes(OUT * IN / 2, 2, |b| b),
         random_bytes(OUT * IN / 16, 3, |b| 0x30 + (b & 0x0F)),
-        1e-3,
-    )
-    .unwrap();
+        Nvfp4GlobalScale::Multiplier(1e-3),
+    );
     let groups = OUT * IN.div_ceil(128);
-    let int4 = Int4G128Weight::new(
+    let int4 = Int4Weight::from_packed(
         OUT,
         IN,
         random_bytes(OUT * IN / 2, 4, |b| b),
         vec![2e-3; groups],
         random_bytes(groups, 5, |b| b & 0x0F),
-    )
-    .unwrap();
+    );
     // MXFP4: E8M0 scales 2^-10 .. 2^-5 (codes 117 ..= 122).
     let mxfp4 = Mxfp4Weight::new(
         OUT,
         IN,
         random_bytes(OUT * IN / 2, 6, |b| b),
         random_bytes(OUT * IN / 32, 7, |b| 117 + b % 6),
-    )
-    .unwrap();
+    );
     // The unquantized base for comparison: bf16 values of about +-0.03.
     let bf16_base = Bf16Weight::new(
         OUT,
@@ -96,14 +93,13 @@ fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
             .into_iter()
             .map(|b| bf16::from_f32((f32::from(b) - 127.5) / 4096.0))
             .collect(),
-    )
-    .unwrap();
+    );
     [
-        ("fp8-block128", BaseWeight::Fp8Block128(fp8)),
-        ("nvfp4", BaseWeight::Nvfp4(nvfp4)),
-        ("int4-g128", BaseWeight::Int4G128(int4)),
-        ("mxfp4", BaseWeight::Mxfp4(mxfp4)),
-        ("bf16", BaseWeight::Bf16(bf16_base)),
+        ("fp8-block128", QuantizedWeight::Fp8(fp8)),
+        ("nvfp4", QuantizedWeight::Nvfp4(nvfp4)),
+        ("int4-g128", QuantizedWeight::Int4(int4)),
+        ("mxfp4", QuantizedWeight::Mxfp4(mxfp4)),
+        ("bf16", QuantizedWeight::Bf16(bf16_base)),
     ]
     .into_iter()
     .map(|(name, base)| (name, QuantLoraLinear::new(base, Some(lora())).unwrap()))

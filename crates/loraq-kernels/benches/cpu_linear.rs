@@ -20,9 +20,10 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, CpuOptions, Fp8Block128Weight, Int4G128Weight, Isa, LoraAdapter, Nvfp4Weight,
-    Parallelism, QuantLoraLinear,
+    CpuOptions, Fp8Weight, Int4Weight, Isa, LoraAdapter, Nvfp4Weight, Parallelism, QuantLoraLinear,
+    QuantizedWeight,
 };
+use loraq_quant::Nvfp4GlobalScale;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -62,15 +63,20 @@ fn lora(out_dim: usize, in_dim: usize, rank: usize) -> Option<LoraAdapter> {
 fn fp8_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
     let codes = random_bytes(out_dim * in_dim, 1, no_nan_e4m3);
     let scales = vec![1e-3f32; out_dim.div_ceil(128) * in_dim.div_ceil(128)];
-    let base =
-        BaseWeight::Fp8Block128(Fp8Block128Weight::new(out_dim, in_dim, codes, scales).unwrap());
+    let base = QuantizedWeight::Fp8(Fp8Weight::block128(out_dim, in_dim, codes, scales));
     QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
 }
 
 fn nvfp4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
     let packed = random_bytes(out_dim * in_dim / 2, 2, |b| b);
     let scales = random_bytes(out_dim * in_dim / 16, 3, |b| 0x30 + (b & 0x0F));
-    let base = BaseWeight::Nvfp4(Nvfp4Weight::new(out_dim, in_dim, packed, scales, 1e-3).unwrap());
+    let base = QuantizedWeight::Nvfp4(Nvfp4Weight::new(
+        out_dim,
+        in_dim,
+        packed,
+        scales,
+        Nvfp4GlobalScale::Multiplier(1e-3),
+    ));
     QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
 }
 
@@ -79,8 +85,9 @@ fn int4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
     let groups = out_dim * in_dim.div_ceil(128);
     let scales = vec![2e-3f32; groups];
     let zeros = random_bytes(groups, 5, |b| b & 0x0F);
-    let base =
-        BaseWeight::Int4G128(Int4G128Weight::new(out_dim, in_dim, packed, scales, zeros).unwrap());
+    let base = QuantizedWeight::Int4(Int4Weight::from_packed(
+        out_dim, in_dim, packed, scales, zeros,
+    ));
     QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
 }
 

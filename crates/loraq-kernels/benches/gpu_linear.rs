@@ -17,7 +17,8 @@
 use criterion::{BenchmarkId, Criterion, Throughput};
 use half::bf16;
 use loraq_kernels::cuda::{CudaBackend, GpuLinear, GpuMode, driver_available};
-use loraq_kernels::{BaseWeight, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, QuantLoraLinear};
+use loraq_kernels::{Fp8Weight, LoraAdapter, Nvfp4Weight, QuantLoraLinear, QuantizedWeight};
+use loraq_quant::Nvfp4GlobalScale;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::fmt::Write as _;
@@ -87,12 +88,18 @@ fn linear(format: &str, out_dim: usize, in_dim: usize) -> QuantLoraLinear {
                 if b & 0x7F == 0x7F { b ^ 1 } else { b }
             });
             let scales = vec![1e-3f32; out_dim.div_ceil(128) * in_dim.div_ceil(128)];
-            BaseWeight::Fp8Block128(Fp8Block128Weight::new(out_dim, in_dim, codes, scales).unwrap())
+            QuantizedWeight::Fp8(Fp8Weight::block128(out_dim, in_dim, codes, scales))
         }
         _ => {
             let packed = random_bytes(out_dim * in_dim / 2, 2, |b| b);
             let scales = random_bytes(out_dim * in_dim / 16, 3, |b| 0x30 + (b & 0x0F));
-            BaseWeight::Nvfp4(Nvfp4Weight::new(out_dim, in_dim, packed, scales, 1e-3).unwrap())
+            QuantizedWeight::Nvfp4(Nvfp4Weight::new(
+                out_dim,
+                in_dim,
+                packed,
+                scales,
+                Nvfp4GlobalScale::Multiplier(1e-3),
+            ))
         }
     };
     QuantLoraLinear::new(base, Some(lora(out_dim, in_dim))).unwrap()

@@ -9,17 +9,17 @@
 //! accumulation is f32; the LoRA intermediate `s * A x` is f32.
 
 use crate::error::{KernelError, Result};
-use crate::launch_plan::{self, FusedPlan};
+use crate::launch_plan::{self, DecodeKernel, FusedPlan};
 use crate::linear::QuantLoraLinear;
 use crate::lora::MAX_RANK;
 use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
-use crate::weight::BaseWeight;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PushKernelArg, sys,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
+use loraq_quant::{Nvfp4GlobalScale, QuantizedWeight};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -329,7 +329,7 @@ impl CudaBackend {
         let s = &self.stream;
         let up = driver_err("uploading weights");
         let (format, codes, scales, global) = match linear.base() {
-            BaseWeight::Bf16(w) => {
+            QuantizedWeight::Bf16(w) => {
                 let bytes: Vec<u8> = w
                     .data
                     .iter()
@@ -342,7 +342,7 @@ impl CudaBackend {
                     1.0,
                 )
             }
-            BaseWeight::Fp8Block128(w) => {
+            QuantizedWeight::Fp8(w) => {
                 let scale_bytes: Vec<u8> = w.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
                 (
                     "fp8b128",
@@ -351,18 +351,23 @@ impl CudaBackend {
                     1.0,
                 )
             }
-            BaseWeight::Nvfp4(w) => (
+            QuantizedWeight::Nvfp4(w) => (
                 "nvfp4",
                 s.clone_htod(&w.packed).map_err(&up)?,
                 s.clone_htod(&w.block_scales).map_err(&up)?,
-                w.global_scale,
+                // The kernels multiply by the global scale; a compressed-tensors divisor
+                // becomes `1 / d`, one rounding more than the CPU path's division.
+                match w.global_scale {
+                    Nvfp4GlobalScale::Multiplier(g) => g,
+                    Nvfp4GlobalScale::Divisor(d) => 1.0 / d,
+                },
             ),
-            BaseWeight::Mxfp4(_) => {
+            QuantizedWeight::Mxfp4(_) => {
                 return Err(KernelError::UnsupportedOnGpu {
                     what: "mxfp4 base weights (CPU path only)".into(),
                 });
             }
-            BaseWeight::Int4G128(_) => {
+            QuantizedWeight::Int4(_) => {
                 return Err(KernelError::UnsupportedOnGpu {
                     what: "int4-g128 base weights (CPU path only)".into(),
                 });
@@ -584,8 +589,11 @@ impl GpuLinear {
             GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
                 let tensor_cores = if mode == GpuMode::FusedTensorCoreDecode {
                     let tc_nb = if batch <= 8 { 8 } else { 16 };
-                    let (f, resident) =
-                        backend.decode_fn(&format!("{}_tcdec_fused_b{tc_nb}", self.format))?;
+                    let (f, resident) = backend.decode_fn(&format!(
+                        "{}_{}_b{tc_nb}",
+                        self.format,
+                        DecodeKernel::TensorCore.name()
+                    ))?;
                     launch_plan::tensor_core_plan(self.n, self.k, batch, rank, resident)
                         .map(|plan| (f, plan))
                 } else {
@@ -594,8 +602,11 @@ impl GpuLinear {
                 let (function, plan): (CudaFunction, FusedPlan) = match tensor_cores {
                     Some(chosen) => chosen,
                     None => {
-                        let (f, resident) =
-                            backend.decode_fn(&format!("{}_fused_b{nb}", self.format))?;
+                        let (f, resident) = backend.decode_fn(&format!(
+                            "{}_{}_b{nb}",
+                            self.format,
+                            DecodeKernel::CudaCore.name()
+                        ))?;
                         (
                             f,
                             launch_plan::cuda_core_plan(self.n, batch, rank, resident),
@@ -657,8 +668,9 @@ impl GpuLinear {
                 ];
                 // Only the CUDA-core kernel waits before touching what the previous
                 // kernel may use (griddep_wait in lora_decode.cu).
-                let programmatic =
-                    backend.programmatic_launch && plan.kind == "fused" && backend.major >= 9;
+                let programmatic = backend.programmatic_launch
+                    && plan.kind == DecodeKernel::CudaCore
+                    && backend.major >= 9;
                 // SAFETY: the parameters match `{format}_fused_b{NB}` and
                 // `{format}_tcdec_fused_b{NB}` in lora_decode.cu, in order and type, and
                 // outlive the call; t holds batch * rank floats (forward), tc_part the
@@ -848,5 +860,78 @@ impl GpuLinear {
         self.forward(backend, &xd, batch, &mut yd, mode)?;
         backend.synchronize()?;
         backend.download(&yd)
+    }
+}
+
+/// A linear on the CUDA backend behind [`crate::LoraLinear`] (what
+/// [`crate::Backend::Cuda`] builds): each call uploads the f32 activations as bf16, runs
+/// the fused kernels ([`GpuMode::Fused`]) and downloads the bf16 output as f32, so the
+/// rest of a layer can stay on the host.
+pub struct CudaLinear {
+    device: Arc<CudaBackend>,
+    linear: Mutex<GpuLinear>,
+    in_dim: usize,
+    out_dim: usize,
+}
+
+impl CudaLinear {
+    /// Uploads `linear` to `device` (refusing what the GPU kernels cannot run).
+    pub fn new(device: Arc<CudaBackend>, linear: &QuantLoraLinear) -> Result<Self> {
+        let uploaded = device.upload(linear)?;
+        Ok(Self {
+            device,
+            linear: Mutex::new(uploaded),
+            in_dim: linear.in_dim(),
+            out_dim: linear.out_dim(),
+        })
+    }
+}
+
+impl std::fmt::Debug for CudaLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLinear")
+            .field("device", &self.device.device_name())
+            .field("in_dim", &self.in_dim)
+            .field("out_dim", &self.out_dim)
+            .finish()
+    }
+}
+
+impl crate::LoraLinear for CudaLinear {
+    fn forward(&self, x: &[f32], batch: usize, y: &mut [f32]) -> Result<()> {
+        if batch.checked_mul(self.out_dim) != Some(y.len()) {
+            return Err(KernelError::OutputShape {
+                batch,
+                out_dim: self.out_dim,
+                actual: y.len(),
+            });
+        }
+        if batch.checked_mul(self.in_dim) != Some(x.len()) {
+            return Err(KernelError::InputShape {
+                batch,
+                in_dim: self.in_dim,
+                actual: x.len(),
+            });
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        // The linear's LoRA intermediate and release counter are per call: one call at a
+        // time (the forward pass runs its linears in order anyway).
+        let mut linear = self
+            .linear
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let out = linear.forward_host(&self.device, x, batch, GpuMode::Fused)?;
+        y.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
+    fn out_dim(&self) -> usize {
+        self.out_dim
     }
 }

@@ -15,12 +15,31 @@ const TC_DECODE_CHUNK: usize = 128;
 /// Chunks per slice of the tensor-core decode's shrink, when the grid has room.
 const TC_SHRINK_SLICE_CHUNKS: usize = 8;
 
+/// Which fused decode kernel a plan launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DecodeKernel {
+    /// The CUDA-core kernel, `{format}_fused_b{NB}`.
+    CudaCore,
+    /// The tensor-core kernel, `{format}_tcdec_fused_b{NB}`.
+    TensorCore,
+}
+
+impl DecodeKernel {
+    /// The middle of the kernel's name in lora_decode.cu.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::CudaCore => "fused",
+            Self::TensorCore => "tcdec_fused",
+        }
+    }
+}
+
 /// One fused decode launch: kernel `{format}_{kind}_b{nb}`, `shrink_blocks` blocks of
 /// LoRA shrink first in the grid, then `base_blocks` of base stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FusedPlan {
-    /// `fused` (CUDA cores) or `tcdec_fused` (tensor cores).
-    pub kind: &'static str,
+    /// The CUDA-core or the tensor-core kernel.
+    pub kind: DecodeKernel,
     /// The instantiation's token count.
     pub nb: usize,
     /// Blocks computing the LoRA shrink.
@@ -56,7 +75,7 @@ pub(crate) fn cuda_core_plan(n: usize, batch: usize, rank: usize, resident: usiz
     let rows_per_block = DECODE_THREADS / 32 * rows_per_warp;
     let shrink_blocks = rank.div_ceil(rows_per_block);
     FusedPlan {
-        kind: "fused",
+        kind: DecodeKernel::CudaCore,
         nb,
         shrink_blocks,
         // Every block co-resident (the base blocks wait for the shrink), and no more
@@ -107,7 +126,7 @@ pub(crate) fn tensor_core_plan(
     let tiles = n.div_ceil(16);
     let per_block = tiles.div_ceil(resident - shrink_blocks);
     Some(FusedPlan {
-        kind: "tcdec_fused",
+        kind: DecodeKernel::TensorCore,
         nb: if batch <= 8 { 8 } else { 16 },
         shrink_blocks,
         base_blocks: tiles.div_ceil(per_block),
@@ -129,11 +148,11 @@ pub(crate) fn tensor_core_plan(
 #[cfg(test)]
 mod host_emulation {
     use super::*;
-    use crate::reference::forward_reference_with_magnitude;
-    use crate::{
-        BaseWeight, Bf16Weight, Fp8Block128Weight, LoraAdapter, Nvfp4Weight, QuantLoraLinear,
-    };
+    use crate::{LoraAdapter, QuantLoraLinear};
     use half::bf16;
+    use loraq_quant::{
+        Bf16Weight, Fp8Granularity, Fp8Weight, Nvfp4GlobalScale, Nvfp4Weight, QuantizedWeight,
+    };
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
     use std::path::{Path, PathBuf};
@@ -238,9 +257,11 @@ mod host_emulation {
     fn random_linear(format: &str, n: usize, k: usize, rank: usize, seed: u64) -> QuantLoraLinear {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let base = match format {
-            "bf16" => {
-                BaseWeight::Bf16(Bf16Weight::new(n, k, bf16s(&mut rng, n * k, 0.05)).unwrap())
-            }
+            "bf16" => QuantizedWeight::Bf16(Bf16Weight {
+                rows: n,
+                cols: k,
+                data: bf16s(&mut rng, n * k, 0.05),
+            }),
             "fp8b128" => {
                 let codes = (0..n * k)
                     .map(|_| rng.random::<u8>())
@@ -249,7 +270,13 @@ mod host_emulation {
                 let scales = (0..n.div_ceil(128) * k.div_ceil(128))
                     .map(|_| rng.random_range(1e-3f32..1e-2))
                     .collect();
-                BaseWeight::Fp8Block128(Fp8Block128Weight::new(n, k, codes, scales).unwrap())
+                QuantizedWeight::Fp8(Fp8Weight {
+                    rows: n,
+                    cols: k,
+                    granularity: Fp8Granularity::Block128,
+                    codes,
+                    scales,
+                })
             }
             _ => {
                 let packed = (0..n * k / 2).map(|_| rng.random()).collect();
@@ -258,7 +285,13 @@ mod host_emulation {
                     .map(|_| rng.random_range(0u8..0x60) | (rng.random::<u8>() & 0x80))
                     .collect();
                 let global = rng.random_range(1e-3f32..1e-1);
-                BaseWeight::Nvfp4(Nvfp4Weight::new(n, k, packed, scales, global).unwrap())
+                QuantizedWeight::Nvfp4(Nvfp4Weight {
+                    rows: n,
+                    cols: k,
+                    packed,
+                    block_scales: scales,
+                    global_scale: Nvfp4GlobalScale::Multiplier(global),
+                })
             }
         };
         let lora = (rank > 0).then(|| {
@@ -394,13 +427,18 @@ mod host_emulation {
     ) -> Option<Vec<f32>> {
         let (n, k) = (linear.out_dim(), linear.in_dim());
         let (codes, scales, global) = match linear.base() {
-            BaseWeight::Bf16(w) => (bf16_bytes(&w.data), Vec::new(), 1.0f32),
-            BaseWeight::Fp8Block128(w) => (
+            QuantizedWeight::Bf16(w) => (bf16_bytes(&w.data), Vec::new(), 1.0f32),
+            QuantizedWeight::Fp8(w) => (
                 w.codes.clone(),
                 w.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
                 1.0,
             ),
-            BaseWeight::Nvfp4(w) => (w.packed.clone(), w.block_scales.clone(), w.global_scale),
+            QuantizedWeight::Nvfp4(Nvfp4Weight {
+                packed,
+                block_scales,
+                global_scale: Nvfp4GlobalScale::Multiplier(global),
+                ..
+            }) => (packed.clone(), block_scales.clone(), *global),
             _ => unreachable!("the GPU kernels take bf16, fp8-block128 and NVFP4"),
         };
         let (rank, scale, a, b) = match linear.lora() {
@@ -428,7 +466,7 @@ mod host_emulation {
                 let counter = job.zeros(4);
                 let part = job.zeros(4 * plan.slices * 16 * rank);
                 let tickets = job.zeros(4 * 32);
-                let name = format!("{format}_{}_b{}", plan.kind, plan.nb);
+                let name = format!("{format}_{}_b{}", plan.kind.name(), plan.nb);
                 job.launch(
                     &name,
                     (plan.shrink_blocks + plan.base_blocks, 1),
@@ -590,7 +628,7 @@ mod host_emulation {
                             continue;
                         };
                         let (want, magnitude) =
-                            forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+                            linear.forward_reference_with_magnitude(&x, batch).unwrap();
                         let tag = format!("{format} {n}x{k} r={rank} batch={batch} {path:?}");
                         failures.extend(compare(&tag, &got, &want, &magnitude));
                         checked += 1;

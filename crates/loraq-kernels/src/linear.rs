@@ -1,10 +1,9 @@
 //! The quantized-base + LoRA linear layer.
 
-use crate::act::ActivationQuant;
 use crate::cpu::{self, CpuOptions};
 use crate::error::{KernelError, Result};
 use crate::lora::LoraAdapter;
-use crate::weight::BaseWeight;
+use loraq_quant::{ActivationQuant, QuantizedWeight};
 
 /// `y = dequant(W_q) · act_q(x) + scale · B (A x)` for a batch of tokens.
 ///
@@ -13,7 +12,7 @@ use crate::weight::BaseWeight;
 /// intermediate `A x` is kept in f32.
 #[derive(Clone, Debug)]
 pub struct QuantLoraLinear {
-    base: BaseWeight,
+    base: QuantizedWeight,
     lora: Option<LoraAdapter>,
     activation_quant: ActivationQuant,
     /// Per-block-scale-code multipliers (NVFP4: E4M3 x global scale, MXFP4: E8M0).
@@ -23,36 +22,40 @@ pub struct QuantLoraLinear {
 }
 
 impl QuantLoraLinear {
-    /// Builds a linear from a base weight and an optional adapter; the adapter's shape
-    /// must match the base's.
-    pub fn new(base: BaseWeight, lora: Option<LoraAdapter>) -> Result<Self> {
+    /// Builds a linear from a base weight in its stored format and an optional
+    /// adapter; refuses a weight the kernels cannot run (fp8 per tensor or channel,
+    /// buffers of the wrong length, NaN codes, non-finite scales) and an adapter whose
+    /// shape is not the base's.
+    pub fn new(base: QuantizedWeight, lora: Option<LoraAdapter>) -> Result<Self> {
+        crate::weight::check_runnable(&base)?;
+        let (out_dim, in_dim) = base.shape();
         if let Some(l) = &lora {
-            if l.in_dim != base.in_dim() {
+            if l.in_dim != in_dim {
                 return Err(KernelError::LoraShape {
                     factor: "A",
                     rows: l.rank,
                     cols: l.in_dim,
                     expected_rows: l.rank,
-                    expected_cols: base.in_dim(),
+                    expected_cols: in_dim,
                 });
             }
-            if l.out_dim != base.out_dim() {
+            if l.out_dim != out_dim {
                 return Err(KernelError::LoraShape {
                     factor: "B",
                     rows: l.out_dim,
                     cols: l.rank,
-                    expected_rows: base.out_dim(),
+                    expected_rows: out_dim,
                     expected_cols: l.rank,
                 });
             }
         }
         let scale_table = Box::new(match &base {
-            BaseWeight::Nvfp4(w) => cpu::decode::nvfp4_scale_table(w.global_scale),
-            BaseWeight::Mxfp4(_) => cpu::decode::mxfp4_scale_table(),
+            QuantizedWeight::Nvfp4(w) => cpu::decode::nvfp4_scale_table(w.global_scale),
+            QuantizedWeight::Mxfp4(_) => cpu::decode::mxfp4_scale_table(),
             _ => [0f32; 256],
         });
         let fp8_rebiased = match &base {
-            BaseWeight::Fp8Block128(w) => cpu::decode::fp8_rebiased_scales(&w.scales),
+            QuantizedWeight::Fp8(w) => cpu::decode::fp8_rebiased_scales(&w.scales),
             _ => None,
         };
         Ok(Self {
@@ -71,7 +74,7 @@ impl QuantLoraLinear {
     }
 
     /// The base weight.
-    pub fn base(&self) -> &BaseWeight {
+    pub fn base(&self) -> &QuantizedWeight {
         &self.base
     }
 
@@ -87,12 +90,12 @@ impl QuantLoraLinear {
 
     /// Input features.
     pub fn in_dim(&self) -> usize {
-        self.base.in_dim()
+        self.base.shape().1
     }
 
     /// Output features.
     pub fn out_dim(&self) -> usize {
-        self.base.out_dim()
+        self.base.shape().0
     }
 
     /// Bytes one pass reads from the weights (base codes and scales, both LoRA factors):
@@ -175,7 +178,30 @@ impl QuantLoraLinear {
                 actual: x.len(),
             });
         }
-        crate::reference::forward_reference(self, x, batch)
+        crate::reference::forward_reference(
+            &self.base,
+            self.lora.as_ref(),
+            self.activation_quant,
+            x,
+            batch,
+        )
+    }
+
+    /// As [`Self::forward_reference`], also returning per output the sum of the
+    /// magnitudes of its products (see
+    /// [`crate::reference::forward_reference_with_magnitude`]).
+    pub fn forward_reference_with_magnitude(
+        &self,
+        x: &[f32],
+        batch: usize,
+    ) -> Result<(Vec<f32>, Vec<f64>)> {
+        crate::reference::forward_reference_with_magnitude(
+            &self.base,
+            self.lora.as_ref(),
+            self.activation_quant,
+            x,
+            batch,
+        )
     }
 
     /// Dequantizes the whole base weight to f32, row-major `[out_dim, in_dim]`.

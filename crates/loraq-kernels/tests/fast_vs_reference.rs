@@ -5,11 +5,11 @@
 mod common;
 
 use common::{FORMATS, Format, assert_close, legal_in_dim, random_activations, random_linear};
-use loraq_kernels::reference::forward_reference_with_magnitude;
 use loraq_kernels::{
-    ActivationQuant, BaseWeight, CpuOptions, Fp8Block128Weight, Isa, Mxfp4Weight, Nvfp4Weight,
-    Parallelism, QuantLoraLinear,
+    ActivationQuant, CpuOptions, Fp8Weight, Isa, Mxfp4Weight, Nvfp4Weight, Parallelism,
+    QuantLoraLinear, QuantizedWeight,
 };
+use loraq_quant::Nvfp4GlobalScale;
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -30,7 +30,7 @@ fn check(
     let in_dim = legal_in_dim(format, in_dim);
     let linear = random_linear(format, out_dim, in_dim, rank, seed).with_activation_quant(act);
     let x = random_activations(batch * in_dim, seed);
-    let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+    let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
     for isa in Isa::available() {
         for parallelism in [Parallelism::Rayon, Parallelism::Sequential] {
             let opts = CpuOptions {
@@ -130,7 +130,7 @@ fn dense_baseline_matches_reference() {
             let in_dim = legal_in_dim(format, 160);
             let linear = random_linear(format, 50, in_dim, 24, 3);
             let x = random_activations(batch * in_dim, 3);
-            let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+            let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
             let opts = CpuOptions::default();
             let dense = linear.dequantize_base(opts);
             let mut y = vec![0f32; batch * 50];
@@ -181,7 +181,7 @@ fn lora_phased_schedule_gives_the_same_bits() {
 }
 
 fn check_linear(linear: &QuantLoraLinear, batch: usize, x: &[f32], context: &str) {
-    let (want, magnitude) = forward_reference_with_magnitude(linear, x, batch).unwrap();
+    let (want, magnitude) = linear.forward_reference_with_magnitude(x, batch).unwrap();
     for isa in Isa::available() {
         let opts = CpuOptions {
             isa: Some(isa),
@@ -216,8 +216,7 @@ fn fp8_large_scales_and_activations_stay_finite() {
         })
         .collect();
     let scales = (0..3 * 3).map(|i| [300.0f32, 1e-3, 7.0e4][i % 3]).collect();
-    let base =
-        BaseWeight::Fp8Block128(Fp8Block128Weight::new(out_dim, in_dim, codes, scales).unwrap());
+    let base = QuantizedWeight::Fp8(Fp8Weight::block128(out_dim, in_dim, codes, scales));
     let linear = QuantLoraLinear::new(base, None).unwrap();
     for (batch, amplitude) in [(1, 1e20f32), (2, 1e-20), (5, 3.0)] {
         let x: Vec<f32> = (0..batch * in_dim)
@@ -238,8 +237,13 @@ fn nvfp4_tails_and_large_global_scale() {
         let scales = (0..out_dim * in_dim / 16)
             .map(|_| rng.random_range(0u8..0x30))
             .collect();
-        let base =
-            BaseWeight::Nvfp4(Nvfp4Weight::new(out_dim, in_dim, packed, scales, global).unwrap());
+        let base = QuantizedWeight::Nvfp4(Nvfp4Weight::new(
+            out_dim,
+            in_dim,
+            packed,
+            scales,
+            Nvfp4GlobalScale::Multiplier(global),
+        ));
         let linear = QuantLoraLinear::new(
             base,
             Some(common::random_lora(9, out_dim, in_dim, &mut rng)),
@@ -268,14 +272,14 @@ fn mxfp4_extreme_block_scales_match_reference() {
     for (code, x_scale) in [(0u8, 1e30f32), (1, 1e30), (127, 1.0), (200, 1e-20)] {
         let packed: Vec<u8> = (0..out_dim * in_dim / 2).map(|_| rng.random()).collect();
         let scales = vec![code; out_dim * in_dim / 32];
-        let base = Mxfp4Weight::new(out_dim, in_dim, packed, scales).unwrap();
-        let linear = QuantLoraLinear::new(BaseWeight::Mxfp4(base), None).unwrap();
+        let base = Mxfp4Weight::new(out_dim, in_dim, packed, scales);
+        let linear = QuantLoraLinear::new(QuantizedWeight::Mxfp4(base), None).unwrap();
         for batch in [1usize, 3] {
             let x: Vec<f32> = random_activations(batch * in_dim, u64::from(code))
                 .iter()
                 .map(|v| v * x_scale)
                 .collect();
-            let (want, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+            let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
             assert!(want.iter().all(|v| v.is_normal() || *v == 0.0));
             for isa in Isa::available() {
                 let mut y = vec![f32::NAN; batch * out_dim];

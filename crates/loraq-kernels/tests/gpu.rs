@@ -7,7 +7,6 @@ mod common;
 
 use common::{Format, random_activations, random_linear};
 use loraq_kernels::cuda::{CudaBackend, GpuMode, driver_available};
-use loraq_kernels::reference::forward_reference_with_magnitude;
 
 fn backend_or_skip() -> Option<CudaBackend> {
     if !driver_available() {
@@ -53,7 +52,7 @@ fn check_against_reference(
                 for &batch in batches {
                     let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
                     let (want, magnitude) =
-                        forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+                        linear.forward_reference_with_magnitude(&x, batch).unwrap();
                     for &mode in modes {
                         let config = format!(
                             "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {mode:?}"
@@ -220,9 +219,9 @@ fn with_programmatic_launch_chained_decodes_match_cpu_reference() {
                         let config = format!(
                             "{format:?} {dim}x{dim} r={rank} batch={batch} chain step {step}"
                         );
-                        let (want, magnitude) =
-                            forward_reference_with_magnitude(&linear, &values[step], batch)
-                                .unwrap();
+                        let (want, magnitude) = linear
+                            .forward_reference_with_magnitude(&values[step], batch)
+                            .unwrap();
                         if let Some(failure) =
                             compare(&config, &values[step + 1], &want, &magnitude)
                         {

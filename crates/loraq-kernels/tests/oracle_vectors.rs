@@ -3,11 +3,11 @@
 //! (`scripts/kernels_oracle.py`, vectors in `tests/data/oracle_vectors.json`).
 
 use half::bf16;
-use loraq_kernels::reference::forward_reference_with_magnitude;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Isa, LoraAdapter, Mxfp4Weight,
-    Nvfp4Weight, Parallelism, QuantLoraLinear,
+    Bf16Weight, CpuOptions, Fp8Weight, Isa, LoraAdapter, Mxfp4Weight, Nvfp4Weight, Parallelism,
+    QuantLoraLinear, QuantizedWeight,
 };
+use loraq_quant::Nvfp4GlobalScale;
 use serde_json::Value;
 
 fn u8s(v: &Value) -> Vec<u8> {
@@ -45,32 +45,30 @@ fn build(case: &Value) -> QuantLoraLinear {
         usize_of(case, "rank"),
     );
     let base = match case["format"].as_str().unwrap() {
-        "bf16" => {
-            BaseWeight::Bf16(Bf16Weight::new(out_dim, in_dim, bf16s(&case["weight_bits"])).unwrap())
-        }
-        "fp8-block128" => BaseWeight::Fp8Block128(
-            Fp8Block128Weight::new(out_dim, in_dim, u8s(&case["codes"]), f32s(&case["scales"]))
-                .unwrap(),
-        ),
-        "nvfp4" => BaseWeight::Nvfp4(
-            Nvfp4Weight::new(
-                out_dim,
-                in_dim,
-                u8s(&case["packed"]),
-                u8s(&case["block_scales"]),
-                case["global_scale"].as_f64().unwrap() as f32,
-            )
-            .unwrap(),
-        ),
-        "mxfp4" => BaseWeight::Mxfp4(
-            Mxfp4Weight::new(
-                out_dim,
-                in_dim,
-                u8s(&case["packed"]),
-                u8s(&case["block_scales"]),
-            )
-            .unwrap(),
-        ),
+        "bf16" => QuantizedWeight::Bf16(Bf16Weight::new(
+            out_dim,
+            in_dim,
+            bf16s(&case["weight_bits"]),
+        )),
+        "fp8-block128" => QuantizedWeight::Fp8(Fp8Weight::block128(
+            out_dim,
+            in_dim,
+            u8s(&case["codes"]),
+            f32s(&case["scales"]),
+        )),
+        "nvfp4" => QuantizedWeight::Nvfp4(Nvfp4Weight::new(
+            out_dim,
+            in_dim,
+            u8s(&case["packed"]),
+            u8s(&case["block_scales"]),
+            Nvfp4GlobalScale::Multiplier(case["global_scale"].as_f64().unwrap() as f32),
+        )),
+        "mxfp4" => QuantizedWeight::Mxfp4(Mxfp4Weight::new(
+            out_dim,
+            in_dim,
+            u8s(&case["packed"]),
+            u8s(&case["block_scales"]),
+        )),
         other => panic!("unknown format {other}"),
     };
     let lora = LoraAdapter::new(
@@ -101,7 +99,7 @@ fn reference_and_fast_path_match_numpy_ml_dtypes() {
             .iter()
             .map(|e| e.as_f64().unwrap())
             .collect();
-        let (reference, magnitude) = forward_reference_with_magnitude(&linear, &x, batch).unwrap();
+        let (reference, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
         let name = case["format"].as_str().unwrap();
         for (i, (&r, &w)) in reference.iter().zip(&want).enumerate() {
             // The reference rounds an f64 sum to f32 once.

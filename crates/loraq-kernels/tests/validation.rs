@@ -4,13 +4,24 @@ mod common;
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, CpuOptions, Fp8Block128Weight, Int4G128Weight, Isa, KernelError,
-    LoraAdapter, Nvfp4Weight, QuantLoraLinear,
+    Bf16Weight, CpuOptions, Fp8Weight, Int4Weight, Isa, KernelError, LoraAdapter, Nvfp4Weight,
+    QuantLoraLinear, QuantizedWeight,
 };
+use loraq_quant::Nvfp4GlobalScale;
 
 #[test]
 fn nvfp4_in_dim_not_divisible_by_16_is_refused() {
-    let err = Nvfp4Weight::new(4, 24, vec![0; 4 * 12], vec![0x38; 4], 1.0).unwrap_err();
+    let err = QuantLoraLinear::new(
+        QuantizedWeight::Nvfp4(Nvfp4Weight::new(
+            4,
+            24,
+            vec![0; 4 * 12],
+            vec![0x38; 4],
+            Nvfp4GlobalScale::Multiplier(1.0),
+        )),
+        None,
+    )
+    .unwrap_err();
     assert!(matches!(
         err,
         KernelError::InDimNotBlockAligned {
@@ -47,7 +58,7 @@ fn lora_rank_outside_1_to_512_is_refused() {
 
 #[test]
 fn lora_shape_must_match_the_base() {
-    let base = BaseWeight::Bf16(Bf16Weight::new(3, 4, vec![bf16::ONE; 12]).unwrap());
+    let base = QuantizedWeight::Bf16(Bf16Weight::new(3, 4, vec![bf16::ONE; 12]));
     let lora = LoraAdapter::new(2, 5, 3, vec![bf16::ONE; 10], vec![bf16::ONE; 6], 1.0).unwrap();
     let err = QuantLoraLinear::new(base, Some(lora)).unwrap_err();
     assert!(
@@ -58,7 +69,11 @@ fn lora_shape_must_match_the_base() {
 
 #[test]
 fn fp8_scales_must_cover_every_tile_and_be_finite() {
-    let err = Fp8Block128Weight::new(129, 10, vec![0; 1290], vec![1.0]).unwrap_err();
+    let err = QuantLoraLinear::new(
+        QuantizedWeight::Fp8(Fp8Weight::block128(129, 10, vec![0; 1290], vec![1.0])),
+        None,
+    )
+    .unwrap_err();
     assert!(
         matches!(
             err,
@@ -70,9 +85,17 @@ fn fp8_scales_must_cover_every_tile_and_be_finite() {
         ),
         "{err}"
     );
-    let err = Fp8Block128Weight::new(2, 2, vec![0; 4], vec![f32::INFINITY]).unwrap_err();
+    let err = QuantLoraLinear::new(
+        QuantizedWeight::Fp8(Fp8Weight::block128(2, 2, vec![0; 4], vec![f32::INFINITY])),
+        None,
+    )
+    .unwrap_err();
     assert!(matches!(err, KernelError::BadScale { .. }), "{err}");
-    let err = Fp8Block128Weight::new(2, 2, vec![0, 0x7F, 0, 0], vec![1.0]).unwrap_err();
+    let err = QuantLoraLinear::new(
+        QuantizedWeight::Fp8(Fp8Weight::block128(2, 2, vec![0, 0x7F, 0, 0], vec![1.0])),
+        None,
+    )
+    .unwrap_err();
     assert!(
         matches!(err, KernelError::BadScale { index: 1, .. }),
         "{err}"
@@ -133,7 +156,7 @@ fn loraq_quant_weights_convert_and_decode_identically() {
             .quantize(WeightView::new("w", rows, cols, &data).unwrap())
             .unwrap();
         let expected = quantized.dequantize();
-        let base = BaseWeight::try_from(quantized).unwrap();
+        let base = quantized;
         for (i, &e) in expected.iter().enumerate() {
             let got = loraq_kernels::reference::weight_element(&base, i / cols, i % cols);
             assert_eq!(got as f32, e, "{scheme:?} element {i}");
@@ -152,12 +175,34 @@ fn loraq_quant_weights_convert_and_decode_identically() {
             }
         }
     }
+    // NVFP4 with a compressed-tensors divisor global scale: every decoder gives
+    // loraq-quant's own dequantization (`element * (block_scale / d)`) bit for bit.
+    let QuantizedWeight::Nvfp4(mut nvfp4) = Scheme::Nvfp4
+        .quantize(WeightView::new("w", rows, cols, &data).unwrap())
+        .unwrap()
+    else {
+        unreachable!("nvfp4 quantizes to NVFP4")
+    };
+    nvfp4.global_scale = loraq_quant::Nvfp4GlobalScale::Divisor(2688.0 / 1.5);
+    let divisor = QuantizedWeight::Nvfp4(nvfp4);
+    let expected = divisor.dequantize();
+    let linear = QuantLoraLinear::new(divisor, None).unwrap();
+    for isa in Isa::available() {
+        let opts = CpuOptions {
+            isa: Some(isa),
+            ..CpuOptions::default()
+        };
+        let dense = linear.dequantize_base(opts);
+        for (i, (&got, &e)) in dense.iter().zip(&expected).enumerate() {
+            assert_eq!(got, e, "nvfp4 divisor {} element {i}", isa.name());
+        }
+    }
     // fp8 per tensor has no fused kernel.
     let per_tensor = Scheme::Fp8Tensor
         .quantize(WeightView::new("w", 2, 128, &data[..256]).unwrap())
         .unwrap();
     assert!(matches!(
-        BaseWeight::try_from(per_tensor),
+        QuantLoraLinear::new(per_tensor, None),
         Err(KernelError::UnsupportedScheme { .. })
     ));
 }
@@ -165,11 +210,31 @@ fn loraq_quant_weights_convert_and_decode_identically() {
 /// INT4 codes above 15 and zero points above 15 are refused, naming what is wrong.
 #[test]
 fn int4_codes_and_zero_points_above_15_are_refused() {
-    let err = Int4G128Weight::from_codes(1, 4, &[1, 2, 16, 3], vec![0.5], vec![8]).unwrap_err();
+    let err = Int4Weight::from_codes(1, 4, &[1, 2, 16, 3], vec![0.5], vec![8]).unwrap_err();
     assert!(err.to_string().contains("int4-g128 code"), "{err}");
-    let err = Int4G128Weight::new(1, 4, vec![0x21, 0x43], vec![0.5], vec![16]).unwrap_err();
+    let err = QuantLoraLinear::new(
+        QuantizedWeight::Int4(Int4Weight::from_packed(
+            1,
+            4,
+            vec![0x21, 0x43],
+            vec![0.5],
+            vec![16],
+        )),
+        None,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("zero point"), "{err}");
-    let err = Int4G128Weight::new(1, 5, vec![0x21, 0x43], vec![0.5], vec![8]).unwrap_err();
+    let err = QuantLoraLinear::new(
+        QuantizedWeight::Int4(Int4Weight::from_packed(
+            1,
+            5,
+            vec![0x21, 0x43],
+            vec![0.5],
+            vec![8],
+        )),
+        None,
+    )
+    .unwrap_err();
     assert!(
         matches!(
             err,

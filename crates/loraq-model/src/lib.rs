@@ -29,8 +29,7 @@ pub mod tokenize;
 pub use config::{Family, TextConfig};
 pub use error::{ModelError, Result};
 pub use linear::{
-    ActQuant, ActQuantScheme, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
-    LoraFactorsF32,
+    DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
 };
 pub use model::{LinearBackend, LoadOptions, Model};
 pub use records::{

@@ -6,80 +6,7 @@
 
 use crate::error::{ModelError, Result, TensorContext};
 use candle_core::Tensor;
-use loraq_quant::activation;
-
-/// Activation fake-quant of the base path's input, as a W8A8 / W4A4 server applies
-/// it; the LoRA path always sees the unquantized activation (as vLLM does).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub enum ActQuant {
-    /// Full-precision activations.
-    #[default]
-    None,
-    /// FP8 E4M3, dynamic scale per token (vLLM's floor).
-    Fp8PerToken,
-    /// FP8 E4M3, dynamic scale per token and 128 inputs (block-FP8 checkpoints).
-    Fp8PerGroup,
-    /// NVFP4 as vLLM's W4A4 linears apply it: a dynamic E4M3 scale per 16 inputs
-    /// under the module's static global scale
-    /// ([`loraq_quant::activation::nvfp4_static_vllm`]).
-    Nvfp4 {
-        /// The checkpoint's static scale: ModelOpt `input_scale` (multiplier) or
-        /// compressed-tensors `input_global_scale` (divisor).
-        input_scale: loraq_quant::Nvfp4GlobalScale,
-    },
-}
-
-/// The activation schemes `--act-quant` accepts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ActQuantScheme {
-    /// No activation quantization.
-    #[default]
-    None,
-    /// `fp8` / `fp8-token`: FP8 per token.
-    Fp8PerToken,
-    /// `fp8-group`: FP8 per 1x128 group.
-    Fp8PerGroup,
-    /// `nvfp4`: NVFP4 with each module's checkpoint `input_scale` (ModelOpt) or
-    /// `input_global_scale` (compressed-tensors), as vLLM applies it.
-    Nvfp4,
-}
-
-impl ActQuantScheme {
-    /// Parses `none`, `fp8` (= `fp8-token`), `fp8-token`, `fp8-group`, `nvfp4`.
-    pub fn parse(name: &str) -> Option<ActQuantScheme> {
-        match name {
-            "none" => Some(ActQuantScheme::None),
-            "fp8" | "fp8-token" => Some(ActQuantScheme::Fp8PerToken),
-            "fp8-group" => Some(ActQuantScheme::Fp8PerGroup),
-            "nvfp4" => Some(ActQuantScheme::Nvfp4),
-            _ => None,
-        }
-    }
-}
-
-impl ActQuant {
-    /// Fake-quantizes `x` (`[tokens, in]`) in place; `name` is the module for errors.
-    pub fn apply(self, name: &str, x: &mut [f32], in_features: usize) -> Result<()> {
-        let quant_err = |e: loraq_quant::QuantError| ModelError::Quant {
-            module: name.to_string(),
-            source: e,
-        };
-        match self {
-            ActQuant::None => Ok(()),
-            ActQuant::Fp8PerToken => {
-                activation::fp8_per_token(name, x, in_features, activation::PER_TOKEN_EPS)
-                    .map_err(quant_err)
-            }
-            ActQuant::Fp8PerGroup => {
-                activation::fp8_per_group(name, x, in_features, activation::PER_GROUP_EPS)
-                    .map_err(quant_err)
-            }
-            ActQuant::Nvfp4 { input_scale } => {
-                activation::nvfp4_static_vllm(name, x, in_features, input_scale).map_err(quant_err)
-            }
-        }
-    }
-}
+use loraq_quant::ActivationQuant;
 
 /// A projection `y = x W^T (+ adapter)` from `[tokens, in]` to `[tokens, out]`.
 pub trait LinearLayer: Send + Sync + std::fmt::Debug {
@@ -218,7 +145,7 @@ pub struct DenseLinear {
     /// `W^T`, `[in, out]`: stored transposed so the product is one contiguous matmul.
     weight_t: Tensor,
     lora: Option<LoraFactorsF32>,
-    act_quant: ActQuant,
+    act_quant: ActivationQuant,
     in_features: usize,
     out_features: usize,
 }
@@ -241,14 +168,14 @@ impl DenseLinear {
             weight_t: weight.t().ctx(&name)?.contiguous().ctx(&name)?,
             name,
             lora,
-            act_quant: ActQuant::None,
+            act_quant: ActivationQuant::None,
             in_features,
             out_features,
         })
     }
 
     /// Sets the activation fake-quant of the base path.
-    pub fn with_act_quant(mut self, act_quant: ActQuant) -> DenseLinear {
+    pub fn with_act_quant(mut self, act_quant: ActivationQuant) -> DenseLinear {
         self.act_quant = act_quant;
         self
     }
@@ -263,10 +190,15 @@ impl LinearLayer for DenseLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let ctx = self.name.as_str();
         let base = match self.act_quant {
-            ActQuant::None => x.matmul(&self.weight_t).ctx(ctx)?,
+            ActivationQuant::None => x.matmul(&self.weight_t).ctx(ctx)?,
             quant => {
                 let mut values: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
-                quant.apply(ctx, &mut values, self.in_features)?;
+                quant
+                    .apply(ctx, &mut values, self.in_features)
+                    .map_err(|source| ModelError::Quant {
+                        module: self.name.clone(),
+                        source,
+                    })?;
                 Tensor::from_vec(values, x.shape(), x.device())
                     .ctx(ctx)?
                     .matmul(&self.weight_t)
@@ -320,19 +252,18 @@ mod tests {
     }
 }
 
-/// A linear computed by loraq-kernels' fused "quantized base + LoRA" CPU path: the
-/// base stays in its stored format (bf16, fp8-block128, NVFP4) and is decoded in
-/// registers; the adapter's bf16 factors are applied unmerged.
-#[derive(Debug, Clone)]
+/// A linear run by one of loraq-kernels' backends (CPU, reference, CUDA) on the base
+/// weight in its stored format, with the adapter's bf16 factors applied unmerged.
+#[derive(Debug)]
 pub struct KernelLinear {
     /// The module path, for error messages.
     pub name: String,
-    inner: loraq_kernels::QuantLoraLinear,
+    inner: Box<dyn loraq_kernels::LoraLinear>,
 }
 
 impl KernelLinear {
-    /// Wraps a kernels linear.
-    pub fn new(name: String, inner: loraq_kernels::QuantLoraLinear) -> KernelLinear {
+    /// Wraps a built kernels linear.
+    pub fn new(name: String, inner: Box<dyn loraq_kernels::LoraLinear>) -> KernelLinear {
         KernelLinear { name, inner }
     }
 }
@@ -344,12 +275,7 @@ impl LinearLayer for KernelLinear {
         let input: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
         let mut out = vec![0f32; tokens * self.inner.out_dim()];
         self.inner
-            .forward(
-                &input,
-                tokens,
-                &mut out,
-                loraq_kernels::CpuOptions::default(),
-            )
+            .forward(&input, tokens, &mut out)
             .map_err(|source| ModelError::Kernel {
                 module: self.name.clone(),
                 source,

@@ -4,13 +4,15 @@
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::linear::{
-    ActQuant, ActQuantScheme, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
-    LoraFactorsF32,
+    DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{D, DType, Device, Tensor};
 use loraq_io::{Checkpoint, LayerType, LoraAdapter};
-use loraq_quant::{Fp8Granularity, Nvfp4GlobalScale, QuantizedBase, StoredWeight};
+use loraq_quant::{
+    ActivationQuant, ActivationQuantKind, Nvfp4GlobalScale, QuantizedBase, StoredWeight,
+    WeightFormat,
+};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,6 +35,8 @@ pub struct Model {
     inv_freq: Vec<f32>,
     /// Number of linears that carry an adapter.
     adapted: usize,
+    /// How many linears each implementation runs.
+    linears_by_backend: std::collections::BTreeMap<&'static str, usize>,
     /// Input statistics of every linear, in load order; `None` unless
     /// [`LoadOptions::collect_input_stats`].
     input_stats: Option<InputStatsRegistry>,
@@ -101,8 +105,12 @@ struct Mlp {
 struct Loader<'a> {
     base: &'a QuantizedBase,
     checkpoint: &'a Checkpoint,
-    act_quant: ActQuantScheme,
+    act_quant: ActivationQuantKind,
     backend: LinearBackend,
+    /// The kernels backend the linears are built on (`None` for `Dense`).
+    kernels: Option<loraq_kernels::Backend>,
+    /// How many linears each implementation runs (`dense`, `cpu`, ...).
+    linears_by_backend: std::collections::BTreeMap<&'static str, usize>,
     adapter: Option<(&'a LoraAdapter, &'a Path)>,
     used_adapter_modules: BTreeSet<String>,
     device: &'a Device,
@@ -171,6 +179,9 @@ impl Loader<'_> {
         })
     }
 
+    /// Looks up the weight, attaches the adapter once, and asks the backend for the
+    /// linear; refuses (never falls back) when an explicitly requested kernels backend
+    /// cannot run the weight or the adapter.
     fn plain_linear(&mut self, module_path: &str, out: usize, inp: usize) -> Result<Linear> {
         let weight_name = format!("{module_path}.weight");
         let quant_err = |source| ModelError::Quant {
@@ -186,49 +197,94 @@ impl Loader<'_> {
                 expected: vec![out, inp],
             });
         }
-        let act_quant = match self.act_quant {
-            ActQuantScheme::None => ActQuant::None,
-            ActQuantScheme::Fp8PerToken => ActQuant::Fp8PerToken,
-            ActQuantScheme::Fp8PerGroup => ActQuant::Fp8PerGroup,
-            // vLLM quantizes activations only where the weight is NVFP4: excluded
-            // modules (in_proj_a / in_proj_b, lm_head, ...) run unquantized.
-            ActQuantScheme::Nvfp4
-                if !matches!(
-                    stored.stored,
-                    StoredWeight::Nvfp4ModelOpt { .. }
-                        | StoredWeight::Nvfp4CompressedTensors { .. }
-                ) =>
-            {
-                ActQuant::None
-            }
-            ActQuantScheme::Nvfp4 => {
-                // ModelOpt stores the static scale as a multiplier (`input_scale`),
-                // compressed-tensors as a divisor (`input_global_scale`); vLLM
-                // quantizes with each in its own direction.
-                let modelopt = format!("{module_path}.input_scale");
-                let compressed_tensors = format!("{module_path}.input_global_scale");
-                let input_scale = if self.checkpoint.contains(&modelopt) {
-                    Nvfp4GlobalScale::Multiplier(self.checkpoint.read_f32_finite(&modelopt)?[0])
-                } else if self.checkpoint.contains(&compressed_tensors) {
-                    Nvfp4GlobalScale::Divisor(
-                        self.checkpoint.read_f32_finite(&compressed_tensors)?[0],
-                    )
-                } else {
-                    return Err(ModelError::Config {
-                        path: self.root(),
-                        reason: format!(
-                            "--act-quant nvfp4 needs the static global scale {modelopt} (or {compressed_tensors}), which the checkpoint lacks; quantize with --calibration to write it"
-                        ),
-                    });
-                };
-                ActQuant::Nvfp4 { input_scale }
+        let act_quant = self.activation_quant(module_path, &stored.stored)?;
+        let adapter = self.adapter_factors(module_path, out, inp)?;
+        let format = stored.stored.format();
+        let runs_on_kernels = match &self.kernels {
+            None => false,
+            Some(backend) => {
+                let format_runs = format.is_some_and(loraq_kernels::has_kernel);
+                let factors_run = adapter.as_ref().is_none_or(|a| a.bf16);
+                match self.backend {
+                    LinearBackend::Auto => format_runs && factors_run,
+                    _ if !format_runs => {
+                        return Err(ModelError::Kernel {
+                            module: module_path.to_string(),
+                            source: loraq_kernels::KernelError::UnsupportedScheme {
+                                what: format!(
+                                    "{} weights on the {} backend (--backend dense or auto runs them)",
+                                    stored.stored.format_name(),
+                                    backend.name()
+                                ),
+                            },
+                        });
+                    }
+                    _ if !factors_run => {
+                        let (_, dir) = self.adapter.expect("factors come from an adapter");
+                        return Err(ModelError::Adapter {
+                            path: dir.to_path_buf(),
+                            reason: format!(
+                                "{module_path}: the {} backend takes bf16 LoRA factors (--backend dense or auto runs others)",
+                                backend.name()
+                            ),
+                        });
+                    }
+                    _ => true,
+                }
             }
         };
-        if self.backend == LinearBackend::Kernels
-            && let Some(linear) =
-                self.kernel_linear(module_path, &stored.stored, out, inp, act_quant)?
-        {
-            return Ok(linear);
+        if let Some(adapter) = &adapter {
+            self.used_adapter_modules.insert(module_path.to_string());
+            debug_assert_eq!(adapter.a.len(), adapter.rank * inp);
+        }
+        if runs_on_kernels {
+            let backend = self.kernels.clone().expect("checked above");
+            let kernel_err = |source| ModelError::Kernel {
+                module: module_path.to_string(),
+                source,
+            };
+            // The stored values (and their scales) must be finite: a NaN weight makes
+            // every logit NaN. Checked on the stored bytes, before anything is built.
+            let ckpt = self.checkpoint;
+            match &stored.stored {
+                StoredWeight::Float { .. } => ckpt.ensure_stored_finite(&weight_name)?,
+                StoredWeight::Fp8 { scale, .. } => {
+                    ckpt.ensure_stored_finite(&weight_name)?;
+                    ckpt.read_f32_finite(scale)?;
+                }
+                StoredWeight::Nvfp4ModelOpt {
+                    block_scale,
+                    global_scale,
+                }
+                | StoredWeight::Nvfp4CompressedTensors {
+                    block_scale,
+                    global_scale,
+                    ..
+                } => {
+                    ckpt.ensure_stored_finite(block_scale)?;
+                    ckpt.read_f32_finite(global_scale)?;
+                }
+            }
+            let weight = self.base.quantized_weight(module_path).map_err(quant_err)?;
+            use half::bf16;
+            let lora = adapter
+                .map(|f| {
+                    // bf16 -> f32 -> bf16 is exact.
+                    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect();
+                    loraq_kernels::LoraAdapter::new(
+                        f.rank,
+                        inp,
+                        out,
+                        to_bf16(f.a),
+                        to_bf16(f.b),
+                        f.scale as f32,
+                    )
+                })
+                .transpose()
+                .map_err(kernel_err)?;
+            let linear = backend.build(weight, lora, act_quant).map_err(kernel_err)?;
+            *self.linears_by_backend.entry(backend.name()).or_insert(0) += 1;
+            return Ok(Box::new(KernelLinear::new(module_path.to_string(), linear)));
         }
         // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
         // on the decoded values, which is what a dequantizing kernel computes.
@@ -236,158 +292,100 @@ impl Loader<'_> {
         // A NaN weight would turn every logit into NaN; refuse it by file and tensor.
         self.checkpoint.ensure_finite(&weight_name, &values)?;
         let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
-        let lora = match self.adapter {
-            Some((adapter, dir)) => match adapter.module(module_path) {
-                Some(info) => {
-                    if (info.out_features, info.in_features) != (out, inp) {
-                        return Err(ModelError::Adapter {
-                            path: dir.to_path_buf(),
-                            reason: format!(
-                                "{module_path}: adapter is {}x{}, the weight is {out}x{inp}",
-                                info.out_features, info.in_features
-                            ),
-                        });
-                    }
-                    self.used_adapter_modules.insert(module_path.to_string());
-                    let a = Tensor::from_vec(
-                        adapter.read_a_f32(module_path)?,
-                        (info.rank, inp),
-                        self.device,
-                    )
-                    .ctx(module_path)?;
-                    let b = Tensor::from_vec(
-                        adapter.read_b_f32(module_path)?,
-                        (out, info.rank),
-                        self.device,
-                    )
-                    .ctx(module_path)?;
-                    Some(LoraFactorsF32 {
-                        a,
-                        b,
-                        scale: info.scale,
-                    })
-                }
-                None => None,
-            },
-            None => None,
-        };
+        let lora = adapter
+            .map(|f| -> Result<LoraFactorsF32> {
+                Ok(LoraFactorsF32 {
+                    a: Tensor::from_vec(f.a, (f.rank, inp), self.device).ctx(module_path)?,
+                    b: Tensor::from_vec(f.b, (out, f.rank), self.device).ctx(module_path)?,
+                    scale: f.scale,
+                })
+            })
+            .transpose()?;
+        *self.linears_by_backend.entry("dense").or_insert(0) += 1;
         Ok(Box::new(
             DenseLinear::new(module_path.to_string(), &weight, lora)?.with_act_quant(act_quant),
         ))
     }
-}
 
-impl Loader<'_> {
-    /// A loraq-kernels linear for the stored formats its CPU path runs natively
-    /// (bf16, fp8-block128, NVFP4 ModelOpt) with bf16 adapter factors; `None` for
-    /// anything else, which then runs as a dense f32 linear.
-    fn kernel_linear(
-        &mut self,
+    /// The activation quantization of one module's base path. vLLM quantizes NVFP4
+    /// activations only where the weight is NVFP4 (excluded modules such as in_proj_a /
+    /// in_proj_b and lm_head run unquantized), with the module's static scale.
+    fn activation_quant(
+        &self,
         module_path: &str,
         stored: &StoredWeight,
+    ) -> Result<ActivationQuant> {
+        if let Some(quant) = self.act_quant.without_static_scale() {
+            return Ok(quant);
+        }
+        if stored.format() != Some(WeightFormat::Nvfp4) {
+            return Ok(ActivationQuant::None);
+        }
+        // ModelOpt stores the static scale as a multiplier (`input_scale`),
+        // compressed-tensors as a divisor (`input_global_scale`); vLLM quantizes with
+        // each in its own direction.
+        let modelopt = format!("{module_path}.input_scale");
+        let compressed_tensors = format!("{module_path}.input_global_scale");
+        let input_scale = if self.checkpoint.contains(&modelopt) {
+            Nvfp4GlobalScale::Multiplier(self.checkpoint.read_f32_finite(&modelopt)?[0])
+        } else if self.checkpoint.contains(&compressed_tensors) {
+            Nvfp4GlobalScale::Divisor(self.checkpoint.read_f32_finite(&compressed_tensors)?[0])
+        } else {
+            return Err(ModelError::Config {
+                path: self.root(),
+                reason: format!(
+                    "--act-quant nvfp4 needs the static global scale {modelopt} (or {compressed_tensors}), which the checkpoint lacks; quantize with --calibration to write it"
+                ),
+            });
+        };
+        Ok(ActivationQuant::Nvfp4 { input_scale })
+    }
+
+    /// The adapter's factors for `module_path` read once (as f32), with whether they
+    /// are stored in bf16; `None` when the adapter has no such module (or there is no
+    /// adapter). Refuses factors whose shape is not the weight's.
+    fn adapter_factors(
+        &self,
+        module_path: &str,
         out: usize,
         inp: usize,
-        act_quant: ActQuant,
-    ) -> Result<Option<Linear>> {
-        use half::bf16;
-        use loraq_kernels as k;
-        let weight_name = format!("{module_path}.weight");
-        let ckpt = self.checkpoint;
-        let kernel_err = |source| ModelError::Kernel {
-            module: module_path.to_string(),
-            source,
+    ) -> Result<Option<AdapterFactors>> {
+        let Some((adapter, dir)) = self.adapter else {
+            return Ok(None);
         };
-        // The stored values (and their scales) must be finite: a NaN weight makes
-        // every logit NaN. Checked on the stored bytes, before anything is built.
-        let finite = |name: &str| ckpt.ensure_stored_finite(name);
-        let base = match stored {
-            StoredWeight::Float {
-                dtype: loraq_io::DType::BF16,
-            } => {
-                finite(&weight_name)?;
-                let data = ckpt
-                    .bytes(&weight_name)?
-                    .chunks_exact(2)
-                    .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-                    .collect();
-                k::BaseWeight::Bf16(k::Bf16Weight::new(out, inp, data).map_err(kernel_err)?)
-            }
-            StoredWeight::Fp8 {
-                granularity: Fp8Granularity::Block128,
-                scale,
-            } => k::BaseWeight::Fp8Block128(
-                k::Fp8Block128Weight::new(
-                    out,
-                    inp,
-                    {
-                        finite(&weight_name)?;
-                        ckpt.bytes(&weight_name)?.to_vec()
-                    },
-                    ckpt.read_f32_finite(scale)?,
-                )
-                .map_err(kernel_err)?,
-            ),
-            StoredWeight::Nvfp4ModelOpt {
-                block_scale,
-                global_scale,
-            } => k::BaseWeight::Nvfp4(
-                k::Nvfp4Weight::new(
-                    out,
-                    inp,
-                    ckpt.bytes(&weight_name)?.to_vec(),
-                    {
-                        finite(block_scale)?;
-                        ckpt.bytes(block_scale)?.to_vec()
-                    },
-                    ckpt.read_f32_finite(global_scale)?[0],
-                )
-                .map_err(kernel_err)?,
-            ),
-            _ => return Ok(None),
+        let Some(info) = adapter.module(module_path) else {
+            return Ok(None);
         };
-        let lora = match self.adapter {
-            Some((adapter, dir)) => match adapter.module(module_path) {
-                Some(info) => {
-                    if adapter.factor_dtype(module_path)? != loraq_io::DType::BF16 {
-                        return Ok(None);
-                    }
-                    if (info.out_features, info.in_features) != (out, inp) {
-                        return Err(ModelError::Adapter {
-                            path: dir.to_path_buf(),
-                            reason: format!(
-                                "{module_path}: adapter is {}x{}, the weight is {out}x{inp}",
-                                info.out_features, info.in_features
-                            ),
-                        });
-                    }
-                    // bf16 -> f32 -> bf16 is exact.
-                    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect();
-                    let a = to_bf16(adapter.read_a_f32(module_path)?);
-                    let b = to_bf16(adapter.read_b_f32(module_path)?);
-                    self.used_adapter_modules.insert(module_path.to_string());
-                    Some(
-                        k::LoraAdapter::new(info.rank, inp, out, a, b, info.scale as f32)
-                            .map_err(kernel_err)?,
-                    )
-                }
-                None => None,
-            },
-            None => None,
-        };
-        let kernel_act = match act_quant {
-            ActQuant::None => k::ActivationQuant::None,
-            ActQuant::Fp8PerToken => k::ActivationQuant::Fp8PerToken,
-            ActQuant::Fp8PerGroup => k::ActivationQuant::Fp8PerGroup128,
-            ActQuant::Nvfp4 { input_scale } => k::ActivationQuant::Nvfp4 { input_scale },
-        };
-        let linear = k::QuantLoraLinear::new(base, lora)
-            .map_err(kernel_err)?
-            .with_activation_quant(kernel_act);
-        Ok(Some(Box::new(KernelLinear::new(
-            module_path.to_string(),
-            linear,
-        ))))
+        if (info.out_features, info.in_features) != (out, inp) {
+            return Err(ModelError::Adapter {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "{module_path}: adapter is {}x{}, the weight is {out}x{inp}",
+                    info.out_features, info.in_features
+                ),
+            });
+        }
+        Ok(Some(AdapterFactors {
+            rank: info.rank,
+            a: adapter.read_a_f32(module_path)?,
+            b: adapter.read_b_f32(module_path)?,
+            scale: info.scale,
+            bf16: adapter.factor_dtype(module_path)? == loraq_io::DType::BF16,
+        }))
     }
+}
+
+/// One module's LoRA factors, read once whichever backend runs the module.
+struct AdapterFactors {
+    rank: usize,
+    /// `lora_A`, `[rank, in]`.
+    a: Vec<f32>,
+    /// `lora_B`, `[out, rank]`.
+    b: Vec<f32>,
+    /// `alpha / rank` of the module.
+    scale: f64,
+    /// Whether the factors are stored in bf16 (what the kernels take).
+    bf16: bool,
 }
 
 /// The tensor-name prefix of the text backbone: `model.language_model.` or `model.`
@@ -415,24 +413,87 @@ fn backbone_prefix(checkpoint: &Checkpoint) -> Result<String> {
 /// Which implementation runs the linears.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LinearBackend {
+    /// Each linear on loraq-kernels' CPU path where it runs the stored format and the
+    /// adapter's factors (bf16, fp8-block128, NVFP4 in either layout; bf16 factors),
+    /// dense otherwise; [`Model::linears_by_backend`] says how many went where. The
+    /// default.
+    #[default]
+    Auto,
     /// Weights decoded to f32 once, candle matmul (any stored format).
     Dense,
-    /// loraq-kernels' fused CPU linear on the stored format (bf16, fp8-block128,
-    /// NVFP4 ModelOpt with bf16 adapter factors); other formats fall back to dense.
-    /// The default: every linear is the quantized-base + LoRA linear serving uses.
-    #[default]
+    /// loraq-kernels' fused CPU linear on the stored format for every linear; a format
+    /// or adapter it cannot run is refused.
     Kernels,
+    /// loraq-kernels' f64 reference for every linear (slow: for checks); refuses as
+    /// `Kernels` does.
+    Reference,
+    /// loraq-kernels' CUDA kernels for every linear (feature `cuda`; the rest of each
+    /// layer runs on the CPU); refuses a format or configuration they do not run.
+    Cuda,
 }
 
 impl LinearBackend {
-    /// Parses `dense` or `kernels`.
+    /// Parses `auto`, `dense`, `kernels`, `reference` or `cuda`.
     pub fn parse(name: &str) -> Option<LinearBackend> {
         match name {
+            "auto" => Some(LinearBackend::Auto),
             "dense" => Some(LinearBackend::Dense),
             "kernels" => Some(LinearBackend::Kernels),
+            "reference" => Some(LinearBackend::Reference),
+            "cuda" => Some(LinearBackend::Cuda),
             _ => None,
         }
     }
+
+    /// The loraq-kernels backend of this choice (`None` for `Dense`); opens the CUDA
+    /// device for `Cuda`.
+    fn kernels(self) -> Result<Option<loraq_kernels::Backend>> {
+        Ok(match self {
+            Self::Dense => None,
+            Self::Auto | Self::Kernels => Some(loraq_kernels::Backend::Cpu(
+                loraq_kernels::CpuOptions::default(),
+            )),
+            Self::Reference => Some(loraq_kernels::Backend::Reference),
+            Self::Cuda => Some(cuda_backend()?),
+        })
+    }
+}
+
+/// Opens CUDA device 0 with its kernels (precompiled cubins from `LORAQ_CUBIN_DIR`,
+/// else NVRTC).
+#[cfg(feature = "cuda")]
+fn cuda_backend() -> Result<loraq_kernels::Backend> {
+    use loraq_kernels::cuda::CudaBackend;
+    let no_device = |reason: String| ModelError::Kernel {
+        module: "(all linears)".to_string(),
+        source: loraq_kernels::KernelError::UnsupportedOnGpu { what: reason },
+    };
+    if !loraq_kernels::cuda::driver_available() {
+        return Err(no_device("no CUDA driver or device on this machine".into()));
+    }
+    let backend = CudaBackend::open_default(0)
+        .map_err(|source| ModelError::Kernel {
+            module: "(all linears)".to_string(),
+            source,
+        })?
+        .ok_or_else(|| {
+            no_device(format!(
+                "no NVRTC found and {} is not set",
+                loraq_kernels::cuda::CUBIN_DIR_ENV
+            ))
+        })?;
+    Ok(loraq_kernels::Backend::Cuda(Arc::new(backend)))
+}
+
+/// Without the `cuda` feature there is no CUDA backend to open.
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend() -> Result<loraq_kernels::Backend> {
+    Err(ModelError::Kernel {
+        module: "(all linears)".to_string(),
+        source: loraq_kernels::KernelError::UnsupportedOnGpu {
+            what: "this build (built without the `cuda` feature)".to_string(),
+        },
+    })
 }
 
 /// How [`Model::load`] builds the model.
@@ -440,8 +501,9 @@ impl LinearBackend {
 pub struct LoadOptions {
     /// Where the weights live and the forward pass runs.
     pub device: Device,
-    /// Activation fake-quant of every linear's base path.
-    pub act_quant: ActQuantScheme,
+    /// Activation fake-quant of every linear's base path (NVFP4: of the NVFP4
+    /// linears, with each module's static scale from the checkpoint).
+    pub act_quant: ActivationQuantKind,
     /// Which implementation runs the linears.
     pub backend: LinearBackend,
     /// Record the mean square of every linear's input (per input feature, over all
@@ -454,8 +516,8 @@ impl Default for LoadOptions {
     fn default() -> LoadOptions {
         LoadOptions {
             device: Device::Cpu,
-            act_quant: ActQuantScheme::None,
-            backend: LinearBackend::Kernels,
+            act_quant: ActivationQuantKind::None,
+            backend: LinearBackend::Auto,
             collect_input_stats: false,
         }
     }
@@ -496,6 +558,8 @@ impl Model {
             checkpoint,
             act_quant: options.act_quant,
             backend: options.backend,
+            kernels: options.backend.kernels()?,
+            linears_by_backend: std::collections::BTreeMap::new(),
             adapter: adapter.as_ref().zip(adapter_dir),
             used_adapter_modules: BTreeSet::new(),
             device,
@@ -613,6 +677,7 @@ impl Model {
             lm_head,
             inv_freq,
             adapted,
+            linears_by_backend: std::mem::take(&mut loader.linears_by_backend),
             input_stats: loader.input_stats.take(),
         })
     }
@@ -625,6 +690,12 @@ impl Model {
     /// How many linears carry an adapter.
     pub fn adapted_modules(&self) -> usize {
         self.adapted
+    }
+
+    /// How many linears each implementation runs (`dense`, `cpu`, `reference`,
+    /// `cuda`), e.g. what [`LinearBackend::Auto`] chose.
+    pub fn linears_by_backend(&self) -> &std::collections::BTreeMap<&'static str, usize> {
+        &self.linears_by_backend
     }
 
     /// The mean square of every linear's input over the prompts run so far: one

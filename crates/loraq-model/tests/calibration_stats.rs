@@ -11,9 +11,8 @@
 //! mean square, the parity tests' bound.
 
 use loraq_io::{Checkpoint, read_calibration, write_calibration};
-use loraq_model::{
-    ActQuantScheme, LinearBackend, LoadOptions, Model, ScoreOptions, read_records, score_records,
-};
+use loraq_model::{LinearBackend, LoadOptions, Model, ScoreOptions, read_records, score_records};
+use loraq_quant::ActivationQuantKind;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -61,7 +60,7 @@ fn expected(file: &str) -> Expected {
 fn collect(
     adapter: Option<&str>,
     backend: LinearBackend,
-    act_quant: ActQuantScheme,
+    act_quant: ActivationQuantKind,
 ) -> loraq_io::CalibrationStats {
     let dir = data();
     let adapter_dir = adapter.map(|a| dir.join(a));
@@ -91,7 +90,7 @@ fn collect(
 }
 
 fn check(adapter: Option<&str>, backend: LinearBackend, expected_file: &str) {
-    let stats = collect(adapter, backend, ActQuantScheme::None);
+    let stats = collect(adapter, backend, ActivationQuantKind::None);
     let oracle = expected(expected_file);
     assert_eq!(
         (stats.tokens, stats.records),
@@ -155,8 +154,12 @@ fn input_sq_means_with_lora_match_peft_hooks_on_kernels_linear() {
 /// layers after the first quantized matmul see different activations.
 #[test]
 fn input_stats_are_taken_before_activation_fake_quant() {
-    let plain = collect(None, LinearBackend::Kernels, ActQuantScheme::None);
-    let quant = collect(None, LinearBackend::Kernels, ActQuantScheme::Fp8PerToken);
+    let plain = collect(None, LinearBackend::Kernels, ActivationQuantKind::None);
+    let quant = collect(
+        None,
+        LinearBackend::Kernels,
+        ActivationQuantKind::Fp8PerToken,
+    );
     let first = "model.layers.0.linear_attn.in_proj_qkv";
     assert_eq!(plain.input_sq_mean[first], quant.input_sq_mean[first]);
     let later = "model.layers.3.mlp.down_proj";
@@ -166,7 +169,7 @@ fn input_stats_are_taken_before_activation_fake_quant() {
 /// What `loraq run --collect-stats` writes reads back as the format says.
 #[test]
 fn collected_stats_round_trip_through_the_calibration_file() {
-    let stats = collect(None, LinearBackend::Kernels, ActQuantScheme::None);
+    let stats = collect(None, LinearBackend::Kernels, ActivationQuantKind::None);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calibration.safetensors");
     write_calibration(&path, &stats).unwrap();

@@ -99,3 +99,67 @@ fn fp8_and_nvfp4_bases_run_on_both_backends() {
         );
     }
 }
+
+/// A backend asked for by name runs every linear or refuses, naming the module and the
+/// format; `Auto` runs what the CPU kernels cannot on the dense path and counts where
+/// each linear went; the reference backend agrees with the CPU kernels.
+#[test]
+fn backends_refuse_what_they_cannot_run_and_auto_counts_where_each_linear_went() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = dir.path().join("synth");
+    let options = SynthOptions {
+        preset: Preset::Tiny,
+        seed: 3,
+        rank: None,
+        lora_layers: None,
+    };
+    write_synth(&synth, &options, false, &mut |_, _, _| {}).unwrap();
+    let adapter = synth.join("true-adapter");
+    let per_tensor = dir.path().join("fp8-tensor");
+    quantize(&synth.join("base"), &per_tensor, "fp8-tensor");
+    // The error's message with its source (the module and the kernels' reason).
+    let load = |model: &Path, backend| {
+        Model::load(
+            model,
+            Some(&adapter),
+            &LoadOptions {
+                backend,
+                ..LoadOptions::default()
+            },
+        )
+        .map_err(|err| match std::error::Error::source(&err) {
+            Some(source) => format!("{err}: {source}"),
+            None => err.to_string(),
+        })
+    };
+    for backend in [LinearBackend::Kernels, LinearBackend::Reference] {
+        let message = load(&per_tensor, backend).unwrap_err();
+        assert!(
+            message.contains("fp8-tensor") && message.contains("layers.0."),
+            "{backend:?}: {message}"
+        );
+    }
+    // Auto: the quantized linears dense, the excluded (bf16) ones on the CPU kernels.
+    let auto = load(&per_tensor, LinearBackend::Auto).unwrap();
+    let counts = auto.linears_by_backend();
+    assert!(counts["dense"] > 0 && counts["cpu"] > 0, "{counts:?}");
+    let dense = load(&per_tensor, LinearBackend::Dense).unwrap();
+    assert_eq!(
+        dense
+            .linears_by_backend()
+            .keys()
+            .copied()
+            .collect::<Vec<_>>(),
+        ["dense"]
+    );
+    // The bf16 base: every linear on the kernels, reference and CPU within f32 rounding.
+    let cpu = logits(&synth.join("base"), &adapter, LinearBackend::Kernels);
+    let reference = logits(&synth.join("base"), &adapter, LinearBackend::Reference);
+    let scale = cpu.iter().fold(1f64, |m, v| m.max(v.abs()));
+    let gap = cpu
+        .iter()
+        .zip(&reference)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+        / scale;
+    assert!(gap < 1e-4, "reference and CPU kernels differ by {gap}");
+}

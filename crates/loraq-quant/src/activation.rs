@@ -6,9 +6,132 @@
 
 use crate::element::{E2M1_MAX, E2M1_TABLE, E4M3_MAX, E4M3_TABLE, e2m1_encode, e4m3_encode};
 use crate::error::{QuantError, Result};
-use crate::kernels::{self, abs_max_bits};
-use crate::scheme::{NVFP4_BLOCK, Nvfp4GlobalScale};
+use crate::format::{NVFP4_BLOCK, Nvfp4GlobalScale};
+use crate::runs::{self, abs_max_bits};
 use rayon::prelude::*;
+use std::fmt;
+use std::str::FromStr;
+
+/// The activation fake-quant of one linear's base path, as a W8A8 / W4A4 server
+/// applies it; the LoRA path always sees the unquantized activation (as vLLM does).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ActivationQuant {
+    /// Unquantized (weight-only quantization).
+    #[default]
+    None,
+    /// FP8 E4M3, one dynamic scale per token (`max(amax, 2^-9) / 448`, vLLM's floor):
+    /// [`fp8_per_token`].
+    Fp8PerToken,
+    /// FP8 E4M3, one dynamic scale per 1x128 group of a token (block-FP8 serving):
+    /// [`fp8_per_group`].
+    Fp8PerGroup128,
+    /// NVFP4 (W4A4) as vLLM applies it: a dynamic E4M3 scale per 16 inputs under the
+    /// module's static global scale ([`nvfp4_static_vllm`]). The in-dimension must be
+    /// a multiple of 16.
+    Nvfp4 {
+        /// The checkpoint's static scale: ModelOpt `input_scale` (multiplier) or
+        /// compressed-tensors `input_global_scale` (divisor).
+        input_scale: Nvfp4GlobalScale,
+    },
+}
+
+impl ActivationQuant {
+    /// Fake-quantizes `values` (row-major `[tokens, hidden]`) in place; `name` (the
+    /// module) is for error messages.
+    pub fn apply(&self, name: &str, values: &mut [f32], hidden: usize) -> Result<()> {
+        match *self {
+            Self::None => Ok(()),
+            Self::Fp8PerToken => fp8_per_token(name, values, hidden, PER_TOKEN_EPS),
+            Self::Fp8PerGroup128 => fp8_per_group(name, values, hidden, PER_GROUP_EPS),
+            Self::Nvfp4 { input_scale } => nvfp4_static_vllm(name, values, hidden, input_scale),
+        }
+    }
+
+    /// True when the base path sees `x` unchanged.
+    pub fn is_identity(&self) -> bool {
+        matches!(self, Self::None)
+    }
+
+    /// Which kind of activation quantization this is (its scales left out).
+    pub fn kind(&self) -> ActivationQuantKind {
+        match self {
+            Self::None => ActivationQuantKind::None,
+            Self::Fp8PerToken => ActivationQuantKind::Fp8PerToken,
+            Self::Fp8PerGroup128 => ActivationQuantKind::Fp8PerGroup128,
+            Self::Nvfp4 { .. } => ActivationQuantKind::Nvfp4,
+        }
+    }
+}
+
+/// An [`ActivationQuant`] without its per-module scales: what a user asks for
+/// (`--act-quant`) before each module's static scale is read from its checkpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ActivationQuantKind {
+    /// No activation quantization.
+    #[default]
+    None,
+    /// FP8 per token.
+    Fp8PerToken,
+    /// FP8 per 1x128 group.
+    Fp8PerGroup128,
+    /// NVFP4 with each module's static global scale.
+    Nvfp4,
+}
+
+impl ActivationQuantKind {
+    /// Every kind.
+    pub const ALL: [ActivationQuantKind; 4] = [
+        Self::None,
+        Self::Fp8PerToken,
+        Self::Fp8PerGroup128,
+        Self::Nvfp4,
+    ];
+
+    /// The command-line name: `none`, `fp8-token`, `fp8-group`, `nvfp4`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Fp8PerToken => "fp8-token",
+            Self::Fp8PerGroup128 => "fp8-group",
+            Self::Nvfp4 => "nvfp4",
+        }
+    }
+
+    /// The quantization of this kind that needs no scale from a checkpoint; `None`
+    /// for NVFP4, whose static global scale is each module's own.
+    pub fn without_static_scale(self) -> Option<ActivationQuant> {
+        match self {
+            Self::None => Some(ActivationQuant::None),
+            Self::Fp8PerToken => Some(ActivationQuant::Fp8PerToken),
+            Self::Fp8PerGroup128 => Some(ActivationQuant::Fp8PerGroup128),
+            Self::Nvfp4 => None,
+        }
+    }
+}
+
+impl fmt::Display for ActivationQuantKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ActivationQuantKind {
+    type Err = QuantError;
+
+    /// Parses a name; `fp8` is accepted for `fp8-token`.
+    fn from_str(name: &str) -> Result<Self> {
+        if name == "fp8" {
+            return Ok(Self::Fp8PerToken);
+        }
+        Self::ALL
+            .into_iter()
+            .find(|kind| kind.name() == name)
+            .ok_or_else(|| QuantError::UnknownScheme {
+                name: name.to_string(),
+                known: Self::ALL.map(Self::name).join(", "),
+            })
+    }
+}
 
 /// vLLM's smallest dynamic per-token FP8 scale is `1 / (448 * 512)`; taking
 /// `max(amax, 2^-9) / 448` gives the same scale bit for bit.
@@ -35,7 +158,7 @@ fn fake_quant_fp8_run(values: &mut [f32], scale: f32) {
     let mut out = [0.0f32; ACT_GROUP];
     for chunk in values.chunks_mut(ACT_GROUP) {
         let out = &mut out[..chunk.len()];
-        kernels::fake_quant_fp8_run(chunk, scale, out);
+        runs::fake_quant_fp8_run(chunk, scale, out);
         chunk.copy_from_slice(out);
     }
 }
@@ -104,7 +227,7 @@ pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32)
     values.par_chunks_mut(NVFP4_BLOCK * 64).for_each(|run| {
         let mut out = [0.0f32; NVFP4_BLOCK * 64];
         let out = &mut out[..run.len()];
-        kernels::nvfp4_fake_quant_run(run, global, out);
+        runs::nvfp4_fake_quant_run(run, global, out);
         run.copy_from_slice(out);
     });
     Ok(())

@@ -224,8 +224,16 @@ pub fn e8m0_decode(code: u8) -> f32 {
 /// If the slices differ in length.
 pub fn e4m3_encode_slice(src: &[f32], dst: &mut [u8]) {
     assert_eq!(src.len(), dst.len(), "e4m3_encode_slice: length mismatch");
-    // x / 1.0 is x exactly, so the vectorized FP8 kernel gives e4m3_encode(x).
-    crate::kernels::encode_fp8_run(src, 1.0, dst);
+    e4m3_encode_run(src, dst);
+}
+
+crate::multiversion::multiversion! {
+    /// `dst[i] = e4m3_encode(src[i])`, vectorized.
+    fn e4m3_encode_run(src: &[f32], dst: &mut [u8]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = e4m3_encode(s);
+        }
+    }
 }
 
 /// Encodes a slice to E5M2 (see [`e5m2_encode`]).

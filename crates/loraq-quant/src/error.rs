@@ -76,6 +76,25 @@ pub enum QuantError {
         /// The scale.
         value: f32,
     },
+    /// A code outside its format's range (an INT4 code above 15).
+    #[error("tensor {tensor}: code {code} at index {index} is outside the format's range")]
+    InvalidCode {
+        /// Tensor name.
+        tensor: String,
+        /// Flat index of the code.
+        index: usize,
+        /// The code.
+        code: u8,
+    },
+    /// A weight stored in a format the caller cannot use as a stored-format weight
+    /// (an f16 / f32 matrix where [`crate::QuantizedWeight`] holds bf16).
+    #[error("tensor {tensor}: stored as {format}, which has no stored-format weight")]
+    UnsupportedFormat {
+        /// Tensor name.
+        tensor: String,
+        /// The stored format.
+        format: String,
+    },
     /// A tensor of a quantized checkpoint has the wrong shape.
     #[error("tensor {tensor}: shape {actual:?}, expected {expected:?}")]
     TensorShape {

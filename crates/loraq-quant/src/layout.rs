@@ -22,9 +22,13 @@
 //! absolute maximum, which turns into a static activation scale (W4A4).
 
 use crate::error::{QuantError, Result};
-use crate::scheme::{
-    FP8_BLOCK, Fp8Granularity, NVFP4_BLOCK, Nvfp4GlobalScale, QuantizedWeight, Scheme, WeightView,
-    blocks, dequantize_fp8_into, dequantize_nvfp4_into, fp8_scale_shape,
+use crate::format::{
+    FP8_BLOCK, Fp8Granularity, NVFP4_BLOCK, NVFP4_GLOBAL_DENOMINATOR, Nvfp4GlobalScale,
+    WeightFormat, blocks, fp8_scale_shape,
+};
+use crate::scheme::{Scheme, WeightView};
+use crate::weight::{
+    Bf16Weight, Fp8Weight, Nvfp4Weight, QuantizedWeight, dequantize_fp8_into, dequantize_nvfp4_into,
 };
 use loraq_io::{Checkpoint, CheckpointWriter, DType, QuantizationConfig, TensorInfo, TensorSpec};
 use regex::Regex;
@@ -68,15 +72,23 @@ pub enum StoredWeight {
 }
 
 impl StoredWeight {
+    /// The stored format, `None` for a float matrix other than bf16.
+    pub fn format(&self) -> Option<WeightFormat> {
+        match self {
+            Self::Float { dtype: DType::BF16 } => Some(WeightFormat::Bf16),
+            Self::Float { .. } => None,
+            Self::Fp8 { granularity, .. } => Some(WeightFormat::Fp8(*granularity)),
+            Self::Nvfp4ModelOpt { .. } | Self::Nvfp4CompressedTensors { .. } => {
+                Some(WeightFormat::Nvfp4)
+            }
+        }
+    }
+
     /// Short name of the storage format.
     pub fn format_name(&self) -> String {
         match self {
             Self::Float { dtype } => dtype.as_str().to_lowercase(),
-            Self::Fp8 { granularity, .. } => match granularity {
-                Fp8Granularity::Tensor => "fp8-tensor".into(),
-                Fp8Granularity::Channel => "fp8-channel".into(),
-                Fp8Granularity::Block128 => "fp8-block128".into(),
-            },
+            Self::Fp8 { granularity, .. } => WeightFormat::Fp8(*granularity).name().into(),
             Self::Nvfp4ModelOpt { .. } => "nvfp4 (modelopt)".into(),
             Self::Nvfp4CompressedTensors { .. } => "nvfp4 (compressed-tensors)".into(),
         }
@@ -254,45 +266,59 @@ impl QuantizedBase {
         Ok(())
     }
 
-    /// The stored codes and scales of a quantized weight as this crate's types
-    /// (copied), or `None` for a plain float weight. Kernels that run on the codes
-    /// directly start here.
-    pub fn read_quantized(&self, name: &str) -> Result<Option<QuantizedWeight>> {
-        let weight = self.weight(name)?;
+    /// The weight of module `module` (its path, without `.weight`) in its stored
+    /// format, codes and scales copied as the checkpoint holds them (compressed-tensors
+    /// NVFP4 keeps its divisor global scale). A plain f16 / f32 / f64 matrix has no
+    /// stored-format weight: [`QuantError::UnsupportedFormat`].
+    pub fn quantized_weight(&self, module: &str) -> Result<QuantizedWeight> {
+        let name = format!("{module}.weight");
+        let weight = self.weight(&name)?;
         let ckpt = &self.checkpoint;
         let (rows, cols) = (weight.rows, weight.cols);
         Ok(match &weight.stored {
-            StoredWeight::Float { .. } => None,
-            StoredWeight::Fp8 { granularity, scale } => {
-                Some(QuantizedWeight::Fp8(crate::scheme::Fp8Weight {
-                    rows,
-                    cols,
-                    granularity: *granularity,
-                    codes: ckpt.bytes(name)?.to_vec(),
-                    scales: ckpt.read_f32(scale)?,
-                }))
+            StoredWeight::Float { dtype: DType::BF16 } => QuantizedWeight::Bf16(Bf16Weight {
+                rows,
+                cols,
+                data: ckpt
+                    .bytes(&name)?
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+                    .collect(),
+            }),
+            StoredWeight::Float { .. } => {
+                return Err(QuantError::UnsupportedFormat {
+                    tensor: name,
+                    format: weight.stored.format_name(),
+                });
             }
+            StoredWeight::Fp8 { granularity, scale } => QuantizedWeight::Fp8(Fp8Weight {
+                rows,
+                cols,
+                granularity: *granularity,
+                codes: ckpt.bytes(&name)?.to_vec(),
+                scales: ckpt.read_f32(scale)?,
+            }),
             StoredWeight::Nvfp4ModelOpt {
                 block_scale,
                 global_scale,
-            } => Some(QuantizedWeight::Nvfp4(crate::scheme::Nvfp4Weight {
+            } => QuantizedWeight::Nvfp4(Nvfp4Weight {
                 rows,
                 cols,
-                packed: ckpt.bytes(name)?.to_vec(),
+                packed: ckpt.bytes(&name)?.to_vec(),
                 block_scales: ckpt.bytes(block_scale)?.to_vec(),
                 global_scale: Nvfp4GlobalScale::Multiplier(ckpt.read_f32(global_scale)?[0]),
-            })),
+            }),
             StoredWeight::Nvfp4CompressedTensors {
                 packed,
                 block_scale,
                 global_scale,
-            } => Some(QuantizedWeight::Nvfp4(crate::scheme::Nvfp4Weight {
+            } => QuantizedWeight::Nvfp4(Nvfp4Weight {
                 rows,
                 cols,
                 packed: ckpt.bytes(packed)?.to_vec(),
                 block_scales: ckpt.bytes(block_scale)?.to_vec(),
                 global_scale: Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]),
-            })),
+            }),
         })
     }
 }
@@ -574,14 +600,14 @@ pub struct InputCalibration {
 /// direction): `amax / (6 * 448)` in f32, as `NVFP4QTensor.get_activation_scaling_factor`
 /// computes it.
 pub fn nvfp4_input_scale(amax: f32) -> f32 {
-    amax / crate::scheme::NVFP4_GLOBAL_DENOMINATOR
+    amax / NVFP4_GLOBAL_DENOMINATOR
 }
 
 /// compressed-tensors' global scale (a divisor), `(6 * 448) / amax` in f32, as
 /// `generate_gparam` computes it (1 where `amax` is 0, its fallback for a
 /// non-finite quotient).
 pub fn nvfp4_global_divisor(amax: f32) -> f32 {
-    let divisor = crate::scheme::NVFP4_GLOBAL_DENOMINATOR / amax;
+    let divisor = NVFP4_GLOBAL_DENOMINATOR / amax;
     if divisor.is_finite() { divisor } else { 1.0 }
 }
 
@@ -1030,7 +1056,9 @@ pub fn write_quantized(
                                 }
                             }
                         }
-                        QuantizedWeight::Mxfp4(_) | QuantizedWeight::Int4(_) => {
+                        QuantizedWeight::Bf16(_)
+                        | QuantizedWeight::Mxfp4(_)
+                        | QuantizedWeight::Int4(_) => {
                             unreachable!("plan_quantization only allows native layouts")
                         }
                     }

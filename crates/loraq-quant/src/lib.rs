@@ -2,8 +2,12 @@
 //!
 //! * [`element`]: E4M3 (fn), E5M2, E2M1 and E8M0 encode (round to nearest even,
 //!   saturating) and decode, scalar and over slices.
+//! * [`mod@format`]: the stored weight formats ([`WeightFormat`]) with their block
+//!   geometry, declared once, the NVFP4 global scale and the block scale codes.
+//! * [`weight`]: [`QuantizedWeight`], a linear weight in its stored format (codes,
+//!   scales, global scale), and its exact dequantization.
 //! * [`scheme`]: weight schemes (fp8 per tensor / channel / 128x128 block, NVFP4,
-//!   MXFP4, INT4 group 128), each with quantize, dequantize and fake-quant.
+//!   MXFP4, INT4 group 128), each with quantize and fake-quant.
 //! * [`layout`]: quantized checkpoint layouts: [`QuantizedBase`] decodes any linear
 //!   weight of an fp8-block128 / fp8 / NVFP4 (ModelOpt or compressed-tensors) / plain
 //!   checkpoint exactly to `f32`; [`layout::plan_quantization`] (or
@@ -13,7 +17,7 @@
 //!   bf16-emulated checkpoints.
 //! * [`report`]: quantization error of weights, alone and under a LoRA adapter
 //!   against a merged checkpoint, with the bf16 floor (`loraq quant-error`).
-//! * [`activation`]: activation fake-quant (FP8 per token / per 1x128 group / static,
+//! * [`activation`]: activation fake-quant ([`ActivationQuant`] picks one per linear) (FP8 per token / per 1x128 group / static,
 //!   NVFP4 dynamic per 16 under a static global scale, with the weight formula or
 //!   exactly as vLLM's W4A4 linears apply it).
 //!
@@ -23,15 +27,24 @@
 pub mod activation;
 pub mod element;
 pub mod error;
-mod kernels;
+pub mod format;
 pub mod layout;
+mod multiversion;
 pub mod report;
+mod runs;
 pub mod scheme;
+pub mod weight;
 
+pub use activation::{ActivationQuant, ActivationQuantKind};
 pub use element::ElementFormat;
 pub use error::{QuantError, Result};
+pub use format::{
+    FP8_BLOCK, Fp8Granularity, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale, ScaleBlock,
+    WeightFormat,
+};
 pub use layout::{Layout, LinearWeight, QuantizedBase, StoredWeight};
-pub use scheme::{
-    Fp8Granularity, Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4GlobalScale, Nvfp4Weight,
-    QuantizedWeight, Scheme, WeightView, dequantize_fp8_into, dequantize_nvfp4_into,
+pub use scheme::{Scheme, WeightView};
+pub use weight::{
+    Bf16Weight, Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight,
+    dequantize_fp8_into, dequantize_nvfp4_into,
 };

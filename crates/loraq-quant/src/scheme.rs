@@ -6,30 +6,19 @@
 //! gets a defined scale (1, or the smallest E8M0 scale for MXFP4), so no division by
 //! zero ever happens.
 
-use crate::element::{E4M3_MAX, E4M3_MIN_SUBNORMAL, e4m3_encode};
 use crate::error::{QuantError, Result};
-use crate::kernels;
-pub(crate) use crate::kernels::abs_max_bits;
+use crate::format::{
+    FP8_BLOCK, Fp8Granularity, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale,
+    WeightFormat, blocks, fp8_scale, fp8_scale_shape, nvfp4_global_scale,
+};
+pub(crate) use crate::runs::abs_max_bits;
+use crate::runs::{self, MXFP4_RUN, NVFP4_RUN};
+use crate::weight::{
+    Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight, pack_int4_rows,
+};
 use rayon::prelude::*;
 use std::fmt;
 use std::str::FromStr;
-
-/// Rows and columns of an FP8 block-scaling tile (DeepSeek / Qwen FP8 checkpoints).
-pub const FP8_BLOCK: usize = 128;
-/// Elements per NVFP4 block scale, along the input dimension.
-pub const NVFP4_BLOCK: usize = 16;
-/// Elements per MXFP4 block scale, along the input dimension.
-pub const MXFP4_BLOCK: usize = 32;
-/// Elements per INT4 group, along the input dimension.
-pub const INT4_GROUP: usize = 128;
-/// `6 * 448`: the largest E2M1 value times the largest E4M3 value, the NVFP4
-/// global-scale denominator.
-pub const NVFP4_GLOBAL_DENOMINATOR: f32 = 2688.0;
-/// Values per parallel work item of the NVFP4 kernels (whole blocks, so a run never
-/// splits a block; rows do not matter since blocks never cross rows).
-const NVFP4_RUN: usize = NVFP4_BLOCK * 256;
-/// Values per parallel work item of the MXFP4 kernels.
-const MXFP4_RUN: usize = MXFP4_BLOCK * 128;
 
 /// A weight quantization scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,10 +66,18 @@ impl Scheme {
 
     /// Multiple the input dimension must have (1 if any).
     pub fn input_multiple(self) -> usize {
+        self.format().in_dim_multiple()
+    }
+
+    /// The stored format the scheme quantizes to.
+    pub fn format(self) -> WeightFormat {
         match self {
-            Self::Nvfp4 => NVFP4_BLOCK,
-            Self::Mxfp4 => MXFP4_BLOCK,
-            _ => 1,
+            Self::Fp8Tensor => WeightFormat::Fp8(Fp8Granularity::Tensor),
+            Self::Fp8Channel => WeightFormat::Fp8(Fp8Granularity::Channel),
+            Self::Fp8Block128 => WeightFormat::Fp8(Fp8Granularity::Block128),
+            Self::Nvfp4 => WeightFormat::Nvfp4,
+            Self::Mxfp4 => WeightFormat::Mxfp4,
+            Self::Int4G128Sym | Self::Int4G128Asym => WeightFormat::Int4G128,
         }
     }
 
@@ -128,7 +125,7 @@ impl Scheme {
                 let global = nvfp4_global_scale(weight.finite_abs_max()?);
                 out.par_chunks_mut(NVFP4_RUN)
                     .zip(weight.data.par_chunks(NVFP4_RUN))
-                    .for_each(|(o, x)| kernels::nvfp4_fake_quant_run(x, global, o));
+                    .for_each(|(o, x)| runs::nvfp4_fake_quant_run(x, global, o));
                 Ok(())
             }
             Self::Mxfp4 | Self::Int4G128Sym | Self::Int4G128Asym => {
@@ -234,165 +231,6 @@ impl<'a> WeightView<'a> {
     }
 }
 
-/// A quantized weight of any scheme.
-#[derive(Clone, Debug, PartialEq)]
-pub enum QuantizedWeight {
-    /// FP8 E4M3, per tensor, channel or 128x128 tile.
-    Fp8(Fp8Weight),
-    /// NVFP4.
-    Nvfp4(Nvfp4Weight),
-    /// MXFP4.
-    Mxfp4(Mxfp4Weight),
-    /// INT4, group 128.
-    Int4(Int4Weight),
-}
-
-impl QuantizedWeight {
-    /// The dequantized matrix, `[rows * cols]`.
-    pub fn dequantize(&self) -> Vec<f32> {
-        match self {
-            Self::Fp8(w) => w.dequantize(),
-            Self::Nvfp4(w) => w.dequantize(),
-            Self::Mxfp4(w) => w.dequantize(),
-            Self::Int4(w) => w.dequantize(),
-        }
-    }
-
-    /// `(rows, cols)` of the original matrix.
-    pub fn shape(&self) -> (usize, usize) {
-        match self {
-            Self::Fp8(w) => (w.rows, w.cols),
-            Self::Nvfp4(w) => (w.rows, w.cols),
-            Self::Mxfp4(w) => (w.rows, w.cols),
-            Self::Int4(w) => (w.rows, w.cols),
-        }
-    }
-}
-
-/// Granularity of FP8 scales.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fp8Granularity {
-    /// One scale.
-    Tensor,
-    /// One scale per output row.
-    Channel,
-    /// One scale per 128x128 tile; partial tiles at the edges have their own scale.
-    Block128,
-}
-
-/// An FP8 E4M3 weight: `w[r, c] = e4m3(codes[r, c]) * scale(r, c)` with the scale in
-/// the dequantization direction (what checkpoints call `weight_scale_inv` /
-/// `weight_scale`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Fp8Weight {
-    /// Output features.
-    pub rows: usize,
-    /// Input features.
-    pub cols: usize,
-    /// Which scale applies where.
-    pub granularity: Fp8Granularity,
-    /// E4M3 codes, row-major `[rows, cols]`.
-    pub codes: Vec<u8>,
-    /// Scales, row-major in [`Fp8Weight::scale_shape`].
-    pub scales: Vec<f32>,
-}
-
-/// Number of `block`-wide blocks covering `len` (the last one may be partial).
-pub fn blocks(len: usize, block: usize) -> usize {
-    len.div_ceil(block)
-}
-
-/// The FP8 scale of a group with largest magnitude `amax`: `amax / 448`, or 1 for an
-/// all-zero group.
-#[inline(always)]
-pub fn fp8_scale(amax: f32) -> f32 {
-    if amax == 0.0 { 1.0 } else { amax / E4M3_MAX }
-}
-
-impl Fp8Weight {
-    /// Shape of the scale tensor: `[1]`-like `[1, 1]`, `[rows, 1]` or
-    /// `[ceil(rows/128), ceil(cols/128)]`.
-    pub fn scale_shape(&self) -> [usize; 2] {
-        fp8_scale_shape(self.granularity, self.rows, self.cols)
-    }
-
-    /// The dequantized matrix.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.codes.len()];
-        self.dequantize_into(&mut out);
-        out
-    }
-
-    /// Dequantizes into `out` (`rows * cols` values).
-    ///
-    /// # Panics
-    /// If `out` has the wrong length.
-    pub fn dequantize_into(&self, out: &mut [f32]) {
-        dequantize_fp8_into(&self.codes, &self.scales, self.granularity, self.cols, out);
-    }
-}
-
-/// Dequantizes FP8 E4M3 codes stored anywhere (e.g. zero-copy from a checkpoint):
-/// `out[r, c] = e4m3(codes[r, c]) * scale(r, c)`, with `scales` in the
-/// dequantization direction, laid out as [`fp8_scale_shape`] says for `granularity`.
-///
-/// This is the decode of the fp8-block128 checkpoint layout (`weight` +
-/// `weight_scale_inv`, despite the name a multiplier) and of per-tensor / per-channel
-/// `weight_scale`.
-///
-/// # Panics
-/// If `codes` and `out` differ in length, `cols` does not divide it, or `scales` is
-/// shorter than the granularity needs.
-pub fn dequantize_fp8_into(
-    codes: &[u8],
-    scales: &[f32],
-    granularity: Fp8Granularity,
-    cols: usize,
-    out: &mut [f32],
-) {
-    assert_eq!(
-        out.len(),
-        codes.len(),
-        "dequantize_fp8_into: length mismatch"
-    );
-    if cols == 0 || codes.is_empty() {
-        return;
-    }
-    assert_eq!(codes.len() % cols, 0, "dequantize_fp8_into: ragged rows");
-    let rows = codes.len() / cols;
-    let [scale_rows, scale_cols] = fp8_scale_shape(granularity, rows, cols);
-    assert!(
-        scales.len() >= scale_rows * scale_cols,
-        "dequantize_fp8_into: too few scales"
-    );
-    out.par_chunks_mut(cols)
-        .zip(codes.par_chunks(cols))
-        .enumerate()
-        .for_each(|(row, (out_row, code_row))| {
-            for (block, (out_block, code_block)) in out_row
-                .chunks_mut(FP8_BLOCK)
-                .zip(code_row.chunks(FP8_BLOCK))
-                .enumerate()
-            {
-                let scale = match granularity {
-                    Fp8Granularity::Tensor => scales[0],
-                    Fp8Granularity::Channel => scales[row],
-                    Fp8Granularity::Block128 => scales[(row / FP8_BLOCK) * scale_cols + block],
-                };
-                kernels::decode_fp8_run(code_block, scale, out_block);
-            }
-        });
-}
-
-/// Scale-tensor shape of an FP8 weight of the given granularity.
-pub fn fp8_scale_shape(granularity: Fp8Granularity, rows: usize, cols: usize) -> [usize; 2] {
-    match granularity {
-        Fp8Granularity::Tensor => [1, 1],
-        Fp8Granularity::Channel => [rows, 1],
-        Fp8Granularity::Block128 => [blocks(rows, FP8_BLOCK), blocks(cols, FP8_BLOCK)],
-    }
-}
-
 /// Quantizes to FP8 E4M3 with `s = amax / 448` per group (1 for all-zero groups) and
 /// `q = e4m3(clamp(x / s, -448, 448))`.
 pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Result<Fp8Weight> {
@@ -418,7 +256,7 @@ pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Resu
             codes
                 .par_chunks_mut(cols)
                 .zip(weight.data.par_chunks(cols))
-                .for_each(|(c, x)| kernels::encode_fp8_run(x, scale, c));
+                .for_each(|(c, x)| runs::encode_fp8_run(x, scale, c));
         }
         Fp8Granularity::Channel => {
             codes
@@ -427,7 +265,7 @@ pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Resu
                 .zip(scales.par_iter_mut())
                 .for_each(|((c, x), s)| {
                     *s = fp8_scale(f32::from_bits(abs_max_bits(x)));
-                    kernels::encode_fp8_run(x, *s, c);
+                    runs::encode_fp8_run(x, *s, c);
                 });
         }
         Fp8Granularity::Block128 => {
@@ -443,7 +281,7 @@ pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Resu
                             .zip(row.chunks(FP8_BLOCK))
                             .zip(s.iter())
                         {
-                            kernels::encode_fp8_run(run, scale, code_run);
+                            runs::encode_fp8_run(run, scale, code_run);
                         }
                     }
                 });
@@ -475,14 +313,14 @@ fn fake_quant_fp8(
             let scale = fp8_scale(amax);
             out.par_chunks_mut(cols)
                 .zip(weight.data.par_chunks(cols))
-                .for_each(|(o, x)| kernels::fake_quant_fp8_run(x, scale, o));
+                .for_each(|(o, x)| runs::fake_quant_fp8_run(x, scale, o));
         }
         Fp8Granularity::Channel => {
             out.par_chunks_mut(cols)
                 .zip(weight.data.par_chunks(cols))
                 .for_each(|(o, x)| {
                     let scale = fp8_scale(f32::from_bits(abs_max_bits(x)));
-                    kernels::fake_quant_fp8_run(x, scale, o);
+                    runs::fake_quant_fp8_run(x, scale, o);
                 });
         }
         Fp8Granularity::Block128 => {
@@ -497,7 +335,7 @@ fn fake_quant_fp8(
                             .zip(row.chunks(FP8_BLOCK))
                             .zip(&scales)
                         {
-                            kernels::fake_quant_fp8_run(run, scale, out_run);
+                            runs::fake_quant_fp8_run(run, scale, out_run);
                         }
                     }
                 });
@@ -520,70 +358,6 @@ fn fp8_tile_scales(band: &[f32], cols: usize, scale_cols: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Direction of an NVFP4 global scale as stored in a checkpoint.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Nvfp4GlobalScale {
-    /// ModelOpt `weight_scale_2 = amax / 2688`: multiply to dequantize.
-    Multiplier(f32),
-    /// compressed-tensors `weight_global_scale = 2688 / amax`: divide to dequantize.
-    Divisor(f32),
-}
-
-impl Nvfp4GlobalScale {
-    /// The value of E2M1 element `element` (a value from the E2M1 table) in a block
-    /// whose E4M3 scale is `block_scale`, in the order each producer's own
-    /// dequantization computes it (checked against both libraries' output):
-    /// ModelOpt `element * (block_scale * g)` (the divisor quantization used), with
-    /// code 8 (-0) read as +0 as ModelOpt's value table has it (the `+ 0.0`);
-    /// compressed-tensors `element * (block_scale / d)`, code 8 giving -0.
-    #[inline(always)]
-    pub fn dequantize(self, element: f32, block_scale: f32) -> f32 {
-        match self {
-            Self::Multiplier(g) => element * (block_scale * g) + 0.0,
-            Self::Divisor(d) => element * (block_scale / d),
-        }
-    }
-}
-
-/// An NVFP4 weight: `w[r, c] = e2m1(q[r, c]) * e4m3(block_scales[r, c / 16])`
-/// combined with the global scale (see [`Nvfp4GlobalScale::dequantize`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Nvfp4Weight {
-    /// Output features.
-    pub rows: usize,
-    /// Input features (a multiple of 16).
-    pub cols: usize,
-    /// E2M1 codes, two per byte, even element in the low nibble, `[rows, cols / 2]`.
-    pub packed: Vec<u8>,
-    /// E4M3 block-scale codes, `[rows, cols / 16]`.
-    pub block_scales: Vec<u8>,
-    /// Per-tensor scale.
-    pub global_scale: Nvfp4GlobalScale,
-}
-
-/// The canonical NVFP4 global scale in the dequantization direction,
-/// `g = amax / (6 * 448)`, or 1 for an all-zero tensor.
-#[inline(always)]
-pub fn nvfp4_global_scale(amax: f32) -> f32 {
-    if amax == 0.0 {
-        1.0
-    } else {
-        amax / NVFP4_GLOBAL_DENOMINATOR
-    }
-}
-
-/// The E4M3 code of the NVFP4 scale of a 16-block with largest magnitude `amax_block`
-/// under global scale `g`: `e4m3(clamp(amax_block / (6 g), 2^-9, 448))`, or the code of
-/// 1.0 when the block is all zero.
-#[inline(always)]
-pub fn nvfp4_block_scale_code(amax_block: f32, global: f32) -> u8 {
-    if amax_block == 0.0 {
-        return e4m3_encode(1.0);
-    }
-    let ratio = amax_block / (6.0 * global);
-    e4m3_encode(ratio.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
-}
-
 /// Quantizes to NVFP4 with the canonical ModelOpt formula (see the module docs of
 /// [`crate`] and `docs/quantization.md`). The input dimension must be a multiple
 /// of 16.
@@ -604,7 +378,7 @@ pub(crate) fn quantize_nvfp4_with_global(weight: WeightView<'_>, global: f32) ->
         .par_chunks_mut(NVFP4_RUN / 2)
         .zip(block_scales.par_chunks_mut(NVFP4_RUN / NVFP4_BLOCK))
         .zip(weight.data.par_chunks(NVFP4_RUN))
-        .for_each(|((p, s), x)| kernels::nvfp4_quantize_run(x, global, p, s));
+        .for_each(|((p, s), x)| runs::nvfp4_quantize_run(x, global, p, s));
     Nvfp4Weight {
         rows,
         cols,
@@ -612,77 +386,6 @@ pub(crate) fn quantize_nvfp4_with_global(weight: WeightView<'_>, global: f32) ->
         block_scales,
         global_scale: Nvfp4GlobalScale::Multiplier(global),
     }
-}
-
-impl Nvfp4Weight {
-    /// The dequantized matrix.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.packed.len() * 2];
-        self.dequantize_into(&mut out);
-        out
-    }
-
-    /// Dequantizes into `out` (`rows * cols` values).
-    ///
-    /// # Panics
-    /// If `out` has the wrong length.
-    pub fn dequantize_into(&self, out: &mut [f32]) {
-        dequantize_nvfp4_into(&self.packed, &self.block_scales, self.global_scale, out);
-    }
-}
-
-/// Dequantizes NVFP4 stored anywhere (e.g. zero-copy from a checkpoint):
-/// `packed` holds two E2M1 codes per byte (even element in the low nibble),
-/// `block_scales` one E4M3 code per 16 elements, row-major; each value is computed
-/// by [`Nvfp4GlobalScale::dequantize`] (ModelOpt `weight_scale_2` multiplies,
-/// compressed-tensors `weight_global_scale` divides).
-///
-/// # Panics
-/// If `out.len() != 2 * packed.len()` or `block_scales.len() * 16 != out.len()`.
-pub fn dequantize_nvfp4_into(
-    packed: &[u8],
-    block_scales: &[u8],
-    global: Nvfp4GlobalScale,
-    out: &mut [f32],
-) {
-    assert_eq!(
-        out.len(),
-        packed.len() * 2,
-        "dequantize_nvfp4_into: length mismatch"
-    );
-    assert_eq!(
-        block_scales.len() * NVFP4_BLOCK,
-        out.len(),
-        "dequantize_nvfp4_into: block scale count"
-    );
-    out.par_chunks_mut(NVFP4_RUN)
-        .zip(packed.par_chunks(NVFP4_RUN / 2))
-        .zip(block_scales.par_chunks(NVFP4_RUN / NVFP4_BLOCK))
-        .for_each(|((o, p), s)| kernels::nvfp4_dequantize_run(p, s, global, o));
-}
-
-/// An MXFP4 weight: `w[r, c] = e2m1(q[r, c]) * e8m0(scales[r, c / 32])`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Mxfp4Weight {
-    /// Output features.
-    pub rows: usize,
-    /// Input features (a multiple of 32).
-    pub cols: usize,
-    /// E2M1 codes, two per byte, even element in the low nibble, `[rows, cols / 2]`.
-    pub packed: Vec<u8>,
-    /// E8M0 scale codes, `[rows, cols / 32]`.
-    pub scales: Vec<u8>,
-}
-
-/// The E8M0 code of the MXFP4 scale `2^(floor(log2 amax) - 2)` of a block, clamped to
-/// the E8M0 range; an all-zero block (`log2 0 = -inf`) gets the smallest scale,
-/// code 0, as the OCP reference implementation does.
-#[inline(always)]
-pub fn mxfp4_scale_code(amax_block: f32) -> u8 {
-    // floor(log2 amax) = biased exponent - 127 for normal f32; subnormals and zero
-    // land below -127 after the "- 2" and clamp to code 0.
-    let biased_exponent = amax_block.to_bits() >> 23;
-    biased_exponent.saturating_sub(2).min(254) as u8
 }
 
 /// Quantizes to MXFP4: per 32 inputs, `s = 2^(floor(log2 amax) - 2)` (E8M0) and
@@ -696,43 +399,13 @@ pub fn quantize_mxfp4(weight: WeightView<'_>) -> Result<Mxfp4Weight> {
         .par_chunks_mut(MXFP4_RUN / 2)
         .zip(scales.par_chunks_mut(MXFP4_RUN / MXFP4_BLOCK))
         .zip(weight.data.par_chunks(MXFP4_RUN))
-        .for_each(|((p, s), x)| kernels::mxfp4_quantize_run(x, p, s));
+        .for_each(|((p, s), x)| runs::mxfp4_quantize_run(x, p, s));
     Ok(Mxfp4Weight {
         rows: weight.rows,
         cols: weight.cols,
         packed,
         scales,
     })
-}
-
-impl Mxfp4Weight {
-    /// The dequantized matrix.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.packed.len() * 2];
-        out.par_chunks_mut(MXFP4_RUN)
-            .zip(self.packed.par_chunks(MXFP4_RUN / 2))
-            .zip(self.scales.par_chunks(MXFP4_RUN / MXFP4_BLOCK))
-            .for_each(|((o, p), s)| kernels::mxfp4_dequantize_run(p, s, o));
-        out
-    }
-}
-
-/// A 4-bit integer weight, group 128 along the input dimension:
-/// `w[r, c] = (q[r, c] - zero[r, g]) * scale[r, g]` with `g = c / 128`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Int4Weight {
-    /// Output features.
-    pub rows: usize,
-    /// Input features (the last group may be partial).
-    pub cols: usize,
-    /// Whether the zero point is fixed at 8 (symmetric).
-    pub symmetric: bool,
-    /// Unsigned codes `0..=15`, one per byte, `[rows, cols]`.
-    pub codes: Vec<u8>,
-    /// Scales, `[rows, ceil(cols / 128)]`.
-    pub scales: Vec<f32>,
-    /// Zero points `0..=15`, `[rows, ceil(cols / 128)]`.
-    pub zeros: Vec<u8>,
 }
 
 /// Scale and zero point of one INT4 group (GPTQ's `find_params`):
@@ -785,45 +458,17 @@ pub fn quantize_int4(weight: WeightView<'_>, symmetric: bool) -> Result<Int4Weig
                     .zip(zero_row.iter_mut())
                 {
                     (*s, *z) = int4_group_params(run, symmetric);
-                    kernels::int4_encode_run(run, *s, *z, code_run);
+                    runs::int4_encode_run(run, *s, *z, code_run);
                 }
             });
     }
+    let packed = pack_int4_rows(rows, cols, &codes);
     Ok(Int4Weight {
         rows,
         cols,
         symmetric,
-        codes,
+        packed,
         scales,
         zeros,
     })
-}
-
-impl Int4Weight {
-    /// The dequantized matrix.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.codes.len()];
-        if self.cols == 0 {
-            return out;
-        }
-        let groups = blocks(self.cols, INT4_GROUP);
-        out.par_chunks_mut(self.cols)
-            .zip(self.codes.par_chunks(self.cols))
-            .zip(
-                self.scales
-                    .par_chunks(groups)
-                    .zip(self.zeros.par_chunks(groups)),
-            )
-            .for_each(|((out_row, code_row), (scale_row, zero_row))| {
-                for (((o, c), &s), &z) in out_row
-                    .chunks_mut(INT4_GROUP)
-                    .zip(code_row.chunks(INT4_GROUP))
-                    .zip(scale_row)
-                    .zip(zero_row)
-                {
-                    kernels::int4_decode_run(c, s, z, o);
-                }
-            });
-        out
-    }
 }

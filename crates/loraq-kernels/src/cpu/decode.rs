@@ -6,9 +6,9 @@
 //! the codes and their scale. The GEMV and GEMM kernels are generic over this trait, so a
 //! new format is one impl.
 
-use crate::weight::{FP8_BLOCK, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK};
 use half::bf16;
 use loraq_quant::element::{e4m3_decode, e8m0_decode};
+use loraq_quant::{FP8_BLOCK, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -241,8 +241,13 @@ pub(crate) type Nvfp4Rows<'a> = PackedFp4Rows<'a, NVFP4_BLOCK>;
 pub(crate) type Mxfp4Rows<'a> = PackedFp4Rows<'a, MXFP4_BLOCK>;
 
 /// Scale table for NVFP4: `e4m3(code) * global_scale`.
-pub(crate) fn nvfp4_scale_table(global_scale: f32) -> [f32; 256] {
-    std::array::from_fn(|code| e4m3_decode(code as u8) * global_scale)
+pub(crate) fn nvfp4_scale_table(global_scale: Nvfp4GlobalScale) -> [f32; 256] {
+    std::array::from_fn(|code| match global_scale {
+        Nvfp4GlobalScale::Multiplier(g) => e4m3_decode(code as u8) * g,
+        // compressed-tensors: `element * (block_scale / d)`, as the checkpoint's own
+        // dequantization computes each weight.
+        Nvfp4GlobalScale::Divisor(d) => e4m3_decode(code as u8) / d,
+    })
 }
 
 /// Scale table for MXFP4: `2^(code - 127)` (code 255, NaN, is refused at construction).
@@ -503,7 +508,7 @@ mod tests {
         let nv_scales: Vec<u8> = (0..256usize)
             .flat_map(|c| std::iter::repeat_n(c as u8, cols / 16))
             .collect();
-        let table = nvfp4_scale_table(0.25);
+        let table = nvfp4_scale_table(Nvfp4GlobalScale::Multiplier(0.25));
         let nvfp4 = Nvfp4Rows {
             packed: &packed,
             block_scales: &nv_scales,

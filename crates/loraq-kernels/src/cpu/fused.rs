@@ -100,7 +100,7 @@ impl BaseKernel for Fp8Kernel<'_> {
     }
     fn chunk_rows(&self) -> usize {
         // One band: its scaled activations are built once per chunk.
-        crate::weight::FP8_BLOCK
+        loraq_quant::FP8_BLOCK
     }
     fn dot_chunk<const T: usize>(
         &self,

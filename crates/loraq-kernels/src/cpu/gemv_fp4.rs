@@ -25,7 +25,7 @@
 
 use super::Isa;
 use super::decode::{E2M1_VALUES, E4M3_F32_MASK, PackedFp4Rows, RowDecode};
-use crate::weight::{MXFP4_BLOCK, NVFP4_BLOCK};
+use loraq_quant::{MXFP4_BLOCK, NVFP4_BLOCK};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;

@@ -10,7 +10,7 @@
 //! so no extra underflow happens where the plain product would not underflow.
 
 use super::decode::E4M3_F32_MASK;
-use crate::weight::FP8_BLOCK;
+use loraq_quant::FP8_BLOCK;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;

@@ -20,7 +20,7 @@ use super::decode::{Int4Rows, RowDecode};
 use super::gemv_fp4::{
     AVX2_STEP, PairedRows, add_scaled_avx2, bf16_byte_tables, decode32_avx2, load_byte_tables,
 };
-use crate::weight::INT4_GROUP;
+use loraq_quant::INT4_GROUP;
 
 /// For each zero point `z` (0..=15), the [`bf16_byte_tables`] of `c - z` for codes `c`.
 const INT4_BF16_BYTES: [[[u8; 16]; 2]; 16] = {

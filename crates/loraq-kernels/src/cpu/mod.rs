@@ -23,9 +23,10 @@ pub(crate) mod gemv_int4;
 
 use crate::error::Result;
 use crate::linear::QuantLoraLinear;
-use crate::weight::BaseWeight;
 use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Int4Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
 pub(crate) use fused::Schedule;
+use loraq_quant::{Bf16Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight};
+use loraq_quant::{FP8_BLOCK, Nvfp4GlobalScale};
 use rayon::prelude::*;
 
 /// How far ahead of the decode loops' loads the software prefetch reaches, in bytes of
@@ -168,62 +169,66 @@ pub(crate) trait DecoderVisitor {
 
 pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V::Output {
     match linear.base() {
-        BaseWeight::Bf16(w) => v.visit(&Bf16Rows {
-            data: &w.data,
-            rows: w.out_dim,
-            cols: w.in_dim,
-        }),
-        BaseWeight::Fp8Block128(w) => match linear.fp8_rebiased_scales() {
+        QuantizedWeight::Bf16(w) => v.visit(&bf16_rows(w)),
+        QuantizedWeight::Fp8(w) => match linear.fp8_rebiased_scales() {
             Some(rebiased) => v.visit(&Fp8Block128Rows::<false> {
                 codes: &w.codes,
                 scales: &w.scales,
                 rebiased,
-                rows: w.out_dim,
-                cols: w.in_dim,
-                scale_cols: w.scale_cols(),
+                rows: w.rows,
+                cols: w.cols,
+                scale_cols: w.cols.div_ceil(FP8_BLOCK),
             }),
             None => v.visit(&Fp8Block128Rows::<true> {
                 codes: &w.codes,
                 scales: &w.scales,
                 rebiased: &[],
-                rows: w.out_dim,
-                cols: w.in_dim,
-                scale_cols: w.scale_cols(),
+                rows: w.rows,
+                cols: w.cols,
+                scale_cols: w.cols.div_ceil(FP8_BLOCK),
             }),
         },
-        BaseWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
-        BaseWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
-        BaseWeight::Int4G128(w) => v.visit(&int4_rows(w)),
+        QuantizedWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
+        QuantizedWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
+        QuantizedWeight::Int4(w) => v.visit(&int4_rows(w)),
     }
 }
 
-fn nvfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a crate::weight::Nvfp4Weight) -> Nvfp4Rows<'a> {
+fn bf16_rows(w: &Bf16Weight) -> Bf16Rows<'_> {
+    Bf16Rows {
+        data: &w.data,
+        rows: w.rows,
+        cols: w.cols,
+    }
+}
+
+fn nvfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a Nvfp4Weight) -> Nvfp4Rows<'a> {
     Nvfp4Rows {
         packed: &w.packed,
         block_scales: &w.block_scales,
         scale_table: linear.scale_table(),
-        rows: w.out_dim,
-        cols: w.in_dim,
+        rows: w.rows,
+        cols: w.cols,
     }
 }
 
-fn mxfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a crate::weight::Mxfp4Weight) -> Mxfp4Rows<'a> {
+fn mxfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a Mxfp4Weight) -> Mxfp4Rows<'a> {
     Mxfp4Rows {
         packed: &w.packed,
-        block_scales: &w.block_scales,
+        block_scales: &w.scales,
         scale_table: linear.scale_table(),
-        rows: w.out_dim,
-        cols: w.in_dim,
+        rows: w.rows,
+        cols: w.cols,
     }
 }
 
-fn int4_rows(w: &crate::weight::Int4G128Weight) -> Int4Rows<'_> {
+fn int4_rows(w: &Int4Weight) -> Int4Rows<'_> {
     Int4Rows {
         packed: &w.packed,
         scales: &w.scales,
         zeros: &w.zeros,
-        rows: w.out_dim,
-        cols: w.in_dim,
+        rows: w.rows,
+        cols: w.cols,
     }
 }
 
@@ -319,7 +324,7 @@ fn quantize_activations(
     xq[..batch * in_dim].copy_from_slice(x);
     linear
         .activation_quant()
-        .apply(&mut xq[..batch * in_dim], in_dim)?;
+        .apply("activation", &mut xq[..batch * in_dim], in_dim)?;
     Ok(xq)
 }
 
@@ -414,16 +419,16 @@ fn decode_base<const T: usize>(
 ) {
     let in_dim = linear.in_dim();
     #[cfg(target_arch = "x86_64")]
-    if let (Isa::Avx512 | Isa::Avx2, BaseWeight::Fp8Block128(w)) = (isa, linear.base()) {
+    if let (Isa::Avx512 | Isa::Avx2, QuantizedWeight::Fp8(w)) = (isa, linear.base()) {
         let tile_amax = gemv_fp8::tile_amax(xq, T, in_dim, in_dim);
         let kernel = fused::Fp8Kernel {
             wide: isa == Isa::Avx512,
             weight: gemv_fp8::Fp8BandedRows {
                 codes: &w.codes,
                 scales: &w.scales,
-                rows: w.out_dim,
-                cols: w.in_dim,
-                scale_cols: w.scale_cols(),
+                rows: w.rows,
+                cols: w.cols,
+                scale_cols: w.cols.div_ceil(FP8_BLOCK),
                 tile_amax: &tile_amax,
             },
             x: xq,
@@ -434,12 +439,18 @@ fn decode_base<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     if matches!(isa, Isa::Avx512 | Isa::Avx2) {
         let nvfp4_multiplier = match linear.base() {
-            BaseWeight::Nvfp4(w) => gemv_fp4::nvfp4_scale_multiplier(w.global_scale),
+            QuantizedWeight::Nvfp4(w) => match w.global_scale {
+                Nvfp4GlobalScale::Multiplier(g) => gemv_fp4::nvfp4_scale_multiplier(g),
+                // The paired loop folds a multiplier into the block scales; a divisor
+                // takes the generic loop, whose scale table divides as the checkpoint's
+                // dequantization does.
+                Nvfp4GlobalScale::Divisor(_) => None,
+            },
             _ => None,
         };
         let x_paired = || gemv_fp4::reorder_activation(isa, xq, T, in_dim, in_dim);
         match (linear.base(), nvfp4_multiplier) {
-            (BaseWeight::Nvfp4(w), Some(scale_multiplier)) => {
+            (QuantizedWeight::Nvfp4(w), Some(scale_multiplier)) => {
                 let kernel = fused::PairedKernel {
                     isa,
                     weight: gemv_fp4::PairedFp4Rows {
@@ -450,7 +461,7 @@ fn decode_base<const T: usize>(
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
-            (BaseWeight::Mxfp4(w), _) => {
+            (QuantizedWeight::Mxfp4(w), _) => {
                 let kernel = fused::PairedKernel {
                     isa,
                     weight: gemv_fp4::PairedFp4Rows {
@@ -461,7 +472,7 @@ fn decode_base<const T: usize>(
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
-            (BaseWeight::Int4G128(w), _) => {
+            (QuantizedWeight::Int4(w), _) => {
                 let kernel = fused::PairedKernel {
                     isa,
                     weight: gemv_int4::Int4TableRows { rows: int4_rows(w) },

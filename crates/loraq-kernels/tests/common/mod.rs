@@ -4,9 +4,10 @@
 
 use half::bf16;
 use loraq_kernels::{
-    BaseWeight, Bf16Weight, Fp8Block128Weight, Int4G128Weight, LoraAdapter, Mxfp4Weight,
-    Nvfp4Weight, QuantLoraLinear,
+    Bf16Weight, Fp8Weight, Int4Weight, LoraAdapter, Mxfp4Weight, Nvfp4Weight, QuantLoraLinear,
+    QuantizedWeight,
 };
+use loraq_quant::Nvfp4GlobalScale;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -43,72 +44,57 @@ pub fn random_base(
     out_dim: usize,
     in_dim: usize,
     rng: &mut ChaCha8Rng,
-) -> BaseWeight {
+) -> QuantizedWeight {
     match format {
-        Format::Bf16 => BaseWeight::Bf16(
-            Bf16Weight::new(
-                out_dim,
-                in_dim,
-                (0..out_dim * in_dim)
-                    .map(|_| bf16::from_f32(rng.random_range(-0.1..0.1)))
-                    .collect(),
-            )
-            .unwrap(),
-        ),
+        Format::Bf16 => QuantizedWeight::Bf16(Bf16Weight::new(
+            out_dim,
+            in_dim,
+            (0..out_dim * in_dim)
+                .map(|_| bf16::from_f32(rng.random_range(-0.1..0.1)))
+                .collect(),
+        )),
         Format::Fp8Block128 => {
             let tiles = out_dim.div_ceil(128) * in_dim.div_ceil(128);
-            BaseWeight::Fp8Block128(
-                Fp8Block128Weight::new(
-                    out_dim,
-                    in_dim,
-                    (0..out_dim * in_dim).map(|_| e4m3_code(rng)).collect(),
-                    (0..tiles)
-                        .map(|_| rng.random_range(1e-5f32..1e-3))
-                        .collect(),
-                )
-                .unwrap(),
-            )
+            QuantizedWeight::Fp8(Fp8Weight::block128(
+                out_dim,
+                in_dim,
+                (0..out_dim * in_dim).map(|_| e4m3_code(rng)).collect(),
+                (0..tiles)
+                    .map(|_| rng.random_range(1e-5f32..1e-3))
+                    .collect(),
+            ))
         }
-        Format::Nvfp4 => BaseWeight::Nvfp4(
-            Nvfp4Weight::new(
-                out_dim,
-                in_dim,
-                (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
-                // E4M3 codes 0x00..0x5F: zero, subnormals, normals up to 16.
-                (0..out_dim * in_dim / 16)
-                    .map(|_| rng.random_range(0u8..0x60) | (rng.random::<u8>() & 0x80))
-                    .collect(),
-                rng.random_range(1e-4f32..1e-2),
-            )
-            .unwrap(),
-        ),
-        Format::Mxfp4 => BaseWeight::Mxfp4(
-            Mxfp4Weight::new(
-                out_dim,
-                in_dim,
-                (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
-                (0..out_dim * in_dim / 32)
-                    .map(|_| rng.random_range(118u8..130))
-                    .collect(),
-            )
-            .unwrap(),
-        ),
+        Format::Nvfp4 => QuantizedWeight::Nvfp4(Nvfp4Weight::new(
+            out_dim,
+            in_dim,
+            (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
+            // E4M3 codes 0x00..0x5F: zero, subnormals, normals up to 16.
+            (0..out_dim * in_dim / 16)
+                .map(|_| rng.random_range(0u8..0x60) | (rng.random::<u8>() & 0x80))
+                .collect(),
+            Nvfp4GlobalScale::Multiplier(rng.random_range(1e-4f32..1e-2)),
+        )),
+        Format::Mxfp4 => QuantizedWeight::Mxfp4(Mxfp4Weight::new(
+            out_dim,
+            in_dim,
+            (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
+            (0..out_dim * in_dim / 32)
+                .map(|_| rng.random_range(118u8..130))
+                .collect(),
+        )),
         Format::Int4G128 => {
             let groups = out_dim * in_dim.div_ceil(128);
-            BaseWeight::Int4G128(
-                Int4G128Weight::new(
-                    out_dim,
-                    in_dim,
-                    (0..out_dim * in_dim.div_ceil(2))
-                        .map(|_| rng.random())
-                        .collect(),
-                    (0..groups)
-                        .map(|_| rng.random_range(1e-3f32..0.1))
-                        .collect(),
-                    (0..groups).map(|_| rng.random_range(0u8..16)).collect(),
-                )
-                .unwrap(),
-            )
+            QuantizedWeight::Int4(Int4Weight::from_packed(
+                out_dim,
+                in_dim,
+                (0..out_dim * in_dim.div_ceil(2))
+                    .map(|_| rng.random())
+                    .collect(),
+                (0..groups)
+                    .map(|_| rng.random_range(1e-3f32..0.1))
+                    .collect(),
+                (0..groups).map(|_| rng.random_range(0u8..16)).collect(),
+            ))
         }
     }
 }

@@ -1,52 +1,20 @@
-//! Hot loops over runs of values, compiled several times (AVX-512, AVX2, baseline)
+//! Hot loops over runs of values (the crate's SIMD layer; built on [`crate::element`]
+//! and [`mod@crate::format`] only), compiled several times (AVX-512, AVX2, baseline)
 //! and picked at run time, so the branch-free encoders vectorize on the machine at
 //! hand while the crate still builds for the baseline target. Every version runs the
 //! same scalar code, so results are bit-identical whichever is picked.
 
 use crate::element::{E2M1_TABLE, E4M3_TABLE, E8M0_TABLE, e2m1_encode, e4m3_encode};
-use crate::scheme::{
+use crate::format::{
     MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale, mxfp4_scale_code, nvfp4_block_scale_code,
 };
+use crate::multiversion::multiversion;
 
-/// Defines `fn $name(args) -> ret` that runs `$body` compiled for the best
-/// instruction set the CPU offers.
-macro_rules! multiversion {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
-        $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
-            #[inline(always)]
-            fn generic($($arg: $ty),*) $(-> $ret)? $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
-                fn avx512($($arg: $ty),*) $(-> $ret)? {
-                    generic($($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma")]
-                fn avx2($($arg: $ty),*) $(-> $ret)? {
-                    generic($($arg),*)
-                }
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512dq")
-                    && std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU supports every feature `avx512` is compiled for.
-                    return unsafe { avx512($($arg),*) };
-                }
-                if std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
-                    // SAFETY: the CPU supports every feature `avx2` is compiled for.
-                    return unsafe { avx2($($arg),*) };
-                }
-            }
-            generic($($arg),*)
-        }
-    };
-}
+/// Values per parallel work item of the NVFP4 runs (whole blocks, so a run never
+/// splits a block; rows do not matter since blocks never cross rows).
+pub(crate) const NVFP4_RUN: usize = NVFP4_BLOCK * 256;
+/// Values per parallel work item of the MXFP4 runs.
+pub(crate) const MXFP4_RUN: usize = MXFP4_BLOCK * 128;
 
 multiversion! {
     /// Largest `|x|` as bits: for non-negative floats the integer order is the float
