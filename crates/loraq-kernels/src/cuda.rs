@@ -482,11 +482,12 @@ unsafe fn launch_raw(
             )
         };
     }
-    // SAFETY: an all-zero launch attribute value is valid (a plain union of integers
-    // and handles); the field set below is the one the attribute's id selects.
+    // The field set below is the one the attribute's id selects.
     let mut attribute = sys::CUlaunchAttribute {
         id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
         pad: [0; 4],
+        // SAFETY: an all-zero launch attribute value is valid (a plain union of
+        // integers and handles).
         value: unsafe { std::mem::zeroed() },
     };
     attribute.value.programmaticStreamSerializationAllowed = 1;
