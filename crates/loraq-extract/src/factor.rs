@@ -909,8 +909,8 @@ mod tests {
         }
     }
 
-    /// Regression: a wide delta that changes only 2 of 16 rows used to divide by zero
-    /// singular values. It must keep rank 2, finite factors, and reproduce the delta.
+    /// A wide delta that changes only 2 of 16 rows has 14 zero singular values, which
+    /// nothing may divide by: it keeps rank 2, finite factors, and reproduces the delta.
     #[test]
     fn rank_deficient_wide_delta_keeps_its_rank() {
         let (rows, cols) = (16usize, 48usize);
