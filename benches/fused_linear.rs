@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use loraq_kernels::{BaseWeight, Bf16Weight, CpuOptions, LoraAdapter, QuantLoraLinear};
+use loraq_kernels::{Bf16Weight, CpuOptions, LoraAdapter, QuantLoraLinear, QuantizedWeight};
 use loraq_quant::{Scheme, WeightView};
 
 const NAME: &str = "model.language_model.layers.0.mlp.up_proj.weight";
@@ -38,7 +38,7 @@ fn bench(c: &mut Criterion) {
     let view = WeightView::new(NAME, OUT, IN, &pair.base).expect("weight view");
     let mut bases = vec![(
         "bf16",
-        BaseWeight::Bf16(Bf16Weight::new(OUT, IN, to_bf16(&pair.base)).expect("bf16 base")),
+        QuantizedWeight::Bf16(Bf16Weight::new(OUT, IN, to_bf16(&pair.base))),
     )];
     for scheme in [
         Scheme::Fp8Block128,
@@ -46,11 +46,7 @@ fn bench(c: &mut Criterion) {
         Scheme::Mxfp4,
         Scheme::Int4G128Asym,
     ] {
-        let quantized = scheme.quantize(view).expect("quantize");
-        bases.push((
-            scheme.name(),
-            BaseWeight::try_from(quantized).expect("fused format"),
-        ));
+        bases.push((scheme.name(), scheme.quantize(view).expect("quantize")));
     }
     let x: Vec<f32> = (0..PREFILL * IN)
         .map(|i| (i * 7919 % 2000) as f32 / 1000.0 - 1.0)

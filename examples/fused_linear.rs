@@ -10,7 +10,7 @@
 //! shape) with its rank-32 LoRA, for every base format the CPU kernels take.
 
 use half::bf16;
-use loraq_kernels::{BaseWeight, CpuOptions, LoraAdapter, QuantLoraLinear};
+use loraq_kernels::{CpuOptions, LoraAdapter, QuantLoraLinear};
 use loraq_quant::{Scheme, WeightView};
 
 fn main() -> anyhow::Result<()> {
@@ -25,9 +25,8 @@ fn main() -> anyhow::Result<()> {
         Scheme::Mxfp4,
         Scheme::Int4G128Asym,
     ] {
-        // The base in its stored format, never dequantized as a whole.
-        let quantized = scheme.quantize(WeightView::new(name, out_dim, in_dim, &pair.base)?)?;
-        let base = BaseWeight::try_from(quantized)?;
+        // The base in its stored format (codes and scales), never dequantized as a whole.
+        let base = scheme.quantize(WeightView::new(name, out_dim, in_dim, &pair.base)?)?;
         // The adapter's factors in bf16, as PEFT stores them; scale alpha / r = 1.
         let lora = LoraAdapter::new(
             rank,
