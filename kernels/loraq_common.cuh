@@ -245,9 +245,9 @@ struct Bf16Weight {
     }
 };
 
-// Pieces per lane step of the fp8 decode stream: 1 (16 bytes; the default, as measured on
-// the H200) or 2 (32 bytes: half the loop, ring and address instructions per weight, a
-// 3-stage ring), an experiment of scripts/gpu-check.sh.
+// Pieces per lane step of the fp8 decode stream: 1 (16 bytes; the default, the step of
+// docs/gpu-check.md's figures) or 2 (32 bytes: half the loop, ring and address
+// instructions per weight, a 3-stage ring), a variant scripts/gpu-check.sh times.
 #ifndef LORAQ_FP8_PIECES
 #define LORAQ_FP8_PIECES 1
 #endif
@@ -311,7 +311,8 @@ struct Fp8Block128Weight {
 };
 
 // Pieces per lane step of the NVFP4 decode stream: 2 (32 weights, 16 bytes of codes; the
-// default) or 1 (8 bytes, as measured on the H200), an experiment of scripts/gpu-check.sh.
+// default) or 1 (8 bytes, the step of docs/gpu-check.md's figures), a variant
+// scripts/gpu-check.sh times.
 #ifndef LORAQ_NVFP4_PIECES
 #define LORAQ_NVFP4_PIECES 2
 #endif

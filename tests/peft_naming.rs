@@ -388,7 +388,7 @@ fn verify_check_run_and_quant_error_accept_either_naming() {
 }
 
 /// An adapter module that names no module of the checkpoint, in either naming, is
-/// refused by name (it used to be ignored by quant-error).
+/// refused by name, by quant-error as by the other commands.
 #[test]
 fn adapter_module_missing_from_the_checkpoint_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();

@@ -219,6 +219,9 @@ fn check_options(options: &CompareOptions) -> Result<()> {
     Ok(())
 }
 
+/// Compares answers already paired by id: flips, KL, the paired accuracy test,
+/// calibration and near ties of `paired` under `options` (refused when the options are
+/// out of range or there is no pair).
 pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Comparison> {
     check_options(options)?;
     let pairs = &paired.pairs;

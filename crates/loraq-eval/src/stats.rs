@@ -5,7 +5,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Binomial, Distribution};
 
-/// z = Phi^-1(0.975), the two-sided 95% normal quantile.
+/// $z = \Phi^{-1}(0.975)$, the two-sided 95% normal quantile.
 pub const Z_95: f64 = 1.959_963_984_540_054;
 
 /// Arithmetic mean; `None` for an empty slice.
@@ -17,7 +17,7 @@ pub fn mean(values: &[f64]) -> Option<f64> {
     }
 }
 
-/// Standard error of the mean with N-1: sqrt(sum (x - mean)^2 / (N - 1)) / sqrt(N).
+/// Standard error of the mean with $N - 1$: $\sqrt{\sum_i (x_i - \bar x)^2 / (N - 1)} / \sqrt{N}$.
 ///
 /// This equals llama.cpp's `sqrt((<x^2> - <x>^2) / (N - 1))` (its KL-divergence
 /// statistics), computed in two passes so it does not cancel; llama.cpp prints 0
@@ -33,7 +33,7 @@ pub fn standard_error(values: &[f64]) -> Option<f64> {
 }
 
 /// Percentile `q` (0..=100) of ascending `sorted` values by linear interpolation
-/// between closest ranks: position h = (q / 100) (N - 1), exactly numpy's default
+/// between closest ranks: position $h = (q / 100)(N - 1)$, exactly numpy's default
 /// (`method="linear"`, including its two-sided lerp). `None` for an empty slice.
 pub fn percentile_sorted(sorted: &[f64], q: f64) -> Option<f64> {
     let n = sorted.len();
@@ -66,9 +66,9 @@ pub fn median(values: &[f64]) -> Option<f64> {
     percentile_sorted(&sorted_copy(values), 50.0)
 }
 
-/// Wilson score 95% interval of a proportion k / n, with the bounds exactly 0 at
-/// k = 0 and 1 at k = n (scipy's `binomtest(k, n).proportion_ci(method="wilson")`).
-/// `None` when n = 0.
+/// Wilson score 95% interval of a proportion $k / n$, with the bounds exactly 0 at
+/// $k = 0$ and 1 at $k = n$ (scipy's `binomtest(k, n).proportion_ci(method="wilson")`).
+/// `None` when $n = 0$.
 pub fn wilson_interval(k: usize, n: usize) -> Option<[f64; 2]> {
     if n == 0 {
         return None;
@@ -84,10 +84,10 @@ pub fn wilson_interval(k: usize, n: usize) -> Option<[f64; 2]> {
     Some([lo, hi])
 }
 
-/// McNemar's exact test on the discordant pairs b (one way) and c (the other):
-/// returns (p, mid-p) with p = min(1, 2 P(X <= min(b, c))) and
-/// mid-p = p - P(X = min(b, c)) for X ~ Binomial(b + c, 1/2). Both are 1 when
-/// b + c = 0.
+/// McNemar's exact test on the discordant pairs $b$ (one way) and $c$ (the other):
+/// returns (p, mid-p) with $p = \min(1, 2 P(X \le \min(b, c)))$ and
+/// $\text{mid-}p = p - P(X = \min(b, c))$ for $X \sim \mathrm{Binomial}(b + c, 1/2)$.
+/// Both are 1 when $b + c = 0$.
 pub fn mcnemar(b: u64, c: u64) -> (f64, f64) {
     let n = b + c;
     if n == 0 {
@@ -101,8 +101,8 @@ pub fn mcnemar(b: u64, c: u64) -> (f64, f64) {
     (p, mid_p)
 }
 
-/// P(X = k) for X ~ Binomial(n, 1/2), by Loader's saddle-point form
-/// exp(-stirlerr terms - bd0 terms) / sqrt(2 pi k (n-k) / n), accurate to a few ulps
+/// $P(X = k)$ for $X \sim \mathrm{Binomial}(n, 1/2)$, by Loader's saddle-point form
+/// $e^{-(\text{stirlerr terms}) - (\text{bd0 terms})} / \sqrt{2 \pi k (n - k) / n}$, accurate to a few ulps
 /// for every n (no cancellation of large log-factorials).
 pub fn binomial_half_pmf(k: u64, n: u64) -> f64 {
     assert!(k <= n, "binomial_half_pmf: k > n");
@@ -121,8 +121,8 @@ pub fn binomial_half_pmf(k: u64, n: u64) -> f64 {
     lc.exp() * (nf / (2.0 * std::f64::consts::PI * kf * rest)).sqrt()
 }
 
-/// P(X <= k) for X ~ Binomial(n, 1/2), given P(X = k) (k <= n/2): sums the terms
-/// downwards with pmf(i-1) = pmf(i) i / (n - i + 1) until they no longer matter.
+/// $P(X \le k)$ for $X \sim \mathrm{Binomial}(n, 1/2)$, given $P(X = k)$ ($k \le n/2$): sums
+/// the terms downwards with $p_{i-1} = p_i \\, i / (n - i + 1)$ until they no longer matter.
 fn binomial_half_cdf_from(k: u64, n: u64, pmf_k: f64) -> f64 {
     let mut term = pmf_k;
     let mut sum = pmf_k;
@@ -138,7 +138,7 @@ fn binomial_half_cdf_from(k: u64, n: u64, pmf_k: f64) -> f64 {
     sum
 }
 
-/// stirlerr(x) = ln(x!) - ((x + 1/2) ln x - x + ln sqrt(2 pi)), Loader (2000).
+/// $\mathrm{stirlerr}(x) = \ln x! - ((x + \tfrac12) \ln x - x + \ln \sqrt{2\pi})$, Loader (2000).
 fn stirling_error(x: f64) -> f64 {
     const S0: f64 = 1.0 / 12.0;
     const S1: f64 = 1.0 / 360.0;
@@ -168,7 +168,7 @@ fn stirling_error(x: f64) -> f64 {
     (S0 - (S1 - (S2 - (S3 - S4 / xx) / xx) / xx) / xx) / x
 }
 
-/// bd0(x, np) = x ln(x / np) + np - x, by a series when x is close to np (Loader).
+/// $\mathrm{bd0}(x, np) = x \ln(x / np) + np - x$, by a series when $x$ is close to $np$ (Loader).
 fn bd0(x: f64, np: f64) -> f64 {
     if (x - np).abs() < 0.1 * (x + np) {
         let v = (x - np) / (x + np);
@@ -193,10 +193,11 @@ fn bd0(x: f64, np: f64) -> f64 {
 /// `worse` went correct -> wrong (-1) and `better` wrong -> correct (+1).
 ///
 /// Resampling n questions with replacement and averaging their per-question deltas
-/// d in {-1, 0, +1} is, draw for draw, the same distribution as drawing the counts
-/// (k+, k-, k0) ~ Multinomial(n; better/n, worse/n, rest/n), which is sampled
-/// exactly as k+ ~ Binomial(n, better/n), k- ~ Binomial(n - k+, worse/(n - better)):
-/// O(resamples), not O(resamples x n). The bounds are the 2.5th and 97.5th
+/// $d \in \lbrace -1, 0, +1 \rbrace$ is, draw for draw, the same distribution as drawing the
+/// counts $(k_+, k_-, k_0) \sim \mathrm{Multinomial}(n; b/n, w/n, r/n)$ ($b$ = `better`,
+/// $w$ = `worse`, $r$ the rest), which is sampled exactly as
+/// $k_+ \sim \mathrm{Binomial}(n, b/n)$, $k_- \sim \mathrm{Binomial}(n - k_+, w/(n - b))$:
+/// $O(\text{resamples})$, not $O(\text{resamples} \times n)$. The bounds are the 2.5th and 97.5th
 /// percentiles of the resampled deltas ([`percentile_sorted`]). ChaCha8 seeded with
 /// `seed`, so a run is reproducible. `None` when n or `resamples` is 0.
 pub fn paired_bootstrap_delta_ci(

@@ -1,7 +1,8 @@
 //! Factors a raw little-endian f32 delta file (as the `factorize` bench writes it) and
 //! prints the seconds the factorization took and its residual, as one JSON line. Used by
 //! `scripts/bench_svd_reference.py --interleave` to time loraq and torch alternately on
-//! a shared machine.
+//! a shared machine. A tool for that script, not a usage example: the examples of the
+//! libraries are the workspace's top-level `examples/` (README.md, "Using the libraries").
 //!
 //! `cargo run --release -p loraq-extract --example factor_file -- FILE ROWS COLS FLOOR [RANK]`
 

@@ -4,7 +4,7 @@
 //!
 //! The weight of input feature $k$ is $s_k = \sqrt{\max(E[x_k^2],\ \epsilon \max_j E[x_j^2])}$
 //! with $\epsilon$ = [`RELATIVE_FLOOR`]: a feature that was (nearly) never active
-//! keeps a small weight, so $S = \mathrm{diag}(s)$ stays invertible and $A = A' S^{-1}$
+//! keeps a small weight, so $S = \mathrm{diag}(s)$ stays invertible and $A = A^{\prime} S^{-1}$
 //! stays bounded (at most $10^3 \times$ the largest weight's scale).
 //!
 //! A module the file lacks is an error: weighting some modules by their activations and

@@ -31,7 +31,7 @@ pub struct CheckedModule {
     pub first: [usize; 3],
     /// `[out, in, rank]` in the second.
     pub second: [usize; 3],
-    /// $\|\Delta_1 - \Delta_2\|_F / \|\Delta_1\|_F$ with $\Delta = s\,BA$ (None when shapes differ).
+    /// $\\|\Delta_1 - \Delta_2\\|_F / \\|\Delta_1\\|_F$ with $\Delta = s\\,BA$ (None when shapes differ).
     pub relative_difference: Option<f64>,
     /// Factor pairs (None when ranks or shapes differ).
     pub factor_pairs: Option<FactorPairs>,

@@ -7,7 +7,7 @@
 //!   the long side (power iteration on the sample costs about a quarter of a pass), then
 //!   two full passes: $W = D V_0$, $Q = \mathrm{orth}(W)$, $Z = D^\top Q$. The result is the
 //!   rank-$k$ truncation of the projection $Q Q^\top D$, whose residual is known exactly
-//!   without another pass: $\|D - Q\tilde Q^\top D\|^2 = \|D\|^2 - \|Z G^{-1/2}\|^2$ with
+//!   without another pass: $\\|D - Q\tilde Q^\top D\\|^2 = \\|D\\|^2 - \\|Z G^{-1/2}\\|^2$ with
 //!   $G = Q^\top Q$ formed in f64, so it holds even where $Q$ is orthonormal only to f32
 //!   precision. Further iterations follow when the residual is not at the floor and
 //!   still moving.
@@ -15,10 +15,10 @@
 //!   kept directions are re-projected ($Y = D V_k$, thin SVD of $Y$) so the singular
 //!   values are accurate to f64 precision in absolute terms, not only relative to $s_0$.
 //!
-//! The certificate: $\|D - BA\|_F$ evaluated in f64 from
-//! $\|D\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, A A^\top\rangle$, where
+//! The certificate: $\\|D - BA\\|_F$ evaluated in f64 from
+//! $\\|D\\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, A A^\top\rangle$, where
 //! $B^\top D$ comes from the last pass (B lies in the span of Q), compared with
-//! $\sqrt{\|D\|^2 - \sum s_i^2}$ and, by the caller, with the rounding floor.
+//! $\sqrt{\\|D\\|^2 - \sum s_i^2}$ and, by the caller, with the rounding floor.
 //!
 //! Numerical rank: only $s_i > s_0 \cdot 10^{-7}$ are kept. Nothing divides by a singular
 //! value: the factors are built from orthonormal bases and $S^{1/2}$.
@@ -113,7 +113,7 @@ pub struct Factorization {
     pub v: Mat<f64>,
     /// The largest singular value computed but not kept (by rank or tolerance), if any.
     pub first_dropped: Option<f64>,
-    /// $\|D\|_F^2$ in f64.
+    /// $\\|D\\|_F^2$ in f64.
     pub delta_norm_sq: f64,
     /// `(U^T D) ` restricted to the kept directions, `kept x cols` (row-major, f64):
     /// what the certificate needs, from the last pass.
@@ -133,9 +133,9 @@ pub struct Factorization {
 /// Residual figures of a rank-k truncation.
 #[derive(Debug, Clone, Copy)]
 pub struct Certificate {
-    /// $\|D - BA\|_F$ computed in f64 from the last pass (f32-exact factors).
+    /// $\\|D - BA\\|_F$ computed in f64 from the last pass (f32-exact factors).
     pub residual: f64,
-    /// $\sqrt{\|D\|^2 - \sum_{i \le k} s_i^2}$.
+    /// $\sqrt{\\|D\\|^2 - \sum_{i \le k} s_i^2}$.
     pub singular_value_residual: f64,
 }
 
@@ -145,19 +145,19 @@ impl Factorization {
         self.s.len()
     }
 
-    /// $\|D\|_F$.
+    /// $\\|D\\|_F$.
     pub fn delta_norm(&self) -> f64 {
         self.delta_norm_sq.sqrt()
     }
 
-    /// $\sqrt{\|D\|^2 - \sum_{i \le k} s_i^2}$, clamped at zero.
+    /// $\sqrt{\\|D\\|^2 - \sum_{i \le k} s_i^2}$, clamped at zero.
     pub fn truncation_residual(&self, k: usize) -> f64 {
         let captured: f64 = self.s[..k.min(self.s.len())].iter().map(|s| s * s).sum();
         (self.delta_norm_sq - captured).max(0.0).sqrt()
     }
 
     /// The certificate of the rank-k truncation with the balanced split: the residual
-    /// evaluated from $\|D\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, AA^\top\rangle$.
+    /// evaluated from $\\|D\\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, AA^\top\rangle$.
     pub fn certificate(&self, k: usize) -> Certificate {
         let k = k.min(self.kept());
         // B = U_k S^1/2, A = S^1/2 V_k^T. <B^T D, A> = sum_i s_i <u_i^T D, v_i>.
@@ -214,7 +214,7 @@ fn gram(m: MatRef<'_, f64>, k: usize) -> Mat<f64> {
     g
 }
 
-/// Checks that `delta` is `rows x cols`, finite and not all zero; returns $\|D\|^2$ (f64).
+/// Checks that `delta` is `rows x cols`, finite and not all zero; returns $\\|D\\|^2$ (f64).
 pub fn check_delta(module: &str, delta: &[f32], rows: usize, cols: usize) -> Result<f64> {
     let len = rows
         .checked_mul(cols)
@@ -909,8 +909,8 @@ mod tests {
         }
     }
 
-    /// Regression: a wide delta that changes only 2 of 16 rows used to divide by zero
-    /// singular values. It must keep rank 2, finite factors, and reproduce the delta.
+    /// A wide delta that changes only 2 of 16 rows has 14 zero singular values, which
+    /// nothing may divide by: it keeps rank 2, finite factors, and reproduces the delta.
     #[test]
     fn rank_deficient_wide_delta_keeps_its_rank() {
         let (rows, cols) = (16usize, 48usize);

@@ -97,7 +97,7 @@ pub struct Factored {
 }
 
 /// The rank `--rank auto` picks: the smallest k whose truncation residual is within
-/// [`AUTO_RANK_SLACK`] of $\rho^*(k) F$, else everything kept.
+/// [`AUTO_RANK_SLACK`] of $\rho^\ast(k) F$, else everything kept.
 pub fn auto_rank(f: &Factorization, floor: f64) -> usize {
     (1..=f.kept())
         .find(|&k| {

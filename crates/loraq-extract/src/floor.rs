@@ -113,7 +113,7 @@ pub fn expected_floor_ratio(rows: usize, cols: usize, rank: usize) -> f64 {
     (1.0 - r * (m + n - r) / (m * n)).max(0.0).sqrt()
 }
 
-/// $D = f32(merged) - f32(base)$ and the floor of the merged tensor, in one parallel pass
+/// $D = \mathrm{f32}(\mathrm{merged}) - \mathrm{f32}(\mathrm{base})$ and the floor of the merged tensor, in one parallel pass
 /// over both mappings; refuses a non-finite value in either input.
 pub fn delta_and_floor(
     merged: &Checkpoint,

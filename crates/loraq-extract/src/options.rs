@@ -10,7 +10,7 @@ use std::path::PathBuf;
 /// The largest rank `--rank auto` goes to.
 pub const AUTO_RANK_CAP: usize = 512;
 /// `--rank auto` keeps the smallest rank whose residual is within this factor of what a
-/// perfect fit leaves against the floor ($\rho^*(k) F$).
+/// perfect fit leaves against the floor ($\rho^\ast(k) F$).
 pub const AUTO_RANK_SLACK: f64 = 1.05;
 
 /// Output file names.

@@ -3,12 +3,12 @@
 //! within its rank, the strongest directions of the base's quantization error.
 //!
 //! With calibration statistics $S = \mathrm{diag}(s)$, $s_k = \sqrt{E[x_k^2]}$, the
-//! factorization minimizes $\|(D_q - BA)S\|_F$ (the error that reaches the outputs on
+//! factorization minimizes $\\|(D_q - BA)S\\|_F$ (the error that reaches the outputs on
 //! inputs with those second moments): the top-r factorization of $D_q S$ gives
-//! $B$, $A'$ and $A = A' S^{-1}$.
+//! $B$, $A^{\prime}$ and $A = A^{\prime} S^{-1}$.
 //!
 //! Every residual is measured with the bf16 factors as stored, against the merged
-//! weight: $\|M - (\hat W + B_{bf16} A_{bf16})\|_F$, reported over $\|M\|_F$ and over the
+//! weight: $\\|M - (\hat W + B_{bf16} A_{bf16})\\|_F$, reported over $\\|M\\|_F$ and over the
 //! bf16 rounding floor of $M$ (the figure `loraq verify --base <quantized>` gives).
 
 use crate::calibration::Calibration;
@@ -29,15 +29,15 @@ use serde::Serialize;
 pub struct TargetResidual {
     /// The adapter's rank in this module (0: the adapter has no factors here).
     pub rank: usize,
-    /// $\|M - (\hat W + BA)\|_F$, bf16 factors.
+    /// $\\|M - (\hat W + BA)\\|_F$, bf16 factors.
     pub residual: f64,
-    /// residual / $\|M\|_F$.
+    /// residual / $\\|M\\|_F$.
     pub relative: f64,
     /// residual / the bf16 rounding floor of $M$.
     pub ratio: f64,
-    /// $\|(M - \hat W - BA)S\|_F$ (with `--calibration`).
+    /// $\\|(M - \hat W - BA)S\\|_F$ (with `--calibration`).
     pub weighted_residual: Option<f64>,
-    /// weighted_residual / $\|MS\|_F$: the relative output error on inputs with the
+    /// weighted_residual / $\\|MS\\|_F$: the relative output error on inputs with the
     /// calibration's second moments.
     pub weighted_relative: Option<f64>,
 }
@@ -47,13 +47,13 @@ pub struct TargetResidual {
 pub struct TargetReport {
     /// How the target stores the weight (`fp8-block128`, `bf16 (not quantized)`, ...).
     pub format: String,
-    /// $\|M\|_F$.
+    /// $\\|M\\|_F$.
     pub merged_norm: f64,
-    /// $\|W - \hat W\|_F$: the base's quantization error in this module.
+    /// $\\|W - \hat W\\|_F$: the base's quantization error in this module.
     pub quantization_error: f64,
     /// The bf16 rounding floor of $M$.
     pub floor: f64,
-    /// $\|MS\|_F$ (with `--calibration`).
+    /// $\\|MS\\|_F$ (with `--calibration`).
     pub weighted_merged_norm: Option<f64>,
     /// The plain adapter (the factorization of $M - W$) run on the target.
     pub plain: TargetResidual,
@@ -110,7 +110,7 @@ fn widen(bytes: &[u8]) -> Vec<f32> {
     out
 }
 
-/// $\|D - BA\|_F$ and, with column weights $s$, $\|(D - BA)S\|_F$, in f64 from an f32
+/// $\\|D - BA\\|_F$ and, with column weights $s$, $\\|(D - BA)S\\|_F$, in f64 from an f32
 /// product (B `[rows, k]`, A `[k, cols]`, row-major; k may be 0).
 pub fn residuals(
     delta: &[f32],

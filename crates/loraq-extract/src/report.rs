@@ -19,20 +19,20 @@ pub struct ModuleReport {
     pub rank: usize,
     /// Rank written to the adapter: `rank`, plus `--extra-rank` with `--target-base`.
     pub adapter_rank: usize,
-    /// $\|D\|_F$.
+    /// $\\|D\\|_F$.
     pub delta_norm: f64,
     /// The bf16 rounding floor of the merged weight.
     pub floor: f64,
-    /// $\|D - BA\|_F$ with the f32 factors (the truncation residual).
+    /// $\\|D - BA\\|_F$ with the f32 factors (the truncation residual).
     pub residual: f64,
     /// residual / floor: near 1 means at the floor; the refusal threshold applies to it.
     pub ratio: f64,
     /// What a perfect rank-`rank` fit of (low rank + rounding noise) leaves over the
     /// floor: $\sqrt{1 - r(m+n-r)/(mn)}$.
     pub expected_ratio: f64,
-    /// $\|B_{bf16}A_{bf16} - BA\|_F$: the error the bf16 cast of the factors adds.
+    /// $\\|B_{bf16}A_{bf16} - BA\\|_F$: the error the bf16 cast of the factors adds.
     pub cast_error: f64,
-    /// The residual after the cast, $\sqrt{residual^2 + cast^2}$ (the cross term has zero
+    /// The residual after the cast, $\sqrt{\mathrm{residual}^2 + \mathrm{cast}^2}$ (the cross term has zero
     /// mean; `loraq verify` measures it exactly).
     pub residual_after_cast: f64,
     /// residual_after_cast / floor.
@@ -75,7 +75,7 @@ pub struct CorrectionReport {
 /// Sums over modules of the figures on the target base.
 #[derive(Debug, Clone, Serialize)]
 pub struct TargetTotals {
-    /// $\sqrt{\sum \|M - (\hat W + BA)\|^2} / \sqrt{\sum \|M\|^2}$ of the plain adapter,
+    /// $\sqrt{\sum \\|M - (\hat W + BA)\\|^2} / \sqrt{\sum \\|M\\|^2}$ of the plain adapter,
     /// over the LoRA's modules.
     pub plain_relative: f64,
     /// The same for the quantization-aware adapter.

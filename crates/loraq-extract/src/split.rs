@@ -37,7 +37,7 @@ pub struct CastFactors {
     pub b_bf16: Vec<u8>,
     /// lora_A, `[rank, in]` row-major, little-endian bf16 bytes.
     pub a_bf16: Vec<u8>,
-    /// $\|B_{bf16} A_{bf16} - BA\|_F$: what the cast adds to the truncation residual.
+    /// $\\|B_{bf16} A_{bf16} - BA\\|_F$: what the cast adds to the truncation residual.
     pub cast_error: f64,
 }
 
@@ -87,7 +87,7 @@ pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<
 
 /// Splits, casts to bf16 and measures the cast error exactly, without touching the delta:
 /// with $E_B = B_{bf16} - B$ and $E_A = A_{bf16} - A$ (both exact in f32),
-/// $B_{bf16}A_{bf16} - BA = [E_B\ B]\,[A_{bf16};\ E_A]$ and its squared norm is
+/// $B_{bf16}A_{bf16} - BA = [E_B\ B]\\,[A_{bf16};\ E_A]$ and its squared norm is
 /// $\langle P^\top P, Q Q^\top\rangle$ for $P = [E_B\ B]$, $Q = [A_{bf16}; E_A]$.
 pub fn split_and_cast(
     module: &str,
@@ -103,7 +103,7 @@ pub fn split_and_cast(
 
 /// Casts f32 factors B `[rows, k]` and A `[k, cols]` (row-major) to bf16 and measures
 /// the cast error as [`split_and_cast`] does; for factors that do not come straight
-/// from a [`Factorization`] (the calibration-weighted ones, $A = A' S^{-1}$).
+/// from a [`Factorization`] (the calibration-weighted ones, $A = A^{\prime} S^{-1}$).
 pub fn cast_pair(
     module: &str,
     b: &[f32],

@@ -52,9 +52,9 @@ pub struct VerifiedModule {
     pub rank: usize,
     /// alpha / r.
     pub scale: f64,
-    /// $\|merged - base\|_F$.
+    /// $\\|\mathrm{merged} - \mathrm{base}\\|_F$.
     pub delta_norm: f64,
-    /// $\|merged - (base + scale\,BA)\|_F$, the bf16 factors as stored.
+    /// $\\|\mathrm{merged} - (\mathrm{base} + s\\,BA)\\|_F$ with $s$ = `scale`, the bf16 factors as stored.
     pub residual: f64,
     /// The bf16 rounding floor of the merged weight.
     pub floor: f64,
@@ -115,7 +115,7 @@ pub struct LoraPair<'a> {
     pub scale: f64,
 }
 
-/// $\|D - s\,BA\|_F$ in f64, with the product formed in f32 (an error far below the floor).
+/// $\\|D - s\\,BA\\|_F$ in f64, with the product formed in f32 (an error far below the floor).
 pub fn residual_of(delta: &[f32], rows: usize, cols: usize, pair: LoraPair<'_>, par: Par) -> f64 {
     let scale = pair.scale;
     let bm = MatRef::from_row_major_slice(pair.b, rows, pair.rank);

@@ -1,5 +1,7 @@
 //! Compiles every kernel with NVRTC and writes `{file}.{arch}.cubin` into a directory,
-//! for GPU machines without NVRTC (`LORAQ_CUBIN_DIR`, see `scripts/gpu-check.sh`).
+//! for GPU machines without NVRTC (`LORAQ_CUBIN_DIR`, see `scripts/gpu-check.sh`). A
+//! tool for that script and `scripts/sass_census.py`, not a usage example: the examples
+//! of the libraries are the workspace's top-level `examples/` (README.md).
 //!
 //! `cargo run --release -p loraq-kernels --example compile_kernels -- OUT_DIR [ARCH...]`
 //! (default archs: sm_90a sm_100a sm_120a). NVRTC is found through `LORAQ_CUDA_WHEELS`,

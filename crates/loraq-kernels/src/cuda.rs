@@ -72,9 +72,9 @@ pub enum GpuMode {
     /// As `Fused`, but decode batches (up to 16 tokens) with a rank that is a multiple of
     /// 16 (or no LoRA) run the tensor-core decode (`{format}_tcdec_fused_b{8,16}` in
     /// lora_decode.cu: 16 weight rows x the tokens per mma, one launch with the shrink).
-    /// Not yet the default: written without a GPU at hand (it matches the reference in
-    /// the host emulation, `launch_plan.rs`), it becomes the default for those batches
-    /// once `scripts/gpu-check.sh` has shown it correct and faster on a device.
+    /// Opt-in: it matches the reference in the host emulation (`launch_plan.rs`), and
+    /// becomes the default for those batches once `scripts/gpu-check.sh` shows it
+    /// correct and faster on a device.
     FusedTensorCoreDecode,
 }
 
@@ -482,11 +482,12 @@ unsafe fn launch_raw(
             )
         };
     }
-    // SAFETY: an all-zero launch attribute value is valid (a plain union of integers
-    // and handles); the field set below is the one the attribute's id selects.
+    // The field set below is the one the attribute's id selects.
     let mut attribute = sys::CUlaunchAttribute {
         id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
         pad: [0; 4],
+        // SAFETY: an all-zero launch attribute value is valid (a plain union of
+        // integers and handles).
         value: unsafe { std::mem::zeroed() },
     };
     attribute.value.programmaticStreamSerializationAllowed = 1;

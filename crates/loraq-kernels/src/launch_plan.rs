@@ -163,8 +163,8 @@ mod host_emulation {
     const RESIDENT: usize = 24;
 
     /// Kernel variants the emulator is built for: the defaults, and the decode lane steps
-    /// `scripts/gpu-check.sh` times as an experiment (fp8 in 32-byte steps, NVFP4 in the
-    /// former 8-byte steps), so a variant that may become the default is checked too.
+    /// `scripts/gpu-check.sh` times beside them (fp8 in 32-byte steps, NVFP4 in 8-byte
+    /// steps), so a variant that may become the default is checked too.
     #[derive(Clone, Copy, PartialEq, Eq)]
     enum Variant {
         Default,

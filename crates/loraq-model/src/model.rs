@@ -977,7 +977,7 @@ pub const ATTENTION_BLOCK: usize = 512;
 
 /// Causal softmax attention computed block by block with a streaming (online)
 /// softmax, so that memory grows linearly with the prompt instead of holding a
-/// `T x T` score matrix (20,000 tokens took 6.4 GB that way).
+/// `T x T` score matrix (at 20,000 tokens, gigabytes per layer).
 ///
 /// `q` is `[kv, group, T, hd]` (the query heads sharing a kv head grouped), `k` and
 /// `v` are `[kv, T, hd]`; returns `[kv, group, T, hd]`. For each block of queries,

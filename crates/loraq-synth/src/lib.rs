@@ -549,6 +549,75 @@ fn bf16_bytes(values: &[f32]) -> Vec<u8> {
     loraq_io::convert::f32_to_bf16_bytes(values)
 }
 
+/// One linear projection of a synthetic pair, in memory: what [`write_synth`] draws
+/// for a module of this name and shape, without writing a checkpoint (benchmarks and
+/// examples of a single 27B-sized projection).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProjectionPair {
+    /// Output features (rows).
+    pub out_features: usize,
+    /// Input features (columns).
+    pub in_features: usize,
+    /// Rank of the true LoRA.
+    pub rank: usize,
+    /// The base weight, `[out, in]` row-major, bf16 values held as f32.
+    pub base: Vec<f32>,
+    /// `bf16(base + B A)`, `[out, in]` row-major, bf16 values held as f32.
+    pub merged: Vec<f32>,
+    /// The true LoRA `A`, `[rank, in]`, bf16 values held as f32.
+    pub lora_a: Vec<f32>,
+    /// The true LoRA `B`, `[out, rank]`, bf16 values held as f32.
+    pub lora_b: Vec<f32>,
+}
+
+/// Draws the projection `name` of shape `[out_features, in_features]` with a true
+/// LoRA of `rank`, exactly as [`write_synth`] does for a module of that name, shape,
+/// rank and seed (base `N(0, 1/in)`, delta of 11-60 bf16 ulps RMS, singular values
+/// decaying tenfold, merge rounded to bf16 once).
+pub fn projection_pair(
+    name: &str,
+    out_features: usize,
+    in_features: usize,
+    rank: usize,
+    seed: u64,
+) -> Result<ProjectionPair> {
+    if out_features == 0 || in_features == 0 {
+        return Err(SynthError::Invalid(format!(
+            "projection {name}: shape [{out_features}, {in_features}] is empty"
+        )));
+    }
+    if rank == 0 || rank > out_features.min(in_features) || rank > 512 {
+        return Err(SynthError::Invalid(format!(
+            "projection {name}: rank {rank} is outside 1..={}",
+            out_features.min(in_features).min(512)
+        )));
+    }
+    let mut base = draw(seed, name, &[out_features, in_features], Init::Linear);
+    base.par_iter_mut().for_each(|x| *x = round_to_bf16(*x));
+    let f = draw_factors(
+        seed,
+        name,
+        out_features,
+        in_features,
+        rank,
+        (in_features as f32).sqrt().recip(),
+    );
+    let mut merged = low_rank_product(&f.b, &f.a, out_features, f.rank, in_features);
+    merged
+        .par_iter_mut()
+        .zip(&base)
+        .for_each(|(d, w)| *d = round_to_bf16(*d + w));
+    Ok(ProjectionPair {
+        out_features,
+        in_features,
+        rank,
+        base,
+        merged,
+        lora_a: f.a,
+        lora_b: f.b,
+    })
+}
+
 /// Writes `out/base`, `out/merged` and `out/true-adapter`. The whole of `out`
 /// appears at once when everything is written; an existing `out` is refused
 /// unless `force`. `progress(done, total, tensor)` is called after each tensor.

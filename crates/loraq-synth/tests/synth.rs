@@ -180,3 +180,33 @@ fn an_existing_output_is_refused_and_left_alone() {
     assert!(err.to_string().contains("already exists"), "{err}");
     assert!(dir.path().join("keep").is_file());
 }
+
+#[test]
+fn projection_pair_is_the_module_write_synth_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny(&dir.path().join("t"), 5, None);
+    let base = Checkpoint::open(dir.path().join("t/base")).unwrap();
+    let merged = Checkpoint::open(dir.path().join("t/merged")).unwrap();
+    let adapter = LoraAdapter::open(dir.path().join("t/true-adapter")).unwrap();
+    let m = adapter
+        .modules
+        .iter()
+        .find(|m| m.module_path.ends_with("mlp.down_proj"))
+        .expect("the tiny preset adapts down_proj");
+    let name = format!("{}.weight", m.module_path);
+    let pair =
+        loraq_synth::projection_pair(&name, m.out_features, m.in_features, m.rank, 5).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&pair.base), bits(&base.read_f32(&name).unwrap()));
+    assert_eq!(bits(&pair.merged), bits(&merged.read_f32(&name).unwrap()));
+    assert_eq!(
+        bits(&pair.lora_a),
+        bits(&adapter.read_a_f32(&m.module_path).unwrap())
+    );
+    assert_eq!(
+        bits(&pair.lora_b),
+        bits(&adapter.read_b_f32(&m.module_path).unwrap())
+    );
+    assert!(loraq_synth::projection_pair(&name, 8, 8, 9, 5).is_err());
+    assert!(loraq_synth::projection_pair(&name, 0, 8, 1, 5).is_err());
+}

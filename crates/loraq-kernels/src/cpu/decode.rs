@@ -82,12 +82,16 @@ impl RowDecode for F32Rows<'_> {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 16 <= cols) and
+        // the CPU feature this function is compiled for.
         unsafe { _mm512_loadu_ps(self.data.as_ptr().add(row * self.cols + k)) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 8 <= cols) and
+        // the CPU feature this function is compiled for.
         unsafe { _mm256_loadu_ps(self.data.as_ptr().add(row * self.cols + k)) }
     }
 }
@@ -122,6 +126,8 @@ impl RowDecode for Bf16Rows<'_> {
     #[inline]
     unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
         // bf16 is the top half of an f32: widen and shift.
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 16 <= cols) and
+        // the CPU feature this function is compiled for.
         unsafe {
             let raw = _mm256_loadu_si256(self.data.as_ptr().add(row * self.cols + k).cast());
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
@@ -131,6 +137,8 @@ impl RowDecode for Bf16Rows<'_> {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 8 <= cols) and
+        // the CPU feature this function is compiled for.
         unsafe {
             let raw = _mm_loadu_si128(self.data.as_ptr().add(row * self.cols + k).cast());
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
@@ -303,6 +311,8 @@ impl<const BLOCK: usize> RowDecode for PackedFp4Rows<'_, BLOCK> {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 16 <= cols) and
+        // the CPU feature this function is compiled for.
         unsafe {
             let bytes = _mm_loadl_epi64(
                 self.packed
@@ -325,6 +335,8 @@ impl<const BLOCK: usize> RowDecode for PackedFp4Rows<'_, BLOCK> {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 8 <= cols) and
+        // the CPU feature this function is compiled for.
         unsafe {
             let ptr = self.packed.as_ptr().add(row * (self.cols / 2) + k / 2);
             let word = std::ptr::read_unaligned(ptr.cast::<i32>());

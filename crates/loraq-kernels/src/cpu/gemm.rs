@@ -377,7 +377,7 @@ unsafe fn micro_avx512(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: 
     debug_assert!(panel.len() >= kc * NR && y.len() >= MR * NR);
     debug_assert!(x.len() >= (MR - 1) * x_stride + kc);
     let (pp, xp, yp) = (panel.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-    // SAFETY (all pointer arithmetic below): bounds asserted by the caller and above.
+    // SAFETY: all pointer arithmetic below: bounds asserted by the caller and above.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
         for (t, a) in acc.iter_mut().enumerate() {
@@ -408,7 +408,7 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &m
     debug_assert!(panel.len() >= kc * NR && y.len() >= MR * NR);
     debug_assert!(x.len() >= (MR - 1) * x_stride + kc);
     let (pp, xp, yp) = (panel.as_ptr(), x.as_ptr(), y.as_mut_ptr());
-    // SAFETY (all pointer arithmetic below): bounds asserted by the caller and above.
+    // SAFETY: all pointer arithmetic below: bounds asserted by the caller and above.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         for (t, a) in acc.iter_mut().enumerate() {

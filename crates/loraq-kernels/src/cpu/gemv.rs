@@ -31,8 +31,8 @@ pub(crate) fn dot_rows<D: RowDecode, const T: usize>(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             let mut r = 0;
-            // Few tokens: four rows per pass amortize the loop and x loads (measured
-            // 18% faster than two rows at batch 1 on the 17408x5120 fp8 decode).
+            // Few tokens: four rows per pass share the loop and each x load over more
+            // rows than two (docs/kernels-log.md, "Decode").
             if T <= 2 {
                 while r + 4 <= nrows {
                     // SAFETY: Isa::Avx512 is only constructed after runtime detection;

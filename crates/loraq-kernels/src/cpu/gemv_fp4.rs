@@ -362,7 +362,7 @@ impl<const BLOCK: usize> PairedRows for PairedFp4Rows<'_, BLOCK> {
         // SAFETY: 16 f32 in the table.
         let table = unsafe { _mm512_loadu_ps(E2M1_VALUES.as_ptr()) };
         let mut acc = [[_mm512_setzero_ps(); T]; R];
-        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller); step c's 64
+        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller); step c's 64
         // bytes end at (c + 1) * 64 <= row_bytes; xd holds T rows of cols elements.
         unsafe {
             for c in 0..steps {
@@ -431,7 +431,7 @@ impl<const BLOCK: usize> PairedRows for PairedFp4Rows<'_, BLOCK> {
         let xp = xd.as_ptr();
         let tables = load_byte_tables(&E2M1_BF16_BYTES);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller); step j's 16
+        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller); step j's 16
         // bytes end at (j + 1) * 16 <= row_bytes and its blocks below `blocks`; xd holds
         // T rows of cols elements.
         unsafe {

@@ -215,7 +215,7 @@ impl Fp8BandedRows<'_> {
         let mask = _mm256_set1_epi32(E4M3_F32_MASK);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         let mut k = 0;
-        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller), k + 8 <=
+        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller), k + 8 <=
         // cols, xs holds T rows of cols elements.
         unsafe {
             while k < main {
@@ -261,7 +261,7 @@ impl Fp8BandedRows<'_> {
         let mask = _mm512_set1_epi32(E4M3_F32_MASK);
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         let mut k = 0;
-        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller), k + 16 <=
+        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller), k + 16 <=
         // cols, xs holds T rows of cols elements.
         unsafe {
             while k < main {

@@ -71,7 +71,7 @@ impl PairedRows for Int4TableRows<'_> {
         let xp = xd.as_ptr();
         let codes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         let mut acc = [[_mm512_setzero_ps(); T]; R];
-        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller); step c's 64
+        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller); step c's 64
         // bytes end at (c + 1) * 64 <= row_bytes; xd holds T rows of cols elements;
         // group indices are below rows * groups.
         unsafe {
@@ -142,7 +142,7 @@ impl PairedRows for Int4TableRows<'_> {
         let pp = d.packed.as_ptr();
         let xp = xd.as_ptr();
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        // SAFETY (pointer arithmetic): rows row0..row0 + R exist (caller); step j's 16
+        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller); step j's 16
         // bytes end at (j + 1) * 16 <= row_bytes; xd holds T rows of cols elements; group
         // indices are below rows * groups and zero points at most 15 (checked at
         // construction).

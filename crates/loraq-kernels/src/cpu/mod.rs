@@ -34,11 +34,8 @@ use rayon::prelude::*;
 /// the same worker decodes next).
 ///
 /// The lines go to L2 (`T1`): a miss queue deeper than L1's fill buffers, so about 24 KiB
-/// stay in flight per core where the hardware prefetchers alone keep far less. Measured
-/// with `cpu_decode_ratio` (batch 1, 17408x5120 + r256, configurations alternated within
-/// each round on the 2-vCPU Zen 4 VM), share of the memory read: fp8-block128 54% at
-/// 1 KiB into L1 (the previous setting) against 79% here, NVFP4 41% -> 46%, INT4 53% ->
-/// 63%; 16-32 KiB are within noise of each other, 4 KiB or `T0` lose most of the gain.
+/// stay in flight per core where the hardware prefetchers alone keep far less; the
+/// distances and levels compared are in docs/kernels-log.md.
 #[cfg(target_arch = "x86_64")]
 pub(crate) const PREFETCH_AHEAD_BYTES: usize = 24 << 10;
 
