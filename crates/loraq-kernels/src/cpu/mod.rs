@@ -25,8 +25,10 @@ use crate::error::Result;
 use crate::linear::QuantLoraLinear;
 use decode::{Bf16Rows, F32Rows, Fp8Block128Rows, Int4Rows, Mxfp4Rows, Nvfp4Rows, RowDecode};
 pub(crate) use fused::Schedule;
+use loraq_quant::FP8_BLOCK;
+#[cfg(target_arch = "x86_64")]
+use loraq_quant::Nvfp4GlobalScale;
 use loraq_quant::{Bf16Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight};
-use loraq_quant::{FP8_BLOCK, Nvfp4GlobalScale};
 use rayon::prelude::*;
 
 /// How far ahead of the decode loops' loads the software prefetch reaches, in bytes of
