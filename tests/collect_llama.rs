@@ -98,25 +98,29 @@ fn llama_server_answers_agree_with_loraq_run_on_the_base_and_the_adapter() {
     assert_eq!(set.status().as_u16(), 200);
     let tokenizer = hf.join("tokenizer.json");
     let openai_out = d.join("openai-base.jsonl");
-    let o = ok(loraq(&[
-        "collect",
-        "--server",
-        &plain.url,
-        "--engine",
-        "openai",
-        "--model",
-        "fixture",
-        "--tokenizer",
-        s(&tokenizer),
-        "--top-logprobs",
-        "128",
-        "--records",
-        s(&records),
-        "--out",
-        s(&openai_out),
-        "--json",
-    ]));
-    let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // The OpenAI-compatible engine with a top-k of `top`, its --json summary returned.
+    let collect_openai = |top: &str, out: &Path| -> serde_json::Value {
+        let o = ok(loraq(&[
+            "collect",
+            "--server",
+            &plain.url,
+            "--engine",
+            "openai",
+            "--model",
+            "fixture",
+            "--tokenizer",
+            s(&tokenizer),
+            "--top-logprobs",
+            top,
+            "--records",
+            s(&records),
+            "--out",
+            s(out),
+            "--json",
+        ]));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let summary = collect_openai("128", &openai_out);
     assert_eq!(summary["written"], RECORDS, "{summary}");
     let (openai_diff, openai_same) = agreement(
         &read_answers(&d.join("run-base.jsonl")),
@@ -131,25 +135,7 @@ fn llama_server_answers_agree_with_loraq_run_on_the_base_and_the_adapter() {
     );
     // With a top-3, options outside it are missing, not guessed.
     let top3 = d.join("openai-top3.jsonl");
-    let o = ok(loraq(&[
-        "collect",
-        "--server",
-        &plain.url,
-        "--engine",
-        "openai",
-        "--model",
-        "fixture",
-        "--tokenizer",
-        s(&tokenizer),
-        "--top-logprobs",
-        "3",
-        "--records",
-        s(&records),
-        "--out",
-        s(&top3),
-        "--json",
-    ]));
-    let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let summary = collect_openai("3", &top3);
     let (written, incomplete) = (
         summary["written"].as_u64().unwrap(),
         summary["incomplete"].as_u64().unwrap(),
