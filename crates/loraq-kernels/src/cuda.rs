@@ -372,6 +372,11 @@ impl CudaBackend {
                     what: "int4-g128 base weights (CPU path only)".into(),
                 });
             }
+            QuantizedWeight::Ggml(w) => {
+                return Err(KernelError::UnsupportedOnGpu {
+                    what: format!("ggml {} base weights", w.ggml_type),
+                });
+            }
         };
         let (n, k) = (linear.out_dim(), linear.in_dim());
         if !k.is_multiple_of(16) {

@@ -57,6 +57,7 @@ pub fn weight_element(base: &QuantizedWeight, row: usize, k: usize) -> f64 {
             let g = row * w.groups() + k / INT4_GROUP;
             (q - f64::from(w.zeros[g])) * f64::from(w.scales[g])
         }
+        QuantizedWeight::Ggml(w) => f64::from(w.element(row, k)),
     }
 }
 

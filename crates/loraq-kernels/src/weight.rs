@@ -140,6 +140,9 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
             )?;
             check_codes("mxfp4 scale (E8M0 NaN)", &w.scales, |c| c == 0xFF)
         }
+        QuantizedWeight::Ggml(_) => Err(KernelError::UnsupportedScheme {
+            what: format!("{format} (ggml block types have no fused kernel)"),
+        }),
         QuantizedWeight::Int4(w) => {
             check_len(
                 "int4-g128 packed weight",
@@ -168,6 +171,6 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
 pub fn has_kernel(format: WeightFormat) -> bool {
     !matches!(
         format,
-        WeightFormat::Fp8(Fp8Granularity::Tensor | Fp8Granularity::Channel)
+        WeightFormat::Fp8(Fp8Granularity::Tensor | Fp8Granularity::Channel) | WeightFormat::Ggml(_)
     )
 }

@@ -133,6 +133,39 @@ pub enum QuantError {
         /// What is wrong.
         reason: String,
     },
+    /// Data stored in a ggml type whose length is not what the shape needs.
+    #[error("tensor {tensor}: {actual} bytes of {ggml_type}, expected {expected}")]
+    GgmlDataLength {
+        /// Tensor name.
+        tensor: String,
+        /// The ggml type.
+        ggml_type: &'static str,
+        /// Bytes the shape needs.
+        expected: usize,
+        /// Bytes given.
+        actual: usize,
+    },
+    /// The byte size of a matrix in a ggml type overflows.
+    #[error(
+        "tensor {tensor}: {out_features}x{in_features} in {ggml_type} overflows the address space"
+    )]
+    GgmlSize {
+        /// Tensor name.
+        tensor: String,
+        /// The ggml type.
+        ggml_type: &'static str,
+        /// Output features.
+        out_features: usize,
+        /// Input features.
+        in_features: usize,
+    },
+    /// A ggml file type (llama-quantize ftype) or architecture this crate does not
+    /// plan.
+    #[error("{what}")]
+    GgmlPlan {
+        /// What is not supported.
+        what: String,
+    },
     /// An error from the checkpoint I/O crate.
     #[error(transparent)]
     Io(#[from] loraq_io::IoError),

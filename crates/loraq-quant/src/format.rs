@@ -6,6 +6,7 @@
 //! other way round.
 
 use crate::element::{E4M3_MAX, E4M3_MIN_SUBNORMAL, e4m3_encode};
+use crate::ggml::GgmlType;
 use std::fmt;
 
 /// A stored weight format: the element encoding and where its scales apply.
@@ -21,6 +22,9 @@ pub enum WeightFormat {
     Mxfp4,
     /// 4-bit integers with an f32 scale and a zero point per 128 inputs.
     Int4G128,
+    /// A ggml type of a GGUF file (llama.cpp): Q8_0, Q4_K, IQ4_XS, ... in ggml's
+    /// block layout ([`crate::ggml`]).
+    Ggml(GgmlType),
 }
 
 /// The region one scale covers: `out` rows by `in` inputs, `None` for the whole
@@ -57,6 +61,7 @@ impl WeightFormat {
             Self::Nvfp4 => "nvfp4",
             Self::Mxfp4 => "mxfp4",
             Self::Int4G128 => "int4-g128",
+            Self::Ggml(t) => t.name(),
         }
     }
 
@@ -71,24 +76,29 @@ impl WeightFormat {
             Self::Nvfp4 => block(Some(1), Some(NVFP4_BLOCK)),
             Self::Mxfp4 => block(Some(1), Some(MXFP4_BLOCK)),
             Self::Int4G128 => block(Some(1), Some(INT4_GROUP)),
+            Self::Ggml(t) if t.is_quantized() => block(Some(1), Some(t.block().elements)),
+            Self::Ggml(_) => None,
         }
     }
 
     /// Multiple the input dimension must have: the scale block of NVFP4 (16) and
-    /// MXFP4 (32), whose layouts have no partial block; 1 for the others.
+    /// MXFP4 (32), the block of a ggml type (32 or 256), whose layouts have no
+    /// partial block; 1 for the others.
     pub fn in_dim_multiple(self) -> usize {
         match self {
             Self::Nvfp4 => NVFP4_BLOCK,
             Self::Mxfp4 => MXFP4_BLOCK,
+            Self::Ggml(t) => t.block().elements,
             _ => 1,
         }
     }
 
     /// Elements stored per byte of codes: 2 for the 4-bit formats, 1 for fp8; bf16
-    /// takes 2 bytes per element and reports 0.
+    /// takes 2 bytes per element and reports 0, as do the ggml types (whose codes,
+    /// scales and high bits share each block; [`GgmlType::block`] has their size).
     pub fn elements_per_byte(self) -> usize {
         match self {
-            Self::Bf16 => 0,
+            Self::Bf16 | Self::Ggml(_) => 0,
             Self::Fp8(_) => 1,
             Self::Nvfp4 | Self::Mxfp4 | Self::Int4G128 => 2,
         }

@@ -1058,7 +1058,8 @@ pub fn write_quantized(
                         }
                         QuantizedWeight::Bf16(_)
                         | QuantizedWeight::Mxfp4(_)
-                        | QuantizedWeight::Int4(_) => {
+                        | QuantizedWeight::Int4(_)
+                        | QuantizedWeight::Ggml(_) => {
                             unreachable!("plan_quantization only allows native layouts")
                         }
                     }

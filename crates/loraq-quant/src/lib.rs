@@ -17,6 +17,9 @@
 //!   bf16-emulated checkpoints.
 //! * [`report`]: quantization error of weights, alone and under a LoRA adapter
 //!   against a merged checkpoint, with the bf16 floor (`loraq quant-error`).
+//! * [`ggml`]: the ggml block types of GGUF files (Q8_0, Q4_K, IQ4_XS, ...): decode,
+//!   quantization and llama-quantize's per-tensor type choice, bit-exact with
+//!   llama.cpp.
 //! * [`activation`]: activation fake-quant ([`ActivationQuant`] picks one per linear) (FP8 per token / per 1x128 group / static,
 //!   NVFP4 dynamic per 16 under a static global scale, with the weight formula or
 //!   exactly as vLLM's W4A4 linears apply it).
@@ -28,6 +31,7 @@ pub mod activation;
 pub mod element;
 pub mod error;
 pub mod format;
+pub mod ggml;
 pub mod layout;
 mod multiversion;
 pub mod report;
@@ -42,6 +46,7 @@ pub use format::{
     FP8_BLOCK, Fp8Granularity, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale, ScaleBlock,
     WeightFormat,
 };
+pub use ggml::{GgmlType, GgmlWeight};
 pub use layout::{Layout, LinearWeight, QuantizedBase, StoredWeight};
 pub use scheme::{Scheme, WeightView};
 pub use weight::{

@@ -10,6 +10,7 @@ use crate::format::{
     FP8_BLOCK, Fp8Granularity, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale,
     WeightFormat, blocks, fp8_scale_shape,
 };
+use crate::ggml::GgmlWeight;
 use crate::runs::{self, MXFP4_RUN, NVFP4_RUN};
 use half::bf16;
 use rayon::prelude::*;
@@ -29,6 +30,8 @@ pub enum QuantizedWeight {
     Mxfp4(Mxfp4Weight),
     /// INT4, group 128.
     Int4(Int4Weight),
+    /// A ggml type of a GGUF file, in ggml's block layout.
+    Ggml(GgmlWeight),
 }
 
 impl QuantizedWeight {
@@ -40,6 +43,7 @@ impl QuantizedWeight {
             Self::Nvfp4(_) => WeightFormat::Nvfp4,
             Self::Mxfp4(_) => WeightFormat::Mxfp4,
             Self::Int4(_) => WeightFormat::Int4G128,
+            Self::Ggml(w) => WeightFormat::Ggml(w.ggml_type),
         }
     }
 
@@ -51,6 +55,7 @@ impl QuantizedWeight {
             Self::Nvfp4(w) => w.dequantize(),
             Self::Mxfp4(w) => w.dequantize(),
             Self::Int4(w) => w.dequantize(),
+            Self::Ggml(w) => w.dequantize(),
         }
     }
 
@@ -62,6 +67,7 @@ impl QuantizedWeight {
             Self::Nvfp4(w) => (w.rows, w.cols),
             Self::Mxfp4(w) => (w.rows, w.cols),
             Self::Int4(w) => (w.rows, w.cols),
+            Self::Ggml(w) => (w.out_features, w.in_features),
         }
     }
 
@@ -73,6 +79,7 @@ impl QuantizedWeight {
             Self::Nvfp4(w) => w.packed.len() + w.block_scales.len() + 4,
             Self::Mxfp4(w) => w.packed.len() + w.scales.len(),
             Self::Int4(w) => w.packed.len() + w.scales.len() * 4 + w.zeros.len(),
+            Self::Ggml(w) => w.data.len(),
         }
     }
 }

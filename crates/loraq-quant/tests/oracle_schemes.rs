@@ -60,7 +60,9 @@ fn check_scheme(scheme: Scheme) {
                 assert_eq!(w.packed, u8s(files, "packed"), "{context}: packed codes");
                 assert_eq!(w.scales, u8s(files, "scales"), "{context}: scales");
             }
-            QuantizedWeight::Bf16(_) => unreachable!("no scheme quantizes to bf16"),
+            QuantizedWeight::Bf16(_) | QuantizedWeight::Ggml(_) => {
+                unreachable!("no scheme quantizes to bf16 or a ggml type")
+            }
             QuantizedWeight::Int4(w) => {
                 assert_eq!(w.codes(), u8s(files, "codes"), "{context}: codes");
                 assert_eq!(

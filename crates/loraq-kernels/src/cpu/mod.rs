@@ -190,6 +190,9 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
         QuantizedWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
         QuantizedWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
         QuantizedWeight::Int4(w) => v.visit(&int4_rows(w)),
+        QuantizedWeight::Ggml(_) => {
+            unreachable!("QuantLoraLinear::new refuses ggml block weights (weight::validate)")
+        }
     }
 }
 
