@@ -12,9 +12,12 @@
 //! (drawn per module), with a singular spectrum decaying tenfold over the rank, so a
 //! perfect extraction leaves 0.2-4% of the delta norm (the bf16 rounding floor).
 //!
-//! [`questions`] draws the demo's record sets: questions whose gold answers follow a
-//! reference model's own probabilities, and calibration prompts.
+//! [`questions`] draws the random demo's record sets: questions whose gold answers
+//! follow a reference model's own probabilities, and calibration prompts.
+//! [`merge`] merges a PEFT adapter into a bf16 base as PEFT does, for the demo's
+//! trained pair (a committed base and a LoRA fine-tune of it, merged at run time).
 
+pub mod merge;
 pub mod questions;
 
 use loraq_io::convert::{f32_to_bf16_bits, round_to_bf16};
