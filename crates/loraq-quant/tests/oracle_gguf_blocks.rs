@@ -71,6 +71,27 @@ fn every_type_decodes_like_gguf_py_and_ggml() {
 }
 
 #[test]
+fn every_element_decodes_on_its_own_like_gguf_py() {
+    // block_element (what a kernel decoding in its loop reads) gives each element the
+    // value the whole-row decode gives it.
+    let manifest = manifest();
+    for ty in GgmlType::ALL {
+        let entry = &manifest["decode"][ty.name()];
+        let blocks = bytes(&entry["blocks"]);
+        let expected = f32s(&entry["values"]);
+        let block = ty.block();
+        for (i, &want) in expected.iter().enumerate() {
+            let b = &blocks[i / block.elements * block.bytes..][..block.bytes];
+            let got = ggml::block_element(ty, b, i % block.elements);
+            assert!(
+                same_value(got, want),
+                "{ty}: element {i}: {got:e}, gguf-py {want:e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn quantization_matches_ggml_quantize_chunk_byte_for_byte() {
     let manifest = manifest();
     let expected = manifest["quantize"]["expected"]
