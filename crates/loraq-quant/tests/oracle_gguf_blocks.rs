@@ -216,3 +216,42 @@ fn the_type_table_is_ggmls() {
     }
     assert_eq!(GgmlType::from_id(4), None);
 }
+
+#[test]
+fn activation_quantization_matches_llama_cpps_cpu_backend() {
+    // libggml-cpu's from_float of Q8_0 (x86 AVX2) and Q8_K, dequantized as the dot
+    // products read them; the input has an all-zero block, exact .5 ties, an outlier,
+    // tiny values and a negative-only block.
+    use loraq_quant::ActivationQuant;
+    let manifest = manifest();
+    let entry = &manifest["activations"];
+    let x = f32s(&entry["input"]);
+    let hidden = entry["hidden"].as_u64().expect("hidden") as usize;
+    for (quant, key) in [
+        (ActivationQuant::GgmlQ8_0, "q8_0"),
+        (ActivationQuant::GgmlQ8K, "q8_K"),
+    ] {
+        let want = f32s(&entry[key]);
+        let mut ours = x.clone();
+        quant.apply("x", &mut ours, hidden).expect("apply");
+        for (i, (&a, &b)) in ours.iter().zip(&want).enumerate() {
+            assert!(
+                same_value(a, b),
+                "{key}: element {i} of {}: ours {a:e}, llama.cpp {b:e}",
+                x[i]
+            );
+        }
+    }
+    let err = ActivationQuant::GgmlQ8K
+        .apply("blk.0.attn_q", &mut [0.0; 96], 96)
+        .expect_err("96 is not a multiple of 256");
+    assert!(err.to_string().contains("blk.0.attn_q"), "{err}");
+    assert_eq!(
+        ActivationQuant::for_ggml_weight(GgmlType::Q4_K),
+        ActivationQuant::GgmlQ8K
+    );
+    assert_eq!(
+        ActivationQuant::for_ggml_weight(GgmlType::Q4_0),
+        ActivationQuant::GgmlQ8_0
+    );
+}
