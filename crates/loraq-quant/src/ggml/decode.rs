@@ -100,9 +100,8 @@ pub fn decode_rows(ggml_type: GgmlType, data: &[u8], in_features: usize, out: &m
         "decode_rows: partial block"
     );
     let row_bytes = in_features / block.elements * block.bytes;
-    assert_eq!(
-        data.len() / row_bytes * in_features,
-        out.len(),
+    assert!(
+        out.len() % in_features == 0 && data.len() == out.len() / in_features * row_bytes,
         "decode_rows: length mismatch"
     );
     out.par_chunks_mut(in_features)
