@@ -382,6 +382,7 @@ fn run_records(
         ActivationQuantKind::Fp8PerToken => line.extend(["--act-quant", "fp8"]),
         ActivationQuantKind::Fp8PerGroup128 => line.extend(["--act-quant", "fp8-group"]),
         ActivationQuantKind::Nvfp4 => line.extend(["--act-quant", "nvfp4"]),
+        ActivationQuantKind::Ggml => line.extend(["--act-quant", "ggml"]),
     }
     line.extend(["--records", path_str(records)?, "--out", path_str(out)?]);
     if let Some(stats) = collect_stats {

@@ -28,8 +28,10 @@ pub struct Args {
     /// Activation fake-quant of every linear's base path (the adapter sees the
     /// unquantized activation): none, fp8 (per token), fp8-group (1x128), nvfp4
     /// (the NVFP4 linears only, as vLLM's W4A4 applies it with each module's static
-    /// input_scale / input_global_scale; `loraq quantize --calibration` writes them).
-    #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4"])]
+    /// input_scale / input_global_scale; `loraq quantize --calibration` writes them),
+    /// ggml (the ggml-typed linears of a GGUF base only, as llama.cpp's CPU backend
+    /// quantizes their activations: Q8_K for the K types and IQ4_XS, Q8_0 otherwise).
+    #[arg(long, default_value = "none", value_parser = ["none", "fp8", "fp8-token", "fp8-group", "nvfp4", "ggml"])]
     act_quant: String,
     /// Linear implementation: auto (the default: loraq-kernels' fused quantized-base +
     /// LoRA CPU linear for every linear whose stored format and adapter it runs, bf16 /

@@ -203,6 +203,47 @@ def decode_blocks(rng, name, ggml):
     return blocks
 
 
+class TypeTraitsCpu(ctypes.Structure):
+    _fields_ = [
+        ("from_float", ctypes.c_void_p),
+        ("vec_dot", ctypes.c_void_p),
+        ("vec_dot_type", ctypes.c_int),
+        ("nrows", ctypes.c_int64),
+    ]
+
+
+def activation_vectors(ggml, rng, manifest):
+    """llama.cpp's CPU activation quantization (libggml-cpu's from_float of Q8_0 and
+    Q8_K, the x86 AVX2 build), dequantized as the dot products read it: Q8_0 blocks
+    `q * f16 d`, Q8_K blocks `q * f32 d`."""
+    cpu = ctypes.CDLL(str(pathlib.Path(ggml.lib._name).with_name("libggml-cpu.so")))
+    cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(TypeTraitsCpu)
+    from_float_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    x[0, :32] = 0.0                                          # an all-zero block
+    x[0, 32:64] = np.arange(-16, 16, dtype=np.float32) * np.float32(127 / 32.0)  # ties
+    x[1, 7] = 3000.0                                         # an outlier
+    x[2, 256:] *= np.float32(1e-30)                          # tiny values
+    x[2, :256] = -np.abs(x[2, :256])                         # negative-only block
+    (OUT / "act_x.f32").write_bytes(x.astype("<f4").tobytes())
+    manifest["activations"] = {"input": "act_x.f32", "tokens": 3, "hidden": 512}
+    for name, tid, blck, size in (("q8_0", 8, 32, 34), ("q8_K", 15, 256, 292)):
+        traits = cpu.ggml_get_type_traits_cpu(tid).contents
+        out = np.zeros(x.size // blck * size, dtype=np.uint8)
+        from_float_t(traits.from_float)(x.ctypes.data, out.ctypes.data, x.size)
+        blocks = out.reshape(-1, size)
+        if name == "q8_0":
+            d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            q = blocks[:, 2:].view(np.int8).astype(np.float32)
+        else:
+            d = blocks[:, :4].copy().view(np.float32)
+            q = blocks[:, 4:4 + 256].view(np.int8).astype(np.float32)
+        values = (q * d).reshape(-1)
+        (OUT / f"act_{name}.f32").write_bytes(values.astype("<f4").tobytes())
+        manifest["activations"][name] = f"act_{name}.f32"
+
+
 MIX_FTYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "IQ4_XS"]
 MIX_MODELS = ["qwen3-0.6b", "qwen3-14b", "qwen3.6-27b"]
 
@@ -281,6 +322,7 @@ def main():
                 "bytes": fname,
                 "decode_sha256": hashlib.sha256(decoded.astype("<f4").tobytes()).hexdigest(),
             }
+    activation_vectors(ggml, rng, manifest)
     if args.llama_cpp_src:
         copy_snapshots(pathlib.Path(args.llama_cpp_src) / "tests" / "snapshots", OUT / "mix")
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

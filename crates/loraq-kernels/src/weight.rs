@@ -140,9 +140,29 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
             )?;
             check_codes("mxfp4 scale (E8M0 NaN)", &w.scales, |c| c == 0xFF)
         }
-        QuantizedWeight::Ggml(_) => Err(KernelError::UnsupportedScheme {
-            what: format!("{format} (ggml block types have no fused kernel)"),
-        }),
+        QuantizedWeight::Ggml(w) => {
+            let expected = w
+                .ggml_type
+                .matrix_bytes("ggml weight", out_dim, in_dim)
+                .map_err(KernelError::Quant)?;
+            check_len("ggml weight blocks", expected, w.data.len())?;
+            // A NaN or infinite f16 scale makes its whole block NaN / infinite.
+            let block = w.ggml_type.block();
+            for (b, data) in w.data.chunks_exact(block.bytes).enumerate() {
+                for &offset in w.ggml_type.f16_scale_offsets() {
+                    let bits = u16::from_le_bytes([data[offset], data[offset + 1]]);
+                    let value = loraq_quant::ggml::fp16_to_f32(bits);
+                    if !value.is_finite() {
+                        return Err(KernelError::BadScale {
+                            what: "ggml block scale (f16)",
+                            index: b,
+                            value,
+                        });
+                    }
+                }
+            }
+            Ok(())
+        }
         QuantizedWeight::Int4(w) => {
             check_len(
                 "int4-g128 packed weight",
@@ -171,6 +191,6 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
 pub fn has_kernel(format: WeightFormat) -> bool {
     !matches!(
         format,
-        WeightFormat::Fp8(Fp8Granularity::Tensor | Fp8Granularity::Channel) | WeightFormat::Ggml(_)
+        WeightFormat::Fp8(Fp8Granularity::Tensor | Fp8Granularity::Channel)
     )
 }

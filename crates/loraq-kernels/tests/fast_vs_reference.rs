@@ -113,6 +113,26 @@ fn fp8_block_edges() {
     }
 }
 
+/// Every ggml block type of a GGUF base (decoded in the loop) on both paths, with rows
+/// of several blocks, SIMD tails in the output dimension and the GEMM's KC slices.
+#[test]
+fn ggml_block_types() {
+    for ggml_type in loraq_quant::ggml::GgmlType::QUANTIZABLE {
+        let in_dim = legal_in_dim(Format::Ggml(ggml_type), 300);
+        for batch in [1, 5, 9, 17] {
+            check(
+                Format::Ggml(ggml_type),
+                33,
+                in_dim,
+                6,
+                batch,
+                ActivationQuant::None,
+                13,
+            );
+        }
+    }
+}
+
 /// Rank 512 (the largest accepted) on both paths.
 #[test]
 fn rank_512() {

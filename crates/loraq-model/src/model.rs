@@ -318,6 +318,14 @@ impl Loader<'_> {
         if let Some(quant) = self.act_quant.without_static_scale() {
             return Ok(quant);
         }
+        if self.act_quant == ActivationQuantKind::Ggml {
+            // llama.cpp quantizes the activations of each ggml weight to its dot
+            // product's activation type (Q8_0 or Q8_K); other weights see them as is.
+            return Ok(match stored.format() {
+                Some(WeightFormat::Ggml(ggml_type)) => ActivationQuant::for_ggml_weight(ggml_type),
+                _ => ActivationQuant::None,
+            });
+        }
         if stored.format() != Some(WeightFormat::Nvfp4) {
             return Ok(ActivationQuant::None);
         }

@@ -7,6 +7,7 @@
 use crate::element::{E2M1_MAX, E2M1_TABLE, E4M3_MAX, E4M3_TABLE, e2m1_encode, e4m3_encode};
 use crate::error::{QuantError, Result};
 use crate::format::{NVFP4_BLOCK, Nvfp4GlobalScale};
+use crate::ggml::{GgmlType, QK_K, fp16_to_f32, fp32_to_fp16};
 use crate::runs::{self, abs_max_bits};
 use rayon::prelude::*;
 use std::fmt;
@@ -33,6 +34,13 @@ pub enum ActivationQuant {
         /// compressed-tensors `input_global_scale` (divisor).
         input_scale: Nvfp4GlobalScale,
     },
+    /// llama.cpp's CPU activation quantization for weights whose dot product takes
+    /// Q8_0 activations (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4; Q4_1 / Q5_1 take Q8_1, the
+    /// same values): [`ggml_q8_0`]. The in-dimension must be a multiple of 32.
+    GgmlQ8_0,
+    /// llama.cpp's CPU activation quantization for the K types and IQ4_XS (Q8_K):
+    /// [`ggml_q8_k`]. The in-dimension must be a multiple of 256.
+    GgmlQ8K,
 }
 
 impl ActivationQuant {
@@ -44,6 +52,8 @@ impl ActivationQuant {
             Self::Fp8PerToken => fp8_per_token(name, values, hidden, PER_TOKEN_EPS),
             Self::Fp8PerGroup128 => fp8_per_group(name, values, hidden, PER_GROUP_EPS),
             Self::Nvfp4 { input_scale } => nvfp4_static_vllm(name, values, hidden, input_scale),
+            Self::GgmlQ8_0 => ggml_q8_0(name, values, hidden),
+            Self::GgmlQ8K => ggml_q8_k(name, values, hidden),
         }
     }
 
@@ -59,6 +69,31 @@ impl ActivationQuant {
             Self::Fp8PerToken => ActivationQuantKind::Fp8PerToken,
             Self::Fp8PerGroup128 => ActivationQuantKind::Fp8PerGroup128,
             Self::Nvfp4 { .. } => ActivationQuantKind::Nvfp4,
+            Self::GgmlQ8_0 | Self::GgmlQ8K => ActivationQuantKind::Ggml,
+        }
+    }
+
+    /// What llama.cpp's CPU backend does to the activations of a linear whose weight
+    /// is stored in `ggml_type` (the weight type's `vec_dot_type` in
+    /// ggml/src/ggml-cpu/ggml-cpu.c): Q8_K for the K types and IQ4_XS, Q8_0 for the
+    /// 32-element types, none for F32; F16 / BF16 weights (whose activations llama.cpp
+    /// rounds to f16 / bf16) are left unquantized here.
+    pub fn for_ggml_weight(ggml_type: GgmlType) -> Self {
+        match ggml_type {
+            GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS => Self::GgmlQ8K,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4_NL
+            | GgmlType::MXFP4 => Self::GgmlQ8_0,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Self::None,
         }
     }
 }
@@ -76,35 +111,41 @@ pub enum ActivationQuantKind {
     Fp8PerGroup128,
     /// NVFP4 with each module's static global scale.
     Nvfp4,
+    /// llama.cpp's CPU activation quantization, Q8_0 or Q8_K by each module's ggml
+    /// weight type ([`ActivationQuant::for_ggml_weight`]).
+    Ggml,
 }
 
 impl ActivationQuantKind {
     /// Every kind.
-    pub const ALL: [ActivationQuantKind; 4] = [
+    pub const ALL: [ActivationQuantKind; 5] = [
         Self::None,
         Self::Fp8PerToken,
         Self::Fp8PerGroup128,
         Self::Nvfp4,
+        Self::Ggml,
     ];
 
-    /// The command-line name: `none`, `fp8-token`, `fp8-group`, `nvfp4`.
+    /// The command-line name: `none`, `fp8-token`, `fp8-group`, `nvfp4`, `ggml`.
     pub fn name(self) -> &'static str {
         match self {
             Self::None => "none",
             Self::Fp8PerToken => "fp8-token",
             Self::Fp8PerGroup128 => "fp8-group",
             Self::Nvfp4 => "nvfp4",
+            Self::Ggml => "ggml",
         }
     }
 
     /// The quantization of this kind that needs no scale from a checkpoint; `None`
-    /// for NVFP4, whose static global scale is each module's own.
+    /// for NVFP4, whose static global scale is each module's own, and for ggml, whose
+    /// activation type is each module's weight type's.
     pub fn without_static_scale(self) -> Option<ActivationQuant> {
         match self {
             Self::None => Some(ActivationQuant::None),
             Self::Fp8PerToken => Some(ActivationQuant::Fp8PerToken),
             Self::Fp8PerGroup128 => Some(ActivationQuant::Fp8PerGroup128),
-            Self::Nvfp4 => None,
+            Self::Nvfp4 | Self::Ggml => None,
         }
     }
 }
@@ -302,5 +343,75 @@ pub fn nvfp4_static_vllm(
             }
         }
     });
+    Ok(())
+}
+
+/// Fake-quantizes each token's 32-blocks as llama.cpp's CPU backend quantizes
+/// activations to Q8_0 on x86-64 with AVX / AVX2 (`quantize_row_q8_0` in
+/// ggml/src/ggml-cpu/arch/x86/quants.c, which the integer dot products then read):
+/// `amax` of the block, `d = f16(amax / 127)`, `q = round_half_even(x * (127 / amax))`
+/// (0 for an all-zero block), and the value `q * d` the dot product multiplies by.
+/// `hidden` must be a multiple of 32.
+pub fn ggml_q8_0(name: &str, values: &mut [f32], hidden: usize) -> Result<()> {
+    check_ggml_width(name, values, hidden, 32)?;
+    values.par_chunks_mut(32).for_each(|block| {
+        let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = fp16_to_f32(fp32_to_fp16(amax / 127.0));
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        for v in block.iter_mut() {
+            // through the integer code, as the dot product reads it (no -0)
+            let q = (*v * id).round_ties_even().clamp(-128.0, 127.0) as i32;
+            *v = q as f32 * d;
+        }
+    });
+    Ok(())
+}
+
+/// Fake-quantizes each token's 256-blocks as llama.cpp quantizes activations to Q8_K
+/// for the K-type dot products (`quantize_row_q8_K_ref`, which the x86 backend
+/// calls): `max` the first value of largest magnitude, `iscale = -127 / max`,
+/// `q = min(127, nearest_int(iscale x))`, `d = 1 / iscale` kept in f32, value `q * d`
+/// (0 for an all-zero block). `hidden` must be a multiple of 256.
+pub fn ggml_q8_k(name: &str, values: &mut [f32], hidden: usize) -> Result<()> {
+    check_ggml_width(name, values, hidden, QK_K)?;
+    values.par_chunks_mut(QK_K).for_each(|block| {
+        let (mut amax, mut max) = (0.0f32, 0.0f32);
+        for &v in block.iter() {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            block.fill(0.0);
+            return;
+        }
+        let iscale = -127.0 / max;
+        let d = 1.0 / iscale;
+        for v in block.iter_mut() {
+            // nearest_int of ggml-quants.c (ties to even through the f32 mantissa)
+            let shifted = (iscale * *v + 12_582_912.0).to_bits() as i32;
+            let q = ((shifted & 0x007f_ffff) - 0x0040_0000).min(127);
+            // int8 storage, as the C assigns the int to int8_t
+            *v = f32::from(q as i8) * d;
+        }
+    });
+    Ok(())
+}
+
+fn check_ggml_width(name: &str, values: &[f32], hidden: usize, block: usize) -> Result<()> {
+    check_width(name, values, hidden)?;
+    if hidden % block != 0 {
+        return Err(QuantError::InputDimNotDivisible {
+            tensor: name.to_string(),
+            scheme: if block == 32 {
+                "ggml q8_0 activations"
+            } else {
+                "ggml q8_K activations"
+            },
+            multiple: block,
+            cols: hidden,
+        });
+    }
     Ok(())
 }

@@ -316,3 +316,117 @@ fn other_architectures_are_refused() {
     let err = plan_types(&model, GgufFileType::Q4_K_M, &[]).expect_err("llama");
     assert!(err.to_string().contains("llama"), "{err}");
 }
+
+/// The values scripts/gguf_llama_quantize_check.py wrote into its f32 GGUF.
+fn synthetic_values(index: u64, n: usize) -> Vec<f32> {
+    let mut v: Vec<f32> = (0..n as u64)
+        .map(|i| {
+            let mut h = ((index << 32) | i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            h ^= h >> 29;
+            h = h.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            ((h >> 40) as i64 - (1 << 23)) as f32 * (-27f32).exp2()
+        })
+        .collect();
+    v[0] = 1.0;
+    v
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[test]
+fn llama_quantize_end_to_end() {
+    // A real llama-quantize run (scripts/gguf_llama_quantize_check.py) on a synthetic
+    // 8-layer qwen3 GGUF in f32: every tensor's type, its bytes, and the order of the
+    // output file, for the six file types.
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data/gguf_blocks/llama_quantize/qwen3-synthetic.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let run: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let tensors: Vec<Tensor> = run["tensors"]
+        .as_array()
+        .expect("tensors")
+        .iter()
+        .map(|t| Tensor {
+            name: t["name"].as_str().expect("name").to_string(),
+            dims: t["dims"]
+                .as_array()
+                .expect("dims")
+                .iter()
+                .map(|d| d.as_u64().expect("dim") as usize)
+                .collect(),
+        })
+        .collect();
+    let model = MixModel {
+        architecture: "qwen3".into(),
+        block_count: run["block_count"].as_u64().expect("block_count") as usize,
+        head_count: run["head_count"].as_u64().expect("head_count") as usize,
+        head_count_kv: run["head_count_kv"].as_u64().expect("head_count_kv") as usize,
+    };
+    let mix: Vec<MixTensor<'_>> = tensors
+        .iter()
+        .map(|t| MixTensor {
+            name: &t.name,
+            dims: &t.dims,
+            stored_type: GgmlType::F32,
+        })
+        .collect();
+    let values: Vec<Vec<f32>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| synthetic_values(i as u64, t.dims.iter().product()))
+        .collect();
+    let names: Vec<&str> = mix.iter().map(|t| t.name).collect();
+    let order: Vec<&str> = loraq_quant::ggml::mix::llama_quantize_order(&names)
+        .into_iter()
+        .map(|i| names[i])
+        .collect();
+    let mut quantized = 0;
+    for ftype in GgufFileType::ALL {
+        let entry = &run["ftypes"][ftype.name()];
+        let file_order: Vec<&str> = entry["file_order"]
+            .as_array()
+            .expect("order")
+            .iter()
+            .map(|n| n.as_str().expect("name"))
+            .collect();
+        assert_eq!(order, file_order, "{}: tensor order", ftype.name());
+        let types = plan_types(&model, ftype, &mix).expect("plan");
+        for ((tensor, ty), values) in mix.iter().zip(&types).zip(&values) {
+            let want = &entry["tensors"][tensor.name];
+            let context = format!("{} {}", ftype.name(), tensor.name);
+            assert_eq!(
+                GgmlType::from_name(want["type"].as_str().expect("type")),
+                Some(*ty),
+                "{context}: type"
+            );
+            let in_features = tensor.dims[0];
+            let out_features = tensor.dims[1..].iter().product();
+            let bytes = if *ty == GgmlType::F32 {
+                values.iter().flat_map(|v| v.to_le_bytes()).collect()
+            } else {
+                quantized += 1;
+                loraq_quant::GgmlWeight::quantize(
+                    tensor.name,
+                    *ty,
+                    out_features,
+                    in_features,
+                    values,
+                )
+                .expect("quantize")
+                .data
+            };
+            assert_eq!(
+                sha256_hex(&bytes),
+                want["sha256"].as_str().expect("sha256"),
+                "{context}: bytes differ from llama-quantize's"
+            );
+        }
+    }
+    assert!(quantized > 300, "{quantized} quantized tensors compared");
+}

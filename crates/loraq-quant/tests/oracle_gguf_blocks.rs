@@ -71,6 +71,27 @@ fn every_type_decodes_like_gguf_py_and_ggml() {
 }
 
 #[test]
+fn every_element_decodes_on_its_own_like_gguf_py() {
+    // block_element (what a kernel decoding in its loop reads) gives each element the
+    // value the whole-row decode gives it.
+    let manifest = manifest();
+    for ty in GgmlType::ALL {
+        let entry = &manifest["decode"][ty.name()];
+        let blocks = bytes(&entry["blocks"]);
+        let expected = f32s(&entry["values"]);
+        let block = ty.block();
+        for (i, &want) in expected.iter().enumerate() {
+            let b = &blocks[i / block.elements * block.bytes..][..block.bytes];
+            let got = ggml::block_element(ty, b, i % block.elements);
+            assert!(
+                same_value(got, want),
+                "{ty}: element {i}: {got:e}, gguf-py {want:e}"
+            );
+        }
+    }
+}
+
+#[test]
 fn quantization_matches_ggml_quantize_chunk_byte_for_byte() {
     let manifest = manifest();
     let expected = manifest["quantize"]["expected"]
@@ -194,4 +215,43 @@ fn the_type_table_is_ggmls() {
         );
     }
     assert_eq!(GgmlType::from_id(4), None);
+}
+
+#[test]
+fn activation_quantization_matches_llama_cpps_cpu_backend() {
+    // libggml-cpu's from_float of Q8_0 (x86 AVX2) and Q8_K, dequantized as the dot
+    // products read them; the input has an all-zero block, exact .5 ties, an outlier,
+    // tiny values and a negative-only block.
+    use loraq_quant::ActivationQuant;
+    let manifest = manifest();
+    let entry = &manifest["activations"];
+    let x = f32s(&entry["input"]);
+    let hidden = entry["hidden"].as_u64().expect("hidden") as usize;
+    for (quant, key) in [
+        (ActivationQuant::GgmlQ8_0, "q8_0"),
+        (ActivationQuant::GgmlQ8K, "q8_K"),
+    ] {
+        let want = f32s(&entry[key]);
+        let mut ours = x.clone();
+        quant.apply("x", &mut ours, hidden).expect("apply");
+        for (i, (&a, &b)) in ours.iter().zip(&want).enumerate() {
+            assert!(
+                same_value(a, b),
+                "{key}: element {i} of {}: ours {a:e}, llama.cpp {b:e}",
+                x[i]
+            );
+        }
+    }
+    let err = ActivationQuant::GgmlQ8K
+        .apply("blk.0.attn_q", &mut [0.0; 96], 96)
+        .expect_err("96 is not a multiple of 256");
+    assert!(err.to_string().contains("blk.0.attn_q"), "{err}");
+    assert_eq!(
+        ActivationQuant::for_ggml_weight(GgmlType::Q4_K),
+        ActivationQuant::GgmlQ8K
+    );
+    assert_eq!(
+        ActivationQuant::for_ggml_weight(GgmlType::Q4_0),
+        ActivationQuant::GgmlQ8_0
+    );
 }

@@ -9,6 +9,7 @@
 //! written once.
 
 pub(crate) mod decode;
+pub(crate) mod decode_ggml;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
@@ -190,9 +191,7 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
         QuantizedWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
         QuantizedWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
         QuantizedWeight::Int4(w) => v.visit(&int4_rows(w)),
-        QuantizedWeight::Ggml(_) => {
-            unreachable!("QuantLoraLinear::new refuses ggml block weights (weight::validate)")
-        }
+        QuantizedWeight::Ggml(w) => v.visit(&decode_ggml::GgmlRows::new(w)),
     }
 }
 

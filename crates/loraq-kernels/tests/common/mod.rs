@@ -8,6 +8,7 @@ use loraq_kernels::{
     QuantizedWeight,
 };
 use loraq_quant::Nvfp4GlobalScale;
+use loraq_quant::ggml::{GgmlType, GgmlWeight};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -19,14 +20,21 @@ pub enum Format {
     Nvfp4,
     Mxfp4,
     Int4G128,
+    /// A ggml type of a GGUF base (quantized from random values as llama-quantize
+    /// does, so the blocks are the ones a GGUF file holds).
+    Ggml(GgmlType),
 }
 
-pub const FORMATS: [Format; 5] = [
+pub const FORMATS: [Format; 9] = [
     Format::Bf16,
     Format::Fp8Block128,
     Format::Nvfp4,
     Format::Mxfp4,
     Format::Int4G128,
+    Format::Ggml(GgmlType::Q8_0),
+    Format::Ggml(GgmlType::Q4_K),
+    Format::Ggml(GgmlType::Q5_K),
+    Format::Ggml(GgmlType::Q6_K),
 ];
 
 /// A non-NaN E4M3 code.
@@ -96,6 +104,14 @@ pub fn random_base(
                 (0..groups).map(|_| rng.random_range(0u8..16)).collect(),
             ))
         }
+        Format::Ggml(ggml_type) => {
+            let values: Vec<f32> = (0..out_dim * in_dim)
+                .map(|_| rng.random_range(-0.1f32..0.1))
+                .collect();
+            QuantizedWeight::Ggml(
+                GgmlWeight::quantize("test", ggml_type, out_dim, in_dim, &values).unwrap(),
+            )
+        }
     }
 }
 
@@ -137,6 +153,7 @@ pub fn legal_in_dim(format: Format, in_dim: usize) -> usize {
     match format {
         Format::Nvfp4 => in_dim.div_ceil(16).max(1) * 16,
         Format::Mxfp4 => in_dim.div_ceil(32).max(1) * 32,
+        Format::Ggml(t) => in_dim.div_ceil(t.block().elements).max(1) * t.block().elements,
         _ => in_dim.max(1),
     }
 }

@@ -100,9 +100,8 @@ pub fn decode_rows(ggml_type: GgmlType, data: &[u8], in_features: usize, out: &m
         "decode_rows: partial block"
     );
     let row_bytes = in_features / block.elements * block.bytes;
-    assert_eq!(
-        data.len() / row_bytes * in_features,
-        out.len(),
+    assert!(
+        out.len() % in_features == 0 && data.len() == out.len() / in_features * row_bytes,
         "decode_rows: length mismatch"
     );
     out.par_chunks_mut(in_features)
@@ -366,5 +365,102 @@ fn decode_mxfp4(b: &[u8], y: &mut [f32]) {
     for j in 0..16 {
         y[j] = f32::from(MXFP4_DOUBLED_VALUES[usize::from(qs[j] & 0xF)]) * d;
         y[j + 16] = f32::from(MXFP4_DOUBLED_VALUES[usize::from(qs[j] >> 4)]) * d;
+    }
+}
+
+/// Element `e` (`0 <= e < block elements`) of one block of `ggml_type`, the same
+/// value [`decode_row`] gives it (each element's formula on its own: what a kernel
+/// that dequantizes in its loop reads).
+///
+/// # Panics
+/// If `block` is shorter than the type's block or `e` is outside it.
+pub fn block_element(ggml_type: GgmlType, block: &[u8], e: usize) -> f32 {
+    // the 32-element types: byte j holds elements j (low nibble) and j + 16 (high)
+    let nibble = |qs: &[u8], e: usize| {
+        if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 }
+    };
+    let b = block;
+    match ggml_type {
+        GgmlType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        GgmlType::F16 => f16_at(b, 0),
+        GgmlType::BF16 => bf16_to_f32(u16::from_le_bytes([b[0], b[1]])),
+        GgmlType::Q4_0 => (i32::from(nibble(&b[2..18], e)) - 8) as f32 * f16_at(b, 0),
+        GgmlType::Q4_1 => f32::from(nibble(&b[4..20], e)) * f16_at(b, 0) + f16_at(b, 2),
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let (qh_at, qs_at) = if ggml_type == GgmlType::Q5_0 {
+                (2, 6)
+            } else {
+                (4, 8)
+            };
+            let qh = q5_high_bits(&b[qh_at..qh_at + 4]);
+            let high = (((qh >> e) & 1) << 4) as u8;
+            let q = nibble(&b[qs_at..qs_at + 16], e) | high;
+            if ggml_type == GgmlType::Q5_0 {
+                (i32::from(q) - 16) as f32 * f16_at(b, 0)
+            } else {
+                f32::from(q) * f16_at(b, 0) + f16_at(b, 2)
+            }
+        }
+        GgmlType::Q8_0 => f32::from(b[2 + e] as i8) * f16_at(b, 0),
+        GgmlType::IQ4_NL => f16_at(b, 0) * f32::from(IQ4_VALUES[usize::from(nibble(&b[2..18], e))]),
+        GgmlType::MXFP4 => {
+            f32::from(MXFP4_DOUBLED_VALUES[usize::from(nibble(&b[1..17], e))])
+                * mxfp4_half_scale(b[0])
+        }
+        GgmlType::Q2_K => {
+            // element e: 128-half n, 32-run r (shift 2r), 16-half h, position l
+            let (n, rest) = (e / 128, e % 128);
+            let (r, h, l) = (rest / 32, (rest % 32) / 16, rest % 16);
+            let sc = b[8 * n + 2 * r + h];
+            let dl = f16_at(b, 80) * f32::from(sc & 0xF);
+            let ml = f16_at(b, 82) * f32::from(sc >> 4);
+            let q = (b[16 + 32 * n + l + 16 * h] >> (2 * r)) & 3;
+            dl * f32::from(q) - ml
+        }
+        GgmlType::Q3_K => {
+            let (n, rest) = (e / 128, e % 128);
+            let (r, h, l) = (rest / 32, (rest % 32) / 16, rest % 16);
+            let scales = q3_k_scales(&b[96..108]);
+            let dl = f16_at(b, 108) * (i32::from(scales[8 * n + 2 * r + h]) - 32) as f32;
+            let low = i32::from((b[32 + 32 * n + l + 16 * h] >> (2 * r)) & 3);
+            let m = 1u8 << (4 * n + r);
+            let sub = if b[l + 16 * h] & m != 0 { 0 } else { 4 };
+            dl * (low - sub) as f32
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            let (j, rest) = (e / 64, e % 64);
+            let (upper, l) = (rest / 32, rest % 32);
+            let (sc, m) = scale_min_k4(2 * j + upper, &b[4..16]);
+            let d = f16_at(b, 0) * f32::from(sc);
+            let min = f16_at(b, 2) * f32::from(m);
+            let q = if ggml_type == GgmlType::Q4_K {
+                let byte = b[16 + 32 * j + l];
+                if upper == 0 { byte & 0xF } else { byte >> 4 }
+            } else {
+                let byte = b[48 + 32 * j + l];
+                let low = if upper == 0 { byte & 0xF } else { byte >> 4 };
+                let bit = 1u8 << (2 * j + upper);
+                low + if b[16 + l] & bit != 0 { 16 } else { 0 }
+            };
+            d * f32::from(q) - min
+        }
+        GgmlType::Q6_K => {
+            let (n, rest) = (e / 128, e % 128);
+            let (quarter, l) = (rest / 32, rest % 32);
+            let ql = b[64 * n + l + 32 * (quarter % 2)];
+            let low = if quarter < 2 { ql & 0xF } else { ql >> 4 };
+            let high = (b[128 + 32 * n + l] >> (2 * quarter)) & 3;
+            let q = i32::from(low | (high << 4)) - 32;
+            let sc = f32::from(b[192 + 8 * n + l / 16 + 2 * quarter] as i8);
+            f16_at(b, 208) * sc * q as f32
+        }
+        GgmlType::IQ4_XS => {
+            let (ib, j) = (e / 32, e % 32);
+            let scales_h = u16::from_le_bytes([b[2], b[3]]);
+            let ls = i32::from((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xF)
+                | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
+            let dl = f16_at(b, 0) * (ls - 32) as f32;
+            dl * f32::from(IQ4_VALUES[usize::from(nibble(&b[8 + 16 * ib..8 + 16 * ib + 16], j))])
+        }
     }
 }

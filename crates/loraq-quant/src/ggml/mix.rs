@@ -261,11 +261,36 @@ fn use_more_bits(i_layer: usize, n_layers: usize) -> bool {
         || (i_layer - n_layers / 8) % 3 == 2
 }
 
-/// The counters llama-quantize keeps while it visits the tensors.
-#[derive(Clone, Copy, Debug, Default)]
-struct Counters {
-    i_attention_wv: usize,
-    i_ffn_down: usize,
+/// Where a tensor stands among the others, the facts of the whole tensor list that
+/// the per-tensor choice reads (`quantize_state_impl`'s counters).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MixPosition {
+    /// No `output.weight` in the file: `token_embd.weight` is also the output.
+    pub has_tied_embeddings: bool,
+    /// `attn_v`-like tensors (`attn_v`, `attn_qkv`, `attn_kv_b`) visited before this
+    /// one, in [`llama_quantize_order`].
+    pub i_attention_wv: usize,
+    /// `attn_v`-like tensors in the file.
+    pub n_attention_wv: usize,
+    /// `ffn_down` tensors visited before this one.
+    pub i_ffn_down: usize,
+}
+
+/// The type llama-quantize gives one tensor (`llama_tensor_get_type`): its stored
+/// type when it is not quantized ([`allows_quantization`]), else the file type's
+/// choice for its category and position, after the fallback for rows that are not
+/// whole blocks. Pure; [`plan_types`] computes the positions.
+pub fn tensor_type(
+    model: &MixModel,
+    ftype: GgufFileType,
+    tensor: &MixTensor<'_>,
+    position: &MixPosition,
+) -> GgmlType {
+    if !allows_quantization(tensor.name, tensor.dims) {
+        return tensor.stored_type;
+    }
+    let chosen = choose(model, ftype, tensor, category(tensor.name), position);
+    fallback(chosen, tensor.dims.first().copied().unwrap_or(0))
 }
 
 /// The type of each tensor, in the order given, as llama-quantize writes it for
@@ -286,25 +311,23 @@ pub fn plan_types(
     }
     let names: Vec<&str> = tensors.iter().map(|t| t.name).collect();
     let n_attention_wv = names.iter().filter(|n| is_attn_v_like(category(n))).count();
-    let has_tied_embeddings = !names.contains(&"output.weight");
-    let mut counters = Counters::default();
+    let mut position = MixPosition {
+        has_tied_embeddings: !names.contains(&"output.weight"),
+        n_attention_wv,
+        ..MixPosition::default()
+    };
     let mut types = vec![GgmlType::F32; tensors.len()];
     for index in llama_quantize_order(&names) {
         let t = &tensors[index];
-        types[index] = if allows_quantization(t.name, t.dims) {
-            let chosen = choose(
-                model,
-                ftype,
-                t,
-                category(t.name),
-                has_tied_embeddings,
-                n_attention_wv,
-                &mut counters,
-            );
-            fallback(chosen, t.dims.first().copied().unwrap_or(0))
-        } else {
-            t.stored_type
-        };
+        types[index] = tensor_type(model, ftype, t, &position);
+        if allows_quantization(t.name, t.dims) {
+            let c = category(t.name);
+            if is_attn_v_like(c) {
+                position.i_attention_wv += 1;
+            } else if c == Category::FfnDown {
+                position.i_ffn_down += 1;
+            }
+        }
     }
     Ok(types)
 }
@@ -316,12 +339,12 @@ fn choose(
     ftype: GgufFileType,
     tensor: &MixTensor<'_>,
     category: Category,
-    has_tied_embeddings: bool,
-    n_attention_wv: usize,
-    counters: &mut Counters,
+    position: &MixPosition,
 ) -> GgmlType {
     let mut new_type = ftype.default_type();
-    if category == Category::Output || (has_tied_embeddings && category == Category::TokenEmbd) {
+    if category == Category::Output
+        || (position.has_tied_embeddings && category == Category::TokenEmbd)
+    {
         let nx = tensor.dims.first().copied().unwrap_or(0);
         if nx % new_type.block().elements != 0 {
             new_type = GgmlType::Q8_0;
@@ -334,15 +357,14 @@ fn choose(
         if ftype == GgufFileType::IQ4_XS && model.n_gqa() >= 4 {
             new_type = GgmlType::Q5_K;
         } else if matches!(ftype, GgufFileType::Q4_K_M | GgufFileType::Q5_K_M)
-            && use_more_bits(counters.i_attention_wv, n_attention_wv)
+            && use_more_bits(position.i_attention_wv, position.n_attention_wv)
         {
             new_type = GgmlType::Q6_K;
         }
-        counters.i_attention_wv += 1;
     } else if category == Category::FfnDown {
         // layer_info: with one expert the layer is the running count of ffn_down
         // tensors, out of block_count.
-        let (i_layer, n_layer) = (counters.i_ffn_down, model.block_count);
+        let (i_layer, n_layer) = (position.i_ffn_down, model.block_count);
         match ftype {
             GgufFileType::Q4_K_M if use_more_bits(i_layer, n_layer) => {
                 new_type = GgmlType::Q6_K;
@@ -353,7 +375,6 @@ fn choose(
             }
             _ => {}
         }
-        counters.i_ffn_down += 1;
     }
     // attn_k, attn_q, attn_output, ffn_gate, ffn_up: no rule for these file types
     // (the attn_qkv branch further down in the C is unreachable: attn_qkv is

@@ -23,7 +23,7 @@ pub mod quantize;
 use crate::error::{QuantError, Result};
 use std::fmt;
 
-pub use decode::{decode_row, dequantize};
+pub use decode::{block_element, decode_row, dequantize};
 pub use fp16::{fp16_to_f32, fp32_to_fp16};
 pub use quantize::{quantize, quantize_row};
 
@@ -181,6 +181,19 @@ impl GgmlType {
         BlockGeometry { elements, bytes }
     }
 
+    /// Byte offsets of the f16 scales (`d`, `m`, `dmin`) in a block; empty for the
+    /// float types and MXFP4 (whose E8M0 scale is always finite).
+    pub fn f16_scale_offsets(self) -> &'static [usize] {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 | Self::MXFP4 => &[],
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4_NL | Self::IQ4_XS => &[0],
+            Self::Q4_1 | Self::Q5_1 | Self::Q4_K | Self::Q5_K => &[0, 2],
+            Self::Q2_K => &[80, 82],
+            Self::Q3_K => &[108],
+            Self::Q6_K => &[208],
+        }
+    }
+
     /// Whether the type has blocks (ggml's `ggml_is_quantized`).
     pub fn is_quantized(self) -> bool {
         self.block().elements > 1
@@ -299,7 +312,7 @@ impl GgmlWeight {
         self.data.len().checked_div(self.out_features).unwrap_or(0)
     }
 
-    /// Element `(row, k)`, dequantized (decodes its block).
+    /// Element `(row, k)`, dequantized ([`block_element`] on its block).
     ///
     /// # Panics
     /// If `(row, k)` is outside the matrix.
@@ -310,13 +323,11 @@ impl GgmlWeight {
         );
         let block = self.ggml_type.block();
         let start = row * self.row_bytes() + k / block.elements * block.bytes;
-        let mut values = [0.0f32; QK_K];
-        decode::decode_row(
+        block_element(
             self.ggml_type,
             &self.data[start..start + block.bytes],
-            &mut values[..block.elements],
-        );
-        values[k % block.elements]
+            k % block.elements,
+        )
     }
 
     /// The dequantized matrix, row-major `[out_features * in_features]`.
