@@ -5,8 +5,10 @@
 //! - [`GgufWriter`]: the container written, metadata of every type, tensors aligned.
 //! - [`names`]: checkpoint tensor names <-> GGUF names for `qwen3` and `qwen35`.
 //! - [`vhead`]: the value-head order llama.cpp's converter gives `qwen35` tensors.
+//! - [`base`]: a GGUF model opened as a checkpoint in the checkpoint's terms.
 //! - [`lora`]: a PEFT adapter exported as a llama.cpp LoRA (`loraq export-gguf`).
 
+pub mod base;
 pub mod error;
 pub mod ggml_type;
 pub mod lora;

@@ -161,7 +161,13 @@ const SCALE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 impl QuantizedBase {
     /// Opens a checkpoint directory (or file) and detects how every weight is stored.
+    /// A `.gguf` file (llama.cpp; the first file of a split model) is read in the
+    /// checkpoint's terms through loraq-gguf (docs/gguf.md, GGUF bases).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if loraq_gguf::base::is_gguf(path) {
+            return Self::new(loraq_gguf::base::open_as_checkpoint(path)?);
+        }
         Self::new(Checkpoint::open(path)?)
     }
 
