@@ -44,7 +44,7 @@ fn parse_dtype(text: &str) -> Result<FactorType, String> {
 
 /// Runs `loraq export-gguf`.
 pub fn run(args: Args) -> Result<()> {
-    let mut outputs = StagedOutputs::new(&[&args.adapter, &args.base], args.force);
+    let mut outputs = StagedOutputs::new(&[args.adapter.as_path(), args.base.as_path()], args.force);
     let temp = outputs
         .stage_file(&args.out)
         .with_context(|| format!("--out {}", args.out.display()))?;

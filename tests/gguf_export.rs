@@ -144,6 +144,12 @@ fn export_refuses_what_llama_cpp_cannot_apply_and_writes_nothing() {
     let e = stderr(&o);
     assert!(e.contains("module model.layers.0.linear_attn.in_proj_a") && e.contains("llama.cpp's qwen3 has no tensor"), "{e}");
     assert!(!out.exists());
+    // A Qwen3 adapter on a Qwen3.5 base: layer 0 is linear attention there.
+    let o = run(&data("gguf/qwen3-lora"), &data("model/qwen3_5"));
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("module model.layers.0.self_attn.k_proj") && e.contains("has no tensor blk.0.attn_k.weight"), "{e}");
+    assert!(!out.exists());
     // DoRA, bias LoRA and modules_to_save, each refused by name.
     for (field, value, message) in [
         ("use_dora", serde_json::json!(true), "use_dora"),
@@ -163,8 +169,7 @@ fn export_refuses_what_llama_cpp_cannot_apply_and_writes_nothing() {
         assert!(stderr(&o).contains(message), "{field}: {}", stderr(&o));
         assert!(!out.exists(), "{field}");
     }
-    // A base whose shapes differ (the Qwen3 adapter on the Qwen3 base's GGUF-less
-    // sibling with other widths is not at hand; a truncated GGUF base instead).
+    // A truncated GGUF base, refused naming the file.
     let broken = dir.path().join("broken.gguf");
     let bytes = std::fs::read(data("gguf/qwen3_5-f32.gguf")).unwrap();
     std::fs::write(&broken, &bytes[..bytes.len() / 2]).unwrap();

@@ -177,15 +177,7 @@ impl BaseLayout {
             reason: format!("{name:?}: loraq maps names for qwen3 and qwen35 only"),
         })?;
         let v_heads = if arch == GgufArch::Qwen35 {
-            let key = |k: &str| format!("{arch}.ssm.{k}");
-            let num_v_heads = model.require_usize(&key("time_step_rank"))?;
-            let inner = model.require_usize(&key("inner_size"))?;
-            Some(VHeadLayout {
-                num_k_heads: model.require_usize(&key("group_count"))?,
-                num_v_heads,
-                head_k_dim: model.require_usize(&key("state_size"))?,
-                head_v_dim: inner.checked_div(num_v_heads).unwrap_or(0),
-            })
+            Some(crate::base::v_heads(model, arch)?)
         } else {
             None
         };

@@ -124,7 +124,8 @@ pub fn gather_rows<T: Copy>(data: &mut [T], row_len: usize, start: usize, gather
 /// Gathers the columns of a row-major matrix with rows of `row_len`: column `j`
 /// becomes old column `gather[j]` (`gather.len() == row_len`).
 pub fn gather_columns<T: Copy>(data: &mut [T], row_len: usize, gather: &[usize]) {
-    let mut old = vec![data[0]; row_len];
+    let Some(&first) = data.first() else { return };
+    let mut old = vec![first; row_len];
     for row in data.chunks_exact_mut(row_len) {
         old.copy_from_slice(row);
         for (j, &i) in gather.iter().enumerate() {
