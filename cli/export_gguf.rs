@@ -44,12 +44,14 @@ fn parse_dtype(text: &str) -> Result<FactorType, String> {
 
 /// Runs `loraq export-gguf`.
 pub fn run(args: Args) -> Result<()> {
-    let mut outputs = StagedOutputs::new(&[args.adapter.as_path(), args.base.as_path()], args.force);
+    let mut outputs =
+        StagedOutputs::new(&[args.adapter.as_path(), args.base.as_path()], args.force);
     let temp = outputs
         .stage_file(&args.out)
         .with_context(|| format!("--out {}", args.out.display()))?;
     crate::outputs::report_stale(outputs.stale_siblings());
-    let base = BaseLayout::open(&args.base).with_context(|| format!("--base {}", args.base.display()))?;
+    let base =
+        BaseLayout::open(&args.base).with_context(|| format!("--base {}", args.base.display()))?;
     let adapter = LoraAdapter::open(&args.adapter)?;
     let (writer, summary) = export_adapter(&adapter, &base, args.dtype)?;
     writer
@@ -66,7 +68,11 @@ pub fn run(args: Args) -> Result<()> {
         } else {
             format!("alpha {} (factors as PEFT wrote them)", summary.alpha)
         };
-        let reordered = summary.modules.iter().filter(|m| m.v_heads_reordered).count();
+        let reordered = summary
+            .modules
+            .iter()
+            .filter(|m| m.v_heads_reordered)
+            .count();
         println!(
             "wrote {}: {} modules for llama.cpp's {}, {:?} factors, {scales}; value heads reordered in {reordered}",
             args.out.display(),

@@ -188,7 +188,8 @@ pub fn verify(
     // A GGUF base (llama.cpp) is read in the checkpoint's terms (docs/gguf.md).
     let gguf_base = loraq_gguf::base::is_gguf(&options.base);
     let base = if gguf_base {
-        loraq_gguf::base::open_as_checkpoint(&options.base).map_err(loraq_quant::QuantError::from)?
+        loraq_gguf::base::open_as_checkpoint(&options.base)
+            .map_err(loraq_quant::QuantError::from)?
     } else {
         Checkpoint::open(&options.base)?
     };

@@ -7,11 +7,12 @@
 //! What the converter changed is undone (`Qwen3NextModel.modify_tensors` and
 //! `_LinearAttentionVReorderBase.modify_tensors` in `conversion/qwen.py`): the value
 //! heads are put back in grouped order (the inverse of [`crate::vhead`]), `ssm_a =
-//! -exp(A_log)` becomes `A_log = ln(-ssm_a)`, the `+ 1` of every qwen35 norm but
+//! -exp(A_log)` is turned back into `A_log` (below), the `+ 1` of every qwen35 norm but
 //! `ssm_norm` is subtracted, `ssm_conv1d` gets its middle dimension back. The norms
 //! are exact: the converter added 1 in f32, and `(w + 1) - 1` is exact in f32 for
 //! `|w| <= 1`, so the model's `1 + w` gives back the converter's f32 value bit for
-//! bit. `A_log` is not: `ln(-(-exp(a)))` is within an ulp or two of `a`.
+//! bit. `A_log` is recovered as the bf16 (else f32) value whose `-exp` reproduces `ssm_a`:
+//! the original when the checkpoint was bf16 and Rust's `exp` rounds as torch's did.
 //!
 //! F32, F16 and BF16 tensors are read; another type is refused by name until its
 //! decoder is wired in. The converted tensors are written once to an unlinked
@@ -24,14 +25,17 @@ use crate::names::{GgufArch, checkpoint_tensor_name};
 use crate::reader::{GgufModel, GgufTensorInfo};
 use crate::value::MetadataArray;
 use crate::vhead::{PermutedAxis, VHeadLayout, gather_columns, gather_rows};
-use loraq_io::{Checkpoint, DType, ModelConfig, ModuleKind, ModuleName, SafetensorsWriter, TensorSpec};
+use loraq_io::{
+    Checkpoint, DType, ModelConfig, ModuleKind, ModuleName, SafetensorsWriter, TensorSpec,
+};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Whether `path` names a GGUF file (by its `.gguf` extension).
 pub fn is_gguf(path: &Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
 /// The config.json of a GGUF model, from the keys llama.cpp's converter writes
@@ -39,12 +43,16 @@ pub fn is_gguf(path: &Path) -> bool {
 pub fn config_json(model: &GgufModel, arch: GgufArch) -> Result<serde_json::Value> {
     let key = |k: &str| format!("{arch}.{k}");
     let blocks = model.require_usize(&key("block_count"))?;
-    let nextn = model.optional_usize(&key("nextn_predict_layers"))?.unwrap_or(0);
-    let layers = blocks.checked_sub(nextn).ok_or_else(|| GgufError::Metadata {
-        path: model.path().to_path_buf(),
-        key: key("nextn_predict_layers"),
-        reason: format!("{nextn} is more than the {blocks} blocks"),
-    })?;
+    let nextn = model
+        .optional_usize(&key("nextn_predict_layers"))?
+        .unwrap_or(0);
+    let layers = blocks
+        .checked_sub(nextn)
+        .ok_or_else(|| GgufError::Metadata {
+            path: model.path().to_path_buf(),
+            key: key("nextn_predict_layers"),
+            reason: format!("{nextn} is more than the {blocks} blocks"),
+        })?;
     let head_dim = model.require_usize(&key("attention.key_length"))?;
     let vocab = model
         .tensor("token_embd.weight")
@@ -96,7 +104,13 @@ pub fn config_json(model: &GgufModel, arch: GgufArch) -> Result<serde_json::Valu
                 Some(MetadataArray::Bool(flags)) if flags.len() >= layers => {
                     let types: Vec<&str> = flags[..layers]
                         .iter()
-                        .map(|&r| if r { "linear_attention" } else { "full_attention" })
+                        .map(|&r| {
+                            if r {
+                                "linear_attention"
+                            } else {
+                                "full_attention"
+                            }
+                        })
                         .collect();
                     config["layer_types"] = json!(types);
                 }
@@ -104,11 +118,17 @@ pub fn config_json(model: &GgufModel, arch: GgufArch) -> Result<serde_json::Valu
                     return Err(GgufError::Metadata {
                         path: model.path().to_path_buf(),
                         key: recurrent_key,
-                        reason: format!("{} elements of {}, expected {layers} BOOL", other.len(), other.element_type()),
+                        reason: format!(
+                            "{} elements of {}, expected {layers} BOOL",
+                            other.len(),
+                            other.element_type()
+                        ),
                     });
                 }
                 None => {
-                    let interval = model.optional_usize(&key("full_attention_interval"))?.unwrap_or(4);
+                    let interval = model
+                        .optional_usize(&key("full_attention_interval"))?
+                        .unwrap_or(4);
                     config["full_attention_interval"] = json!(interval);
                 }
             }
@@ -129,6 +149,32 @@ pub fn v_heads(model: &GgufModel, arch: GgufArch) -> Result<VHeadLayout> {
         head_k_dim: model.require_usize(&key("state_size"))?,
         head_v_dim: inner.checked_div(num_v_heads).unwrap_or(0),
     })
+}
+
+/// `A_log` from `ssm_a = -exp(A_log)`: the value whose `-exp` in f32 gives `ssm_a`
+/// back exactly, preferring the bf16 one (checkpoints store A_log in bf16, and then
+/// it is the original), else the f32 nearest `ln(-ssm_a)` within 4 ulps that does,
+/// else `ln(-ssm_a)` itself.
+fn a_log_of(ssm_a: f32) -> f32 {
+    let guess = (-ssm_a).ln();
+    let reproduces = |a: f32| -a.exp() == ssm_a;
+    let bf16 = half::bf16::from_f32(guess).to_f32();
+    if reproduces(bf16) {
+        return bf16;
+    }
+    let mut candidates = vec![guess];
+    for step in 1..=4u32 {
+        for sign in [1i64, -1] {
+            let bits = i64::from(guess.to_bits()) + sign * i64::from(step);
+            if let Ok(bits) = u32::try_from(bits) {
+                candidates.push(f32::from_bits(bits));
+            }
+        }
+    }
+    candidates
+        .into_iter()
+        .find(|&a| reproduces(a))
+        .unwrap_or(guess)
 }
 
 /// One tensor of the converted checkpoint.
@@ -165,7 +211,9 @@ fn convert(
             return Err(tensor_error(
                 model,
                 t,
-                format!("unsupported GGUF tensor type {other}: loraq reads F32, F16 and BF16 bases"),
+                format!(
+                    "unsupported GGUF tensor type {other}: loraq reads F32, F16 and BF16 bases"
+                ),
             ));
         }
     };
@@ -179,9 +227,13 @@ fn convert(
         if kind == Some(ModuleKind::ALog) {
             for x in &mut values {
                 if !(*x < 0.0) {
-                    return Err(tensor_error(model, t, format!("holds {x}, but ssm_a is -exp(A_log) < 0")));
+                    return Err(tensor_error(
+                        model,
+                        t,
+                        format!("holds {x}, but ssm_a is -exp(A_log) < 0"),
+                    ));
                 }
-                *x = (-*x).ln();
+                *x = a_log_of(*x);
             }
         } else {
             for x in &mut values {
@@ -197,7 +249,15 @@ fn convert(
         if let (Some(v), Some(ModuleKind::ALog)) = (v, kind)
             && v.reorders()
         {
-            reorder(&mut converted.bytes, 4, 4, 0, &v.inverse_permutation(1), model, t)?;
+            reorder(
+                &mut converted.bytes,
+                4,
+                4,
+                0,
+                &v.inverse_permutation(1),
+                model,
+                t,
+            )?;
         }
         return Ok(converted);
     }
@@ -209,22 +269,51 @@ fn convert(
         let row_len = shape.iter().skip(1).product::<usize>().max(1);
         let row_bytes = row_len * element;
         match kind {
-            ModuleKind::DtBias => reorder(&mut bytes, element, element, 0, &v.inverse_permutation(1), model, t)?,
+            ModuleKind::DtBias => reorder(
+                &mut bytes,
+                element,
+                element,
+                0,
+                &v.inverse_permutation(1),
+                model,
+                t,
+            )?,
             ModuleKind::Conv1d => {
                 let start = 2 * v.num_k_heads * v.head_k_dim;
-                reorder(&mut bytes, row_bytes, element, start, &v.inverse_permutation(v.head_v_dim), model, t)?;
+                reorder(
+                    &mut bytes,
+                    row_bytes,
+                    element,
+                    start,
+                    &v.inverse_permutation(v.head_v_dim),
+                    model,
+                    t,
+                )?;
             }
             _ => match v.axis(kind) {
                 Some(PermutedAxis::Rows { start, head_dim }) => {
-                    reorder(&mut bytes, row_bytes, element, start, &v.inverse_permutation(head_dim), model, t)?;
+                    reorder(
+                        &mut bytes,
+                        row_bytes,
+                        element,
+                        start,
+                        &v.inverse_permutation(head_dim),
+                        model,
+                        t,
+                    )?;
                 }
                 Some(PermutedAxis::Columns { head_dim }) => {
                     let gather = v.inverse_permutation(head_dim);
                     let in_features = *shape.last().unwrap_or(&0);
                     if gather.len() != in_features {
-                        return Err(tensor_error(model, t, format!(
-                            "{in_features} input features, the value heads take {}", gather.len()
-                        )));
+                        return Err(tensor_error(
+                            model,
+                            t,
+                            format!(
+                                "{in_features} input features, the value heads take {}",
+                                gather.len()
+                            ),
+                        ));
                     }
                     // Columns of a row-major matrix: gather elements within each row.
                     let mut elements: Vec<[u8; 4]> = bytes
@@ -236,7 +325,10 @@ fn convert(
                         })
                         .collect();
                     gather_columns(&mut elements, in_features, &gather);
-                    bytes = elements.iter().flat_map(|e| e[..element].to_vec()).collect();
+                    bytes = elements
+                        .iter()
+                        .flat_map(|e| e[..element].to_vec())
+                        .collect();
                 }
                 None => {}
             },
@@ -263,10 +355,14 @@ fn reorder(
 ) -> Result<()> {
     let rows = bytes.len() / row_bytes.max(1);
     if start + gather.len() != rows || row_bytes % element != 0 {
-        return Err(tensor_error(model, t, format!(
-            "{rows} rows, but the value heads take rows {start}..{} (check ssm.* metadata)",
-            start + gather.len()
-        )));
+        return Err(tensor_error(
+            model,
+            t,
+            format!(
+                "{rows} rows, but the value heads take rows {start}..{} (check ssm.* metadata)",
+                start + gather.len()
+            ),
+        ));
     }
     gather_rows(bytes, row_bytes, start, gather);
     Ok(())
@@ -290,13 +386,17 @@ pub fn open_as_checkpoint(path: &Path) -> Result<Checkpoint> {
         return Err(GgufError::Metadata {
             path: path.to_path_buf(),
             key: "general.type".into(),
-            reason: format!("{kind:?}: not a model (a LoRA adapter is read with --adapter as a PEFT directory)"),
+            reason: format!(
+                "{kind:?}: not a model (a LoRA adapter is read with --adapter as a PEFT directory)"
+            ),
         });
     }
     let config = config_json(&model, arch)?;
     let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
     let config = ModelConfig::from_json_str(&config.to_string(), path)?;
-    let v = (arch == GgufArch::Qwen35).then(|| v_heads(&model, arch)).transpose()?;
+    let v = (arch == GgufArch::Qwen35)
+        .then(|| v_heads(&model, arch))
+        .transpose()?;
     let mut converted = BTreeMap::new();
     for t in model.tensors() {
         let Some(name) = checkpoint_tensor_name(arch, &t.name, "model") else {

@@ -136,13 +136,14 @@ impl BaseLayout {
             path: path.clone(),
             reason: "no config.json: the architecture and head layout are unknown".into(),
         })?;
-        let arch = GgufArch::from_architecture(&config.architecture).ok_or_else(|| GgufError::Format {
-            path: path.clone(),
-            reason: format!(
-                "architecture {}: loraq maps names for llama.cpp's qwen3 and qwen35 only",
-                config.architecture
-            ),
-        })?;
+        let arch =
+            GgufArch::from_architecture(&config.architecture).ok_or_else(|| GgufError::Format {
+                path: path.clone(),
+                reason: format!(
+                    "architecture {}: loraq maps names for llama.cpp's qwen3 and qwen35 only",
+                    config.architecture
+                ),
+            })?;
         let v_heads = (arch == GgufArch::Qwen35).then(|| VHeadLayout {
             num_k_heads: config.text_usize("linear_num_key_heads").unwrap_or(0),
             num_v_heads: config.text_usize("linear_num_value_heads").unwrap_or(0),
@@ -184,7 +185,10 @@ impl BaseLayout {
         let mut weight_shapes = BTreeMap::new();
         for t in model.tensors() {
             if let [in_features, out_features] = t.dims[..] {
-                weight_shapes.insert(t.name.clone(), [out_features as usize, in_features as usize]);
+                weight_shapes.insert(
+                    t.name.clone(),
+                    [out_features as usize, in_features as usize],
+                );
             }
         }
         Ok(BaseLayout {
@@ -246,14 +250,19 @@ fn refuse_unrepresentable(adapter: &LoraAdapter) -> Result<()> {
         return Err(refuse("lora_bias is true (a bias on lora_B)"));
     }
     if adapter.config.bias != "none" {
-        return Err(refuse(&format!("bias is {:?} (trained biases)", adapter.config.bias)));
+        return Err(refuse(&format!(
+            "bias is {:?} (trained biases)",
+            adapter.config.bias
+        )));
     }
     if raw
         .get("modules_to_save")
         .and_then(|v| v.as_array())
         .is_some_and(|a| !a.is_empty())
     {
-        return Err(refuse("modules_to_save is not empty (fully trained modules)"));
+        return Err(refuse(
+            "modules_to_save is not empty (fully trained modules)",
+        ));
     }
     Ok(())
 }
@@ -292,7 +301,8 @@ pub fn export_adapter(
 
     let mut entries = Vec::new();
     for m in &adapter.modules {
-        let parsed = ModuleName::parse(&m.module_path).filter(|p| p.kind.is_linear() && p.param.is_empty());
+        let parsed =
+            ModuleName::parse(&m.module_path).filter(|p| p.kind.is_linear() && p.param.is_empty());
         let name = parsed
             .as_ref()
             .and_then(|p| gguf_linear_weight_name(base.arch, p))
@@ -323,9 +333,18 @@ pub fn export_adapter(
     entries.sort_by(|a, b| (a.1.layer, &a.2).cmp(&(b.1.layer, &b.2)));
 
     let mut writer = GgufWriter::new();
-    writer.add_metadata("general.architecture", MetadataValue::String(base.arch.as_str().into()))?;
-    writer.add_metadata("general.type", MetadataValue::String(GENERAL_TYPE_ADAPTER.into()))?;
-    writer.add_metadata("adapter.type", MetadataValue::String(ADAPTER_TYPE_LORA.into()))?;
+    writer.add_metadata(
+        "general.architecture",
+        MetadataValue::String(base.arch.as_str().into()),
+    )?;
+    writer.add_metadata(
+        "general.type",
+        MetadataValue::String(GENERAL_TYPE_ADAPTER.into()),
+    )?;
+    writer.add_metadata(
+        "adapter.type",
+        MetadataValue::String(ADAPTER_TYPE_LORA.into()),
+    )?;
     let name = adapter
         .dir()
         .file_name()
@@ -347,7 +366,9 @@ pub fn export_adapter(
                 *x *= scale;
             }
         }
-        let axis = base.v_heads.and_then(|v| v.axis(parsed.kind).map(|axis| (v, axis)));
+        let axis = base
+            .v_heads
+            .and_then(|v| v.axis(parsed.kind).map(|axis| (v, axis)));
         if let Some((v, axis)) = axis {
             let permuted = match axis {
                 PermutedAxis::Rows { head_dim, .. } | PermutedAxis::Columns { head_dim } => {
@@ -357,19 +378,27 @@ pub fn export_adapter(
             match axis {
                 PermutedAxis::Rows { start, head_dim } => {
                     if start + permuted != m.out_features {
-                        return Err(refuse(&m.module_path, format!(
-                            "{} output features, the value heads take rows {start}..{} ({} heads of {head_dim})",
-                            m.out_features, start + permuted, v.num_v_heads
-                        )));
+                        return Err(refuse(
+                            &m.module_path,
+                            format!(
+                                "{} output features, the value heads take rows {start}..{} ({} heads of {head_dim})",
+                                m.out_features,
+                                start + permuted,
+                                v.num_v_heads
+                            ),
+                        ));
                     }
                     gather_rows(&mut b, m.rank, start, &v.permutation(head_dim));
                 }
                 PermutedAxis::Columns { head_dim } => {
                     if permuted != m.in_features {
-                        return Err(refuse(&m.module_path, format!(
-                            "{} input features, the value heads take {permuted} ({} heads of {head_dim})",
-                            m.in_features, v.num_v_heads
-                        )));
+                        return Err(refuse(
+                            &m.module_path,
+                            format!(
+                                "{} input features, the value heads take {permuted} ({} heads of {head_dim})",
+                                m.in_features, v.num_v_heads
+                            ),
+                        ));
                     }
                     gather_columns(&mut a, m.in_features, &v.permutation(head_dim));
                 }
@@ -385,8 +414,18 @@ pub fn export_adapter(
         };
         let a_bytes = encode(&a, "lora_A")?;
         let b_bytes = encode(&b, "lora_B (scale folded in)")?;
-        writer.add_tensor(format!("{name}.lora_a"), dtype.ggml(), &[m.rank, m.in_features], a_bytes)?;
-        writer.add_tensor(format!("{name}.lora_b"), dtype.ggml(), &[m.out_features, m.rank], b_bytes)?;
+        writer.add_tensor(
+            format!("{name}.lora_a"),
+            dtype.ggml(),
+            &[m.rank, m.in_features],
+            a_bytes,
+        )?;
+        writer.add_tensor(
+            format!("{name}.lora_b"),
+            dtype.ggml(),
+            &[m.out_features, m.rank],
+            b_bytes,
+        )?;
         modules.push(ExportedModule {
             module: m.module_path.clone(),
             gguf_name: name,

@@ -159,7 +159,10 @@ pub fn gguf_tensor_name(arch: GgufArch, checkpoint_name: &str) -> Option<String>
     if param != "weight" {
         return None;
     }
-    Some(format!("blk.{layer}.{}.weight", layer_norm_stem(arch, norm)?))
+    Some(format!(
+        "blk.{layer}.{}.weight",
+        layer_norm_stem(arch, norm)?
+    ))
 }
 
 /// The part of a text-backbone tensor name after `model.` or `model.language_model.`.
@@ -217,40 +220,135 @@ mod tests {
     #[test]
     fn names_map_both_ways() {
         let cases = [
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.in_proj_qkv.weight", "blk.0.attn_qkv.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.in_proj_z.weight", "blk.0.attn_gate.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.in_proj_a.weight", "blk.0.ssm_alpha.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.in_proj_b.weight", "blk.0.ssm_beta.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.out_proj.weight", "blk.0.ssm_out.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.conv1d.weight", "blk.0.ssm_conv1d.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.norm.weight", "blk.0.ssm_norm.weight"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.A_log", "blk.0.ssm_a"),
-            (GgufArch::Qwen35, "model.layers.0.linear_attn.dt_bias", "blk.0.ssm_dt.bias"),
-            (GgufArch::Qwen35, "model.layers.12.self_attn.o_proj.weight", "blk.12.attn_output.weight"),
-            (GgufArch::Qwen35, "model.layers.1.self_attn.q_norm.weight", "blk.1.attn_q_norm.weight"),
-            (GgufArch::Qwen35, "model.layers.1.post_attention_layernorm.weight", "blk.1.post_attention_norm.weight"),
-            (GgufArch::Qwen3, "model.layers.1.post_attention_layernorm.weight", "blk.1.ffn_norm.weight"),
-            (GgufArch::Qwen3, "model.layers.1.input_layernorm.weight", "blk.1.attn_norm.weight"),
-            (GgufArch::Qwen3, "model.layers.2.mlp.down_proj.weight", "blk.2.ffn_down.weight"),
-            (GgufArch::Qwen3, "model.embed_tokens.weight", "token_embd.weight"),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.in_proj_qkv.weight",
+                "blk.0.attn_qkv.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.in_proj_z.weight",
+                "blk.0.attn_gate.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.in_proj_a.weight",
+                "blk.0.ssm_alpha.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.in_proj_b.weight",
+                "blk.0.ssm_beta.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.out_proj.weight",
+                "blk.0.ssm_out.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.conv1d.weight",
+                "blk.0.ssm_conv1d.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.norm.weight",
+                "blk.0.ssm_norm.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.A_log",
+                "blk.0.ssm_a",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.0.linear_attn.dt_bias",
+                "blk.0.ssm_dt.bias",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.12.self_attn.o_proj.weight",
+                "blk.12.attn_output.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.1.self_attn.q_norm.weight",
+                "blk.1.attn_q_norm.weight",
+            ),
+            (
+                GgufArch::Qwen35,
+                "model.layers.1.post_attention_layernorm.weight",
+                "blk.1.post_attention_norm.weight",
+            ),
+            (
+                GgufArch::Qwen3,
+                "model.layers.1.post_attention_layernorm.weight",
+                "blk.1.ffn_norm.weight",
+            ),
+            (
+                GgufArch::Qwen3,
+                "model.layers.1.input_layernorm.weight",
+                "blk.1.attn_norm.weight",
+            ),
+            (
+                GgufArch::Qwen3,
+                "model.layers.2.mlp.down_proj.weight",
+                "blk.2.ffn_down.weight",
+            ),
+            (
+                GgufArch::Qwen3,
+                "model.embed_tokens.weight",
+                "token_embd.weight",
+            ),
             (GgufArch::Qwen3, "model.norm.weight", "output_norm.weight"),
             (GgufArch::Qwen3, "lm_head.weight", "output.weight"),
         ];
         for (arch, checkpoint, gguf) in cases {
-            assert_eq!(gguf_tensor_name(arch, checkpoint).as_deref(), Some(gguf), "{checkpoint}");
-            assert_eq!(checkpoint_tensor_name(arch, gguf, "model").as_deref(), Some(checkpoint), "{gguf}");
+            assert_eq!(
+                gguf_tensor_name(arch, checkpoint).as_deref(),
+                Some(gguf),
+                "{checkpoint}"
+            );
+            assert_eq!(
+                checkpoint_tensor_name(arch, gguf, "model").as_deref(),
+                Some(checkpoint),
+                "{gguf}"
+            );
         }
         let multimodal = "model.language_model.layers.3.mlp.up_proj.weight";
-        assert_eq!(gguf_tensor_name(GgufArch::Qwen35, multimodal).as_deref(), Some("blk.3.ffn_up.weight"));
         assert_eq!(
-            checkpoint_tensor_name(GgufArch::Qwen35, "blk.3.ffn_up.weight", "model.language_model").as_deref(),
+            gguf_tensor_name(GgufArch::Qwen35, multimodal).as_deref(),
+            Some("blk.3.ffn_up.weight")
+        );
+        assert_eq!(
+            checkpoint_tensor_name(
+                GgufArch::Qwen35,
+                "blk.3.ffn_up.weight",
+                "model.language_model"
+            )
+            .as_deref(),
             Some(multimodal)
         );
         // qwen3 has no linear attention; unknown and oddly written names map to nothing.
-        assert_eq!(gguf_tensor_name(GgufArch::Qwen3, "model.layers.0.linear_attn.in_proj_z.weight"), None);
-        assert_eq!(checkpoint_tensor_name(GgufArch::Qwen3, "blk.0.ssm_a", "model"), None);
-        assert_eq!(checkpoint_tensor_name(GgufArch::Qwen35, "blk.01.attn_q.weight", "model"), None);
-        assert_eq!(checkpoint_tensor_name(GgufArch::Qwen35, "blk.x.attn_q.weight", "model"), None);
+        assert_eq!(
+            gguf_tensor_name(
+                GgufArch::Qwen3,
+                "model.layers.0.linear_attn.in_proj_z.weight"
+            ),
+            None
+        );
+        assert_eq!(
+            checkpoint_tensor_name(GgufArch::Qwen3, "blk.0.ssm_a", "model"),
+            None
+        );
+        assert_eq!(
+            checkpoint_tensor_name(GgufArch::Qwen35, "blk.01.attn_q.weight", "model"),
+            None
+        );
+        assert_eq!(
+            checkpoint_tensor_name(GgufArch::Qwen35, "blk.x.attn_q.weight", "model"),
+            None
+        );
         assert_eq!(gguf_tensor_name(GgufArch::Qwen35, "mtp.fc.weight"), None);
     }
 }

@@ -165,7 +165,9 @@ fn read_scalar(
         ValueType::Bool => match cur.array::<1>(what)?[0] {
             0 => MetadataValue::Bool(false),
             1 => MetadataValue::Bool(true),
-            other => return Err(cur.format(format!("{} is a bool of value {other}, not 0 or 1", what()))),
+            other => {
+                return Err(cur.format(format!("{} is a bool of value {other}, not 0 or 1", what())));
+            }
         },
         ValueType::String => MetadataValue::String(cur.string(what)?),
         ValueType::Array => {
@@ -184,7 +186,9 @@ fn read_scalar(
             })?;
             let mut items = Vec::with_capacity(n);
             for i in 0..n {
-                items.push(read_scalar(cur, element, &|| format!("element {i} of {}", what()))?);
+                items.push(read_scalar(cur, element, &|| {
+                    format!("element {i} of {}", what())
+                })?);
             }
             MetadataValue::Array(collect_array(element, items))
         }
@@ -292,8 +296,14 @@ impl GgufFile {
         let tensor_count = cur.u64(&|| "the tensor count".into())?;
         let kv_count = cur.u64(&|| "the metadata count".into())?;
         // Each pair takes at least 13 bytes, each tensor info at least 24.
-        for (count, min, what) in [(kv_count, 13u64, "metadata count"), (tensor_count, 24, "tensor count")] {
-            if count.checked_mul(min).is_none_or(|need| need > cur.remaining()) {
+        for (count, min, what) in [
+            (kv_count, 13u64, "metadata count"),
+            (tensor_count, 24, "tensor count"),
+        ] {
+            if count
+                .checked_mul(min)
+                .is_none_or(|need| need > cur.remaining())
+            {
                 return Err(cur.format(format!(
                     "the {what} is {count}, more than the {} bytes left in the file can hold",
                     cur.remaining()
@@ -316,7 +326,8 @@ impl GgufFile {
                 return Err(meta("appears more than once".into()));
             }
             let ty = cur.u32(&|| format!("the type of key {key:?}"))?;
-            let ty = ValueType::from_id(ty).ok_or_else(|| meta(format!("unknown value type {ty}")))?;
+            let ty =
+                ValueType::from_id(ty).ok_or_else(|| meta(format!("unknown value type {ty}")))?;
             let value = read_scalar(&mut cur, ty, &|| format!("the value of key {key:?}"))?;
             metadata_index.insert(key.clone(), metadata.len());
             metadata.push((key, value));
@@ -360,7 +371,9 @@ impl GgufFile {
             }
             let n_dims = cur.u32(&|| format!("the dimension count of tensor {name:?}"))?;
             if n_dims as usize > MAX_DIMS {
-                return Err(bad(format!("{n_dims} dimensions; ggml tensors have at most {MAX_DIMS}")));
+                return Err(bad(format!(
+                    "{n_dims} dimensions; ggml tensors have at most {MAX_DIMS}"
+                )));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for d in 0..n_dims {
@@ -555,7 +568,10 @@ impl GgufModel {
         let count = split_u16(&first, SPLIT_COUNT_KEY)?.unwrap_or(1);
         let mut files = vec![first];
         if count > 1 {
-            let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let file_name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             let (prefix, number, name_count) = split_name_parts(&file_name).ok_or_else(|| GgufError::Metadata {
                 path: path.to_path_buf(),
                 key: SPLIT_COUNT_KEY.into(),
@@ -565,7 +581,10 @@ impl GgufModel {
                 return Err(GgufError::Metadata {
                     path: path.to_path_buf(),
                     key: SPLIT_COUNT_KEY.into(),
-                    reason: format!("{count} files: open the first, {}", split_file_name(prefix, 1, count as u32)),
+                    reason: format!(
+                        "{count} files: open the first, {}",
+                        split_file_name(prefix, 1, count as u32)
+                    ),
                 });
             }
             for n in 2..=name_count {
@@ -608,7 +627,10 @@ impl GgufModel {
             return Err(GgufError::Metadata {
                 path: files[0].path().to_path_buf(),
                 key: SPLIT_TENSORS_COUNT_KEY.into(),
-                reason: format!("says {total:?} tensors, the {count} files hold {}", index.len()),
+                reason: format!(
+                    "says {total:?} tensors, the {count} files hold {}",
+                    index.len()
+                ),
             });
         }
         Ok(GgufModel { files, index })
@@ -733,7 +755,9 @@ pub fn decode_f32(path: &Path, info: &GgufTensorInfo, bytes: &[u8]) -> Result<Ve
             return Err(GgufError::Tensor {
                 path: path.to_path_buf(),
                 tensor: info.name.clone(),
-                reason: format!("unsupported GGUF tensor type {other}: loraq decodes F32, F16 and BF16"),
+                reason: format!(
+                    "unsupported GGUF tensor type {other}: loraq decodes F32, F16 and BF16"
+                ),
             });
         }
     })

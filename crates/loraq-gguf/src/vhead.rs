@@ -74,9 +74,10 @@ impl VHeadLayout {
                 start: 0,
                 head_dim: self.head_v_dim,
             }),
-            ModuleKind::InProjA | ModuleKind::InProjB => {
-                Some(PermutedAxis::Rows { start: 0, head_dim: 1 })
-            }
+            ModuleKind::InProjA | ModuleKind::InProjB => Some(PermutedAxis::Rows {
+                start: 0,
+                head_dim: 1,
+            }),
             ModuleKind::OutProj => Some(PermutedAxis::Columns {
                 head_dim: self.head_v_dim,
             }),
@@ -159,7 +160,10 @@ mod tests {
         assert_eq!(&m[..6], &[0, 1, 2, 3, 8, 9]);
         gather_rows(&mut m, 2, 0, &inv);
         assert_eq!(m, (0..16).collect::<Vec<_>>());
-        let equal = VHeadLayout { num_v_heads: 2, ..layout };
+        let equal = VHeadLayout {
+            num_v_heads: 2,
+            ..layout
+        };
         assert!(!equal.reorders());
         assert_eq!(equal.axis(ModuleKind::InProjZ), None);
     }

@@ -87,13 +87,24 @@ impl GgufWriter {
         let name = name.into();
         let here = Path::new("<gguf writer>");
         if name.len() >= MAX_TENSOR_NAME_BYTES {
-            return Err(refused(here, &name, format!("name longer than ggml's {} bytes", MAX_TENSOR_NAME_BYTES - 1)));
+            return Err(refused(
+                here,
+                &name,
+                format!(
+                    "name longer than ggml's {} bytes",
+                    MAX_TENSOR_NAME_BYTES - 1
+                ),
+            ));
         }
         if self.names.contains(&name) {
             return Err(refused(here, &name, "added twice".into()));
         }
         if shape.len() > MAX_DIMS {
-            return Err(refused(here, &name, format!("{} dimensions, ggml has at most {MAX_DIMS}", shape.len())));
+            return Err(refused(
+                here,
+                &name,
+                format!("{} dimensions, ggml has at most {MAX_DIMS}", shape.len()),
+            ));
         }
         let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
         let row = dims.first().copied().unwrap_or(1);
@@ -102,9 +113,22 @@ impl GgufWriter {
             .row_bytes(row)
             .zip(rows)
             .and_then(|(r, n)| r.checked_mul(n))
-            .ok_or_else(|| refused(here, &name, format!("shape {shape:?} is not whole {ggml_type} blocks")))?;
+            .ok_or_else(|| {
+                refused(
+                    here,
+                    &name,
+                    format!("shape {shape:?} is not whole {ggml_type} blocks"),
+                )
+            })?;
         if expected != data.len() as u64 {
-            return Err(refused(here, &name, format!("{} bytes of data, shape {shape:?} in {ggml_type} needs {expected}", data.len())));
+            return Err(refused(
+                here,
+                &name,
+                format!(
+                    "{} bytes of data, shape {shape:?} in {ggml_type} needs {expected}",
+                    data.len()
+                ),
+            ));
         }
         self.names.insert(name.clone());
         self.tensors.push(PendingTensor {
@@ -150,7 +174,8 @@ impl GgufWriter {
             }
             header.extend_from_slice(&t.ggml_type.id().to_le_bytes());
             header.extend_from_slice(&offset.to_le_bytes());
-            offset = pad(offset + t.data.len() as u64, alignment).expect("in-memory sizes fit in u64");
+            offset =
+                pad(offset + t.data.len() as u64, alignment).expect("in-memory sizes fit in u64");
         }
         let data_start = pad(header.len() as u64, alignment).expect("in-memory sizes fit in u64");
         header.resize(data_start as usize, 0);
@@ -159,7 +184,8 @@ impl GgufWriter {
         for t in &self.tensors {
             out.write_all(&t.data).map_err(os(path))?;
             let padding = pad(t.data.len() as u64, alignment).expect("fits") - t.data.len() as u64;
-            out.write_all(&zeros[..padding as usize]).map_err(os(path))?;
+            out.write_all(&zeros[..padding as usize])
+                .map_err(os(path))?;
         }
         out.into_inner()
             .map_err(|e| GgufError::Os {

@@ -15,7 +15,11 @@ fn data_dir() -> PathBuf {
 
 fn expected() -> Vec<Value> {
     let text = std::fs::read_to_string(data_dir().join("expected.json")).unwrap();
-    serde_json::from_str::<Value>(&text).unwrap().as_array().unwrap().clone()
+    serde_json::from_str::<Value>(&text)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
 }
 
 fn json_of_array(a: &MetadataArray) -> Vec<Value> {
@@ -77,32 +81,70 @@ fn same(a: &Value, b: &Value) -> bool {
 
 fn check_file(file: &GgufFile, want: &Value) {
     let name = want["file"].as_str().unwrap();
-    assert_eq!(file.alignment(), want["alignment"].as_u64().unwrap(), "{name}");
-    assert_eq!(file.data_start(), want["data_offset"].as_u64().unwrap(), "{name}");
+    assert_eq!(
+        file.alignment(),
+        want["alignment"].as_u64().unwrap(),
+        "{name}"
+    );
+    assert_eq!(
+        file.data_start(),
+        want["data_offset"].as_u64().unwrap(),
+        "{name}"
+    );
     let metadata = want["metadata"].as_array().unwrap();
     assert_eq!(file.metadata().len(), metadata.len(), "{name}");
     for ((key, value), w) in file.metadata().iter().zip(metadata) {
         assert_eq!(key, w["key"].as_str().unwrap(), "{name}");
-        assert_eq!(value.value_type().name(), w["type"].as_str().unwrap(), "{name} {key}");
+        assert_eq!(
+            value.value_type().name(),
+            w["type"].as_str().unwrap(),
+            "{name} {key}"
+        );
         if let MetadataValue::Array(a) = value {
-            assert_eq!(a.element_type().name(), w["element"].as_str().unwrap(), "{name} {key}");
+            assert_eq!(
+                a.element_type().name(),
+                w["element"].as_str().unwrap(),
+                "{name} {key}"
+            );
         }
-        assert!(same(&json_of(value), &w["value"]), "{name} {key}: {value:?} vs {}", w["value"]);
+        assert!(
+            same(&json_of(value), &w["value"]),
+            "{name} {key}: {value:?} vs {}",
+            w["value"]
+        );
     }
     let tensors = want["tensors"].as_array().unwrap();
     assert_eq!(file.tensors().len(), tensors.len(), "{name}");
     for (t, w) in file.tensors().iter().zip(tensors) {
         assert_eq!(t.name, w["name"].as_str().unwrap());
-        assert_eq!(t.ggml_type.name(), w["type"].as_str().unwrap(), "{}", t.name);
-        let dims: Vec<u64> = w["dims"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        assert_eq!(
+            t.ggml_type.name(),
+            w["type"].as_str().unwrap(),
+            "{}",
+            t.name
+        );
+        let dims: Vec<u64> = w["dims"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         assert_eq!(t.dims, dims, "{}", t.name);
         assert_eq!(t.offset, w["offset"].as_u64().unwrap(), "{}", t.name);
         let bytes = file.tensor_bytes(&t.name).unwrap();
-        let digest: String = Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let digest: String = Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         assert_eq!(digest, w["sha256"].as_str().unwrap(), "{}", t.name);
         if let Some(values) = w.get("values") {
             let ours = loraq_gguf::reader::decode_f32(file.path(), t, bytes).unwrap();
-            let theirs: Vec<f64> = values.as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+            let theirs: Vec<f64> = values
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
             assert_eq!(ours.len(), theirs.len(), "{}", t.name);
             for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
                 // gguf-py's values are f32 (or f16 / bf16) widened to f64, printed
@@ -139,15 +181,26 @@ fn reads_a_split_model_as_one() {
         for t in w["tensors"].as_array().unwrap() {
             let name = t["name"].as_str().unwrap();
             let (file, _) = model.tensor(name).unwrap();
-            assert!(file.path().ends_with(w["file"].as_str().unwrap()), "{name} in file {i}");
-            let values: Vec<f32> = t["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+            assert!(
+                file.path().ends_with(w["file"].as_str().unwrap()),
+                "{name} in file {i}"
+            );
+            let values: Vec<f32> = t["values"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
             let ours = model.read_f32(name).unwrap();
             assert_eq!(ours, values, "{name}");
         }
     }
     // Opening another file than the first names the first.
     let err = GgufModel::open(data_dir().join("split-00002-of-00003.gguf")).unwrap_err();
-    assert!(err.to_string().contains("split-00001-of-00003.gguf"), "{err}");
+    assert!(
+        err.to_string().contains("split-00001-of-00003.gguf"),
+        "{err}"
+    );
     // A missing file of the set is an error naming it.
     let dir = tempfile::tempdir().unwrap();
     for n in [1, 2] {
@@ -155,9 +208,16 @@ fn reads_a_split_model_as_one() {
         std::fs::copy(data_dir().join(&name), dir.path().join(&name)).unwrap();
     }
     let err = GgufModel::open(dir.path().join("split-00001-of-00003.gguf")).unwrap_err();
-    assert!(err.to_string().contains("split-00003-of-00003.gguf"), "{err}");
+    assert!(
+        err.to_string().contains("split-00003-of-00003.gguf"),
+        "{err}"
+    );
     // Two files claiming the same place in the set are refused.
-    std::fs::copy(data_dir().join("split-00002-of-00003.gguf"), dir.path().join("split-00003-of-00003.gguf")).unwrap();
+    std::fs::copy(
+        data_dir().join("split-00002-of-00003.gguf"),
+        dir.path().join("split-00003-of-00003.gguf"),
+    )
+    .unwrap();
     let err = GgufModel::open(dir.path().join("split-00001-of-00003.gguf")).unwrap_err();
     assert!(err.to_string().contains("split.no"), "{err}");
 }
@@ -222,7 +282,10 @@ fn hostile_headers_are_refused_naming_file_and_tensor() {
         if GgufFile::from_bytes("hostile.gguf", &whole[..cut]).is_ok() {
             // Only cuts inside the last tensor's padding leave a readable file.
             let last = file.tensors().last().unwrap();
-            assert!(cut as u64 >= file.data_start() + last.offset + last.byte_len, "cut {cut}");
+            assert!(
+                cut as u64 >= file.data_start() + last.offset + last.byte_len,
+                "cut {cut}"
+            );
         }
     }
     assert!(refused(b"").contains("truncated"));
@@ -263,12 +326,16 @@ fn hostile_headers_are_refused_naming_file_and_tensor() {
 
     let tensor = |dims: &[u64], ty: u32, offset: u64, data: usize| {
         let mut r = Raw::header(3, 1, 0);
-        r.tensor("blk.0.attn_q.weight", dims, ty, offset).pad_data(data);
+        r.tensor("blk.0.attn_q.weight", dims, ty, offset)
+            .pad_data(data);
         r.0
     };
     assert!(GgufFile::from_bytes("ok.gguf", &tensor(&[4, 2], 0, 0, 32)).is_ok());
     let e = refused(&tensor(&[4, 2], 0, 0, 31));
-    assert!(e.contains("tensor blk.0.attn_q.weight") && e.contains("past the end"), "{e}");
+    assert!(
+        e.contains("tensor blk.0.attn_q.weight") && e.contains("past the end"),
+        "{e}"
+    );
     assert!(refused(&tensor(&[4, 2], 0, 32, 64)).contains("ggml expects 0"));
     assert!(refused(&tensor(&[4, 2], 4, 0, 32)).contains("unknown ggml type 4"));
     assert!(refused(&tensor(&[4, 2], 99, 0, 32)).contains("unknown ggml type 99"));
@@ -278,7 +345,9 @@ fn hostile_headers_are_refused_naming_file_and_tensor() {
     assert!(refused(&tensor(&[33, 1], 8, 0, 64)).contains("blocks of 32"));
     assert!(refused(&tensor(&[1, 1, 1, 1, 1], 0, 0, 32)).contains("5 dimensions"));
     let mut r = Raw::header(3, 2, 0);
-    r.tensor("a", &[1], 0, 0).tensor("a", &[1], 0, 32).pad_data(64);
+    r.tensor("a", &[1], 0, 0)
+        .tensor("a", &[1], 0, 32)
+        .pad_data(64);
     assert!(refused(&r.0).contains("tensor a: appears more than once"));
     let long = "x".repeat(64);
     let mut r = Raw::header(3, 1, 0);
