@@ -226,7 +226,7 @@ fn convert(
         let mut values = crate::reader::decode_f32(file.path(), t, raw)?;
         if kind == Some(ModuleKind::ALog) {
             for x in &mut values {
-                if !(*x < 0.0) {
+                if x.is_nan() || *x >= 0.0 {
                     return Err(tensor_error(
                         model,
                         t,

@@ -166,7 +166,9 @@ fn read_scalar(
             0 => MetadataValue::Bool(false),
             1 => MetadataValue::Bool(true),
             other => {
-                return Err(cur.format(format!("{} is a bool of value {other}, not 0 or 1", what())));
+                return Err(
+                    cur.format(format!("{} is a bool of value {other}, not 0 or 1", what()))
+                );
             }
         },
         ValueType::String => MetadataValue::String(cur.string(what)?),
@@ -396,7 +398,7 @@ impl GgufFile {
                     ggml_type.block_size()
                 ))
             })?;
-            let rows = if row == 0 { 0 } else { elements / row };
+            let rows = elements.checked_div(row).unwrap_or(0);
             let byte_len = row_bytes
                 .checked_mul(rows)
                 .filter(|&n| usize::try_from(n).is_ok())
