@@ -80,9 +80,9 @@ fn detect_quantization(ckpt: &Checkpoint) -> String {
 fn summarize(args: &Args) -> Result<Summary> {
     // A GGUF file (llama.cpp) is read in the checkpoint's terms (docs/gguf.md).
     let ckpt = if loraq_gguf::base::is_gguf(&args.dir) {
-        loraq_gguf::base::open_as_checkpoint(&args.dir)
+        loraq_quant::layout::open_gguf_checkpoint(&args.dir)
     } else {
-        Checkpoint::open(&args.dir).map_err(loraq_gguf::GgufError::from)
+        Checkpoint::open(&args.dir).map_err(loraq_quant::QuantError::from)
     }
     .with_context(|| format!("cannot open checkpoint {}", args.dir.display()))?;
     let config = ckpt.config();

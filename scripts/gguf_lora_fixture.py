@@ -9,8 +9,8 @@ conversion of adapters to GGUF, as the oracle of `loraq export-gguf` (docs/gguf.
       use_rslora true: every module's scale alpha / sqrt(r) differs from what
       llama.cpp's converter (which writes lora_alpha alone) would apply. Factors are
       seeded bf16, the product scaled to about 0.3 of the weight's RMS.
-  base --llama-cpp DIR --model HF --out FILE
-      llama.cpp's convert_hf_to_gguf.py --outtype f32 on a copy of HF given
+  base --llama-cpp DIR --model HF --out FILE [--outtype f32|q8_0|...]
+      llama.cpp's convert_hf_to_gguf.py --outtype f32 (or another) on a copy of HF given
       scripts/collect_fixture.py's tokenizer and rope sections (the converter needs
       a tokenizer), --no-mtp for Qwen3.5.
   convert --llama-cpp DIR --adapter ADAPTER --base HF --out FILE
@@ -21,6 +21,8 @@ The committed files under tests/data/gguf/ were made with
 
   python scripts/gguf_lora_fixture.py base --llama-cpp CACHE/llama-server-0.3.36/llama.cpp \
       --model tests/data/model/qwen3_5 --out tests/data/gguf/qwen3_5-f32.gguf
+  python scripts/gguf_lora_fixture.py base --llama-cpp CACHE/llama-server-0.3.36/llama.cpp \
+      --model tests/data/model/qwen3_5 --outtype q8_0 --out tests/data/gguf/qwen3_5-q8_0.gguf
 
   python scripts/gguf_lora_fixture.py patterns --model tests/data/model/qwen3 --out tests/data/gguf/qwen3-lora
   python scripts/gguf_lora_fixture.py convert --llama-cpp CACHE/llama-server-0.3.36/llama.cpp \
@@ -111,6 +113,7 @@ def main():
     b.add_argument("--llama-cpp", type=Path, required=True)
     b.add_argument("--model", type=Path, required=True)
     b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--outtype", default="f32", help="the converter's --outtype (f32, q8_0, ...)")
     c = sub.add_parser("convert")
     c.add_argument("--llama-cpp", type=Path, required=True)
     c.add_argument("--adapter", type=Path, required=True)
@@ -136,7 +139,7 @@ def main():
                 (hf / "config.json").write_text(json.dumps(config, indent=2))
             write_tokenizer(hf, config["vocab_size"])
             run_converter(args.llama_cpp, "convert_hf_to_gguf.py",
-                          [str(hf), "--outtype", "f32", *(["--no-mtp"] if hybrid else []),
+                          [str(hf), "--outtype", args.outtype, *(["--no-mtp"] if hybrid else []),
                            "--outfile", str(args.out)])
     else:
         # convert_lora_to_gguf.py has no --no-mtp; with a Qwen3.5 base that holds no

@@ -137,3 +137,46 @@ fn inspect_and_quant_error_read_a_gguf_base() {
     let o = loraq(&["inspect", s(&data("gguf/qwen3-lora-converter.gguf"))]);
     assert!(!o.status.success());
 }
+
+#[test]
+fn a_q8_0_gguf_base_decodes_within_q8_0_rounding_of_the_checkpoint() {
+    // convert_hf_to_gguf.py --outtype q8_0: Q8_0 where rows are whole blocks of 32,
+    // F16 for ffn_down (48-wide rows), F32 for norms (gguf_lora_fixture.py base).
+    let gguf = data("gguf/qwen3_5-q8_0.gguf");
+    let base = loraq_quant::QuantizedBase::open(&gguf).unwrap();
+    let original = loraq_io::Checkpoint::open(data("model/qwen3_5")).unwrap();
+    let mut checked = 0;
+    for w in base.weights() {
+        let ours = base.read_weight_f32(&w.name).unwrap();
+        let theirs = original.read_f32(&w.name).unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{}", w.name);
+        // Q8_0 stores round(x / d) with d = max|x| / 127 per block of 32, d in f16:
+        // |error| <= d / 2 plus 127 x the f16 rounding of d, under 0.6 d <= 0.6 x
+        // max|x| / 127 for the tensor; F16 rounds far closer. A value-head order left
+        // permuted would put other heads' weights here, off by the weights' own size.
+        let max_abs = theirs.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let bound = 0.6 * max_abs / 127.0;
+        let err = ours
+            .iter()
+            .zip(&theirs)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= bound, "{}: max |error| {err} above {bound}", w.name);
+        checked += 1;
+    }
+    assert_eq!(
+        checked, 32,
+        "the 30 linear weights, the embeddings and lm_head"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q8_0.jsonl");
+    ok(loraq(&[
+        "run",
+        "--model",
+        s(&gguf),
+        "--records",
+        s(&data("model/records.jsonl")),
+        "--out",
+        s(&out),
+    ]));
+    assert_eq!(logits(&out).len(), 9);
+}

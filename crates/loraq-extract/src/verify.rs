@@ -188,8 +188,7 @@ pub fn verify(
     // A GGUF base (llama.cpp) is read in the checkpoint's terms (docs/gguf.md).
     let gguf_base = loraq_gguf::base::is_gguf(&options.base);
     let base = if gguf_base {
-        loraq_gguf::base::open_as_checkpoint(&options.base)
-            .map_err(loraq_quant::QuantError::from)?
+        loraq_quant::layout::open_gguf_checkpoint(&options.base)?
     } else {
         Checkpoint::open(&options.base)?
     };

@@ -14,8 +14,9 @@
 //! bit. `A_log` is recovered as the bf16 (else f32) value whose `-exp` reproduces `ssm_a`:
 //! the original when the checkpoint was bf16 and Rust's `exp` rounds as torch's did.
 //!
-//! F32, F16 and BF16 tensors are read; another type is refused by name until its
-//! decoder is wired in. The converted tensors are written once to an unlinked
+//! F32, F16 and BF16 tensors are kept in their type; a block type (Q8_0, Q4_K, ...)
+//! is decoded exactly to f32 by the decoder loraq-quant passes in
+//! ([`open_as_checkpoint_with`]), and refused by name without one. The converted tensors are written once to an unlinked
 //! temporary safetensors file (its own dtypes kept: F16 and BF16 stay 2 bytes) and
 //! memory-mapped, the way every other checkpoint is read.
 
@@ -200,21 +201,27 @@ fn convert(
     v: Option<VHeadLayout>,
     t: &GgufTensorInfo,
     name: String,
+    decoder: Option<BlockDecoder<'_>>,
 ) -> Result<Converted> {
     let (file, _) = model.tensor(&t.name).expect("listed by the model");
-    let raw = file.tensor_bytes(&t.name)?;
-    let (dtype, element) = match t.ggml_type {
-        GgmlType::F32 => (DType::F32, 4),
-        GgmlType::F16 => (DType::F16, 2),
-        GgmlType::Bf16 => (DType::BF16, 2),
+    let stored = file.tensor_bytes(&t.name)?;
+    let decoded: Vec<u8>;
+    let (dtype, element, raw) = match t.ggml_type {
+        GgmlType::F32 => (DType::F32, 4, stored),
+        GgmlType::F16 => (DType::F16, 2, stored),
+        GgmlType::Bf16 => (DType::BF16, 2, stored),
         other => {
-            return Err(tensor_error(
-                model,
-                t,
-                format!(
-                    "unsupported GGUF tensor type {other}: loraq reads F32, F16 and BF16 bases"
-                ),
-            ));
+            let mut values = vec![0f32; t.element_count()];
+            let row = t.dims.first().map_or(1, |&d| d as usize);
+            if !decoder.is_some_and(|decode| decode(other.id(), stored, row, &mut values)) {
+                return Err(tensor_error(
+                    model,
+                    t,
+                    format!("unsupported GGUF tensor type {other}: no decoder for it"),
+                ));
+            }
+            decoded = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (DType::F32, 4, decoded.as_slice())
         }
     };
     let mut shape = t.shape();
@@ -368,11 +375,25 @@ fn reorder(
     Ok(())
 }
 
-/// Opens a GGUF model (the first file of a split model) as a checkpoint of its
-/// Hugging Face tensors, with a config.json from its metadata. Tensors the
-/// architecture does not name (llama.cpp's `rope_freqs`, multi-token prediction
-/// blocks past the decoder layers) are left out.
+/// Decodes a tensor of a block (quantized) ggml type to f32: `(ggml type id, the
+/// stored bytes, elements per row, out)`; false when it does not know the type or the
+/// sizes disagree. loraq-quant passes its `ggml` decoders (this crate sits below it).
+pub type BlockDecoder<'a> = &'a dyn Fn(u32, &[u8], usize, &mut [f32]) -> bool;
+
+/// [`open_as_checkpoint_with`] without a block decoder: F32, F16 and BF16 only.
 pub fn open_as_checkpoint(path: &Path) -> Result<Checkpoint> {
+    open_as_checkpoint_with(path, None)
+}
+
+/// Opens a GGUF model (the first file of a split model) as a checkpoint of its
+/// Hugging Face tensors, with a config.json from its metadata. Tensors of a block
+/// type are decoded exactly to f32 by `decoder` (and refused by name without one).
+/// Tensors the architecture does not name (llama.cpp's `rope_freqs`, multi-token
+/// prediction blocks past the decoder layers) are left out.
+pub fn open_as_checkpoint_with(
+    path: &Path,
+    decoder: Option<BlockDecoder<'_>>,
+) -> Result<Checkpoint> {
     let model = GgufModel::open(path)?;
     let arch_name = model.require_str("general.architecture")?;
     let arch = GgufArch::from_name(arch_name).ok_or_else(|| GgufError::Metadata {
@@ -405,7 +426,7 @@ pub fn open_as_checkpoint(path: &Path) -> Result<Checkpoint> {
         if ModuleName::parse(&name).is_some_and(|m| m.layer >= layers) {
             continue; // multi-token prediction blocks after the decoder layers
         }
-        converted.insert(name.clone(), convert(&model, arch, v, t, name)?);
+        converted.insert(name.clone(), convert(&model, arch, v, t, name, decoder)?);
     }
     let image = tempfile::Builder::new()
         .prefix(".loraq-gguf-")
