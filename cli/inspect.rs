@@ -10,7 +10,8 @@ use std::path::PathBuf;
 /// Summarize a checkpoint directory (or one safetensors file).
 #[derive(clap::Args)]
 pub struct Args {
-    /// Checkpoint directory (sharded or single-file) or a .safetensors file.
+    /// Checkpoint directory (sharded or single-file), a .safetensors file, or a
+    /// llama.cpp .gguf model (the first file of a split model).
     dir: PathBuf,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
@@ -77,8 +78,13 @@ fn detect_quantization(ckpt: &Checkpoint) -> String {
 }
 
 fn summarize(args: &Args) -> Result<Summary> {
-    let ckpt = Checkpoint::open(&args.dir)
-        .with_context(|| format!("cannot open checkpoint {}", args.dir.display()))?;
+    // A GGUF file (llama.cpp) is read in the checkpoint's terms (docs/gguf.md).
+    let ckpt = if loraq_gguf::base::is_gguf(&args.dir) {
+        loraq_quant::layout::open_gguf_checkpoint(&args.dir)
+    } else {
+        Checkpoint::open(&args.dir).map_err(loraq_quant::QuantError::from)
+    }
+    .with_context(|| format!("cannot open checkpoint {}", args.dir.display()))?;
     let config = ckpt.config();
     let mut layer_types = BTreeMap::new();
     for t in config.map(|c| c.layer_types.as_slice()).unwrap_or(&[]) {

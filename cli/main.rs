@@ -8,6 +8,7 @@ mod collect;
 mod compare;
 mod compare_hidden;
 mod demo;
+mod export_gguf;
 mod extract;
 mod inspect;
 mod outputs;
@@ -49,6 +50,8 @@ enum Command {
     Quantize(quantize::Args),
     /// Per-module error of a quantization scheme, alone and under an adapter.
     QuantError(quant_error::Args),
+    /// Write a PEFT adapter as a llama.cpp LoRA (GGUF): names, value-head order, scales.
+    ExportGguf(export_gguf::Args),
     /// Collect answers from a running vLLM or llama.cpp server, resumable.
     Collect(collect::Args),
     /// Compare a candidate's answers with a reference's: flips, KL, accuracy, calibration.
@@ -69,6 +72,7 @@ fn main() {
         Command::Run(args) => run::run(args),
         Command::Quantize(args) => quantize::run(args),
         Command::QuantError(args) => quant_error::run(args),
+        Command::ExportGguf(args) => export_gguf::run(args),
         Command::Collect(args) => collect::run(args),
         Command::Compare(args) => compare::run(args),
         Command::CompareHidden(args) => compare_hidden::run(args),

@@ -224,6 +224,15 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// The checkpoint of another format (a GGUF model, loraq-gguf) converted into
+    /// the safetensors file this was opened from: `root` names the original in
+    /// messages and `config` is its configuration.
+    pub fn converted_from(mut self, root: PathBuf, config: ModelConfig) -> Checkpoint {
+        self.root = root;
+        self.config = Some(config);
+        self
+    }
+
     /// The path the checkpoint was opened from.
     pub fn root(&self) -> &Path {
         &self.root

@@ -169,6 +169,9 @@ pub enum QuantError {
     /// An error from the checkpoint I/O crate.
     #[error(transparent)]
     Io(#[from] loraq_io::IoError),
+    /// An error reading a GGUF base.
+    #[error(transparent)]
+    Gguf(#[from] loraq_gguf::GgufError),
     /// A file system error outside loraq-io.
     // The OS error is the source, printed once by the error chain.
     #[error("{path}")]

@@ -108,6 +108,28 @@ pub struct LinearWeight {
     pub stored: StoredWeight,
 }
 
+/// A GGUF model (llama.cpp; the first file of a split model) opened as the
+/// checkpoint it was converted from (loraq-gguf's `open_as_checkpoint_with`), its
+/// block types (Q8_0, Q4_K, ...) decoded exactly to f32 by [`crate::ggml`].
+pub fn open_gguf_checkpoint(path: &Path) -> Result<Checkpoint> {
+    let decode = |id: u32, data: &[u8], in_features: usize, out: &mut [f32]| {
+        let Some(ggml_type) = crate::ggml::GgmlType::from_id(id) else {
+            return false;
+        };
+        let rows = out.len().checked_div(in_features).unwrap_or(0);
+        let fits = rows * in_features == out.len()
+            && ggml_type.matrix_bytes("", rows, in_features).ok() == Some(data.len());
+        if fits {
+            crate::ggml::decode::decode_rows(ggml_type, data, in_features, out);
+        }
+        fits
+    };
+    Ok(loraq_gguf::base::open_as_checkpoint_with(
+        path,
+        Some(&decode),
+    )?)
+}
+
 /// A checkpoint whose 2-D weights can each be decoded exactly to `f32`, whatever
 /// the layout: what `extract`, `verify` and `run` read a base through.
 pub struct QuantizedBase {
@@ -161,7 +183,14 @@ const SCALE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 impl QuantizedBase {
     /// Opens a checkpoint directory (or file) and detects how every weight is stored.
+    /// A `.gguf` file (llama.cpp; the first file of a split model) is read in the
+    /// checkpoint's terms through loraq-gguf, its block types (Q8_0, Q4_K, ...)
+    /// decoded exactly by [`crate::ggml`] (docs/gguf.md, GGUF bases).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if loraq_gguf::base::is_gguf(path) {
+            return Self::new(open_gguf_checkpoint(path)?);
+        }
         Self::new(Checkpoint::open(path)?)
     }
 
