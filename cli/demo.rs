@@ -14,8 +14,9 @@
 //! for a closer look; each step prints the equivalent command line on stderr.
 
 use crate::compare::{CompareRequest, compare_to_files};
-use crate::quant_error::{QuantErrorRequest, measure};
-use crate::quantize::{DEFAULT_MAX_SHARD_BYTES, QuantizeRequest, quantize_to_dir};
+use loraq_quant::quantize_dir::DEFAULT_MAX_SHARD_BYTES;
+use loraq_quant::report::measure;
+use loraq_quant::{QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir};
 use crate::run::{RunRequest, score_to_files};
 use anyhow::{Context, Result, bail};
 use loraq_eval::{CompareOptions, Report};
@@ -394,17 +395,24 @@ fn run_steps(out: &Path, seed: u64, sizes: DemoSizes) -> Result<DemoResults> {
             "--scheme",
             name,
         ]);
-        quantize_to_dir(&QuantizeRequest {
-            input: &base,
-            out: &quantized,
-            scheme,
-            layout: None,
-            calibration: None,
-            skip: &[],
-            no_default_skip: false,
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            force: false,
-        })?;
+        quantize_to_dir(
+            &QuantizeRequest {
+                input: &base,
+                out: &quantized,
+                scheme,
+                layout: None,
+                activation_stats: None,
+                skip: &[],
+                no_default_skip: false,
+                max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+                force: false,
+            },
+            &mut |event| {
+                if let QuantizeProgress::StaleSiblings(stale) = event {
+                    crate::outputs::report_stale(stale);
+                }
+            },
+        )?;
         announce(&[
             "quant-error",
             "--base",
@@ -416,13 +424,16 @@ fn run_steps(out: &Path, seed: u64, sizes: DemoSizes) -> Result<DemoResults> {
             "--merged",
             path_str(&merged)?,
         ]);
-        let reports = measure(&QuantErrorRequest {
-            base: &base,
-            scheme,
-            adapter: Some(&adapter),
-            merged: Some(&merged),
-            skip: &[],
-        })?;
+        let reports = measure(
+            &QuantErrorRequest {
+                base: &base,
+                scheme,
+                adapter: Some(&adapter),
+                merged: Some(&merged),
+                skip: &[],
+            },
+            &mut |_| {},
+        )?;
         weight_rows.push(WeightRow {
             scheme: name,
             totals: totals(&reports),

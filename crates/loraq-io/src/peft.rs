@@ -466,6 +466,30 @@ impl LoraAdapter {
             .read_f32_finite(&b_name(self.stored_path(module_path)))
     }
 
+    /// lora_A of a module as its stored bf16 values, row-major [rank, in]. A factor
+    /// stored in another dtype is refused, and so is a NaN or infinite entry, with the
+    /// file, tensor and element.
+    pub fn read_a_bf16(&self, module_path: &str) -> Result<Vec<half::bf16>> {
+        self.weights
+            .read_bf16_finite(&a_name(self.stored_path(module_path)))
+    }
+
+    /// lora_B of a module as its stored bf16 values, row-major [out, rank] (refusals as
+    /// [`LoraAdapter::read_a_bf16`]).
+    pub fn read_b_bf16(&self, module_path: &str) -> Result<Vec<half::bf16>> {
+        self.weights
+            .read_bf16_finite(&b_name(self.stored_path(module_path)))
+    }
+
+    /// The dtypes lora_A and lora_B of a module are stored in.
+    pub fn factor_dtypes(&self, module_path: &str) -> Result<(DType, DType)> {
+        let stored = self.stored_path(module_path);
+        Ok((
+            self.weights.info(&a_name(stored))?.dtype,
+            self.weights.info(&b_name(stored))?.dtype,
+        ))
+    }
+
     /// The dtype lora_A of a module is stored in.
     pub fn factor_dtype(&self, module_path: &str) -> Result<DType> {
         Ok(self

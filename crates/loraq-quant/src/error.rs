@@ -189,6 +189,43 @@ pub enum QuantError {
         /// What is wrong.
         reason: String,
     },
+    /// Something went wrong while working on a checkpoint; `context` names it (the
+    /// checkpoint, the option that named the file).
+    #[error("{context}")]
+    Context {
+        /// What was being done, with the path concerned.
+        context: String,
+        /// The cause.
+        #[source]
+        source: Box<QuantError>,
+    },
+    /// Every 2-D float `.weight` of a checkpoint is skipped: nothing to quantize or
+    /// measure.
+    #[error("{path}: no {what}")]
+    NothingToDo {
+        /// The checkpoint.
+        path: PathBuf,
+        /// What was looked for.
+        what: &'static str,
+    },
+    /// An adapter module's shape is not the base weight's.
+    #[error(
+        "adapter module {module} is {adapter_out_features}x{adapter_in_features}, base weight {tensor} is {out_features}x{in_features}"
+    )]
+    AdapterShape {
+        /// The adapter's module path.
+        module: String,
+        /// The adapter's output features.
+        adapter_out_features: usize,
+        /// The adapter's input features.
+        adapter_in_features: usize,
+        /// The base weight.
+        tensor: String,
+        /// The base weight's output features.
+        out_features: usize,
+        /// The base weight's input features.
+        in_features: usize,
+    },
     /// A regular expression given to the skip list does not compile.
     #[error("bad --skip pattern {pattern:?}: {reason}")]
     BadPattern {
@@ -197,6 +234,16 @@ pub enum QuantError {
         /// Why it does not compile.
         reason: String,
     },
+}
+
+impl QuantError {
+    /// This error with `context` (what was being done, naming the path) above it.
+    pub fn context(self, context: impl Into<String>) -> QuantError {
+        QuantError::Context {
+            context: context.into(),
+            source: Box::new(self),
+        }
+    }
 }
 
 /// Shorthand for results of this crate.

@@ -268,57 +268,84 @@ impl QuantizedBase {
 
     /// The weight of module `module` (its path, without `.weight`) in its stored
     /// format, codes and scales copied as the checkpoint holds them (compressed-tensors
-    /// NVFP4 keeps its divisor global scale). A plain f16 / f32 / f64 matrix has no
-    /// stored-format weight: [`QuantError::UnsupportedFormat`].
+    /// NVFP4 keeps its divisor global scale), read once. A NaN or infinite value (a
+    /// bf16 value, an E4M3 code or scale, a global scale) is refused naming the file,
+    /// the tensor and the element. A plain f16 / f32 / f64 matrix has no stored-format
+    /// weight: [`QuantError::UnsupportedFormat`].
     pub fn quantized_weight(&self, module: &str) -> Result<QuantizedWeight> {
         let name = format!("{module}.weight");
         let weight = self.weight(&name)?;
         let ckpt = &self.checkpoint;
         let (rows, cols) = (weight.rows, weight.cols);
+        let finite = |tensor: &str, values: &mut dyn Iterator<Item = f32>| -> Result<()> {
+            match values.enumerate().find(|(_, v)| !v.is_finite()) {
+                None => Ok(()),
+                Some((index, value)) => Err(ckpt.non_finite_error(tensor, index, value).into()),
+            }
+        };
+        let e4m3 = |codes: &[u8]| codes.iter().map(|&c| crate::element::e4m3_decode(c));
         Ok(match &weight.stored {
-            StoredWeight::Float { dtype: DType::BF16 } => QuantizedWeight::Bf16(Bf16Weight {
-                rows,
-                cols,
-                data: ckpt
+            StoredWeight::Float { dtype: DType::BF16 } => {
+                let data: Vec<half::bf16> = ckpt
                     .bytes(&name)?
                     .chunks_exact(2)
                     .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-                    .collect(),
-            }),
+                    .collect();
+                finite(&name, &mut data.iter().map(|v| v.to_f32()))?;
+                QuantizedWeight::Bf16(Bf16Weight { rows, cols, data })
+            }
             StoredWeight::Float { .. } => {
                 return Err(QuantError::UnsupportedFormat {
                     tensor: name,
                     format: weight.stored.format_name(),
                 });
             }
-            StoredWeight::Fp8 { granularity, scale } => QuantizedWeight::Fp8(Fp8Weight {
-                rows,
-                cols,
-                granularity: *granularity,
-                codes: ckpt.bytes(&name)?.to_vec(),
-                scales: ckpt.read_f32(scale)?,
-            }),
+            StoredWeight::Fp8 { granularity, scale } => {
+                let codes = ckpt.bytes(&name)?.to_vec();
+                finite(&name, &mut e4m3(&codes))?;
+                let scales = ckpt.read_f32(scale)?;
+                finite(scale, &mut scales.iter().copied())?;
+                QuantizedWeight::Fp8(Fp8Weight {
+                    rows,
+                    cols,
+                    granularity: *granularity,
+                    codes,
+                    scales,
+                })
+            }
             StoredWeight::Nvfp4ModelOpt {
                 block_scale,
                 global_scale,
-            } => QuantizedWeight::Nvfp4(Nvfp4Weight {
-                rows,
-                cols,
-                packed: ckpt.bytes(&name)?.to_vec(),
-                block_scales: ckpt.bytes(block_scale)?.to_vec(),
-                global_scale: Nvfp4GlobalScale::Multiplier(ckpt.read_f32(global_scale)?[0]),
-            }),
+            } => {
+                let block_scales = ckpt.bytes(block_scale)?.to_vec();
+                finite(block_scale, &mut e4m3(&block_scales))?;
+                let global = ckpt.read_f32(global_scale)?[0];
+                finite(global_scale, &mut std::iter::once(global))?;
+                QuantizedWeight::Nvfp4(Nvfp4Weight {
+                    rows,
+                    cols,
+                    packed: ckpt.bytes(&name)?.to_vec(),
+                    block_scales,
+                    global_scale: Nvfp4GlobalScale::Multiplier(global),
+                })
+            }
             StoredWeight::Nvfp4CompressedTensors {
                 packed,
                 block_scale,
                 global_scale,
-            } => QuantizedWeight::Nvfp4(Nvfp4Weight {
-                rows,
-                cols,
-                packed: ckpt.bytes(packed)?.to_vec(),
-                block_scales: ckpt.bytes(block_scale)?.to_vec(),
-                global_scale: Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]),
-            }),
+            } => {
+                let block_scales = ckpt.bytes(block_scale)?.to_vec();
+                finite(block_scale, &mut e4m3(&block_scales))?;
+                let global = ckpt.read_f32(global_scale)?[0];
+                finite(global_scale, &mut std::iter::once(global))?;
+                QuantizedWeight::Nvfp4(Nvfp4Weight {
+                    rows,
+                    cols,
+                    packed: ckpt.bytes(packed)?.to_vec(),
+                    block_scales,
+                    global_scale: Nvfp4GlobalScale::Divisor(global),
+                })
+            }
         })
     }
 }
@@ -589,7 +616,7 @@ pub struct QuantizeOptions {
 /// Per-module input absolute maxima from a calibration file (`loraq run
 /// --collect-stats`), which NVFP4 layouts turn into static activation scales.
 #[derive(Clone, Debug, PartialEq)]
-pub struct InputCalibration {
+pub struct InputActivationStats {
     /// The calibration file, for error messages.
     pub source: PathBuf,
     /// Module path (no `.weight`) -> largest `|x|` at the module's input.
@@ -677,7 +704,7 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
 pub fn plan_quantization_calibrated(
     input: &Checkpoint,
     options: &QuantizeOptions,
-    calibration: Option<&InputCalibration>,
+    calibration: Option<&InputActivationStats>,
 ) -> Result<QuantizePlan> {
     let scheme = options.scheme;
     if !options.layout.accepts(scheme) {

@@ -4,9 +4,13 @@
 //! All norms are Frobenius norms accumulated in f64.
 
 use crate::error::{QuantError, Result};
+use crate::layout::{DEFAULT_SKIP, QuantizedBase, compile_skip};
 use crate::scheme::{Scheme, WeightView};
+use loraq_io::LoraAdapter;
 use rayon::prelude::*;
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::Path;
 
 /// Relative error of the fake-quantized weight.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -177,9 +181,9 @@ pub struct ModuleReport {
     /// Weight tensor name.
     pub name: String,
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features.
-    pub cols: usize,
+    pub in_features: usize,
     /// The weight's own quantization error.
     pub weight: WeightQuantError,
     /// With an adapter and a merged checkpoint, the errors against the merged weight.
@@ -191,7 +195,7 @@ impl ModuleReport {
     pub fn to_json(&self) -> Value {
         let mut value = json!({
             "name": self.name,
-            "shape": [self.rows, self.cols],
+            "shape": [self.out_features, self.in_features],
             "weight_norm": self.weight.weight_norm,
             "quant_error": self.weight.error_norm,
             "quant_rel_error": self.weight.relative(),
@@ -299,4 +303,134 @@ pub fn totals_json(reports: &[ModuleReport]) -> Value {
         });
     }
     value
+}
+
+/// A measurement of a scheme on a base checkpoint, alone and with an adapter against a
+/// merge: what `loraq quant-error` does.
+#[derive(Clone, Debug)]
+pub struct QuantErrorRequest<'a> {
+    /// Base checkpoint (plain or already quantized: decoded exactly first).
+    pub base: &'a Path,
+    /// Scheme applied to it.
+    pub scheme: Scheme,
+    /// Adapter directory (with `merged`).
+    pub adapter: Option<&'a Path>,
+    /// Merged checkpoint (with `adapter`).
+    pub merged: Option<&'a Path>,
+    /// Extra regexes of weights to leave out (added to [`DEFAULT_SKIP`]).
+    pub skip: &'a [String],
+}
+
+/// What [`measure`] reports while it works.
+#[derive(Clone, Copy, Debug)]
+pub enum MeasureProgress<'a> {
+    /// The weights to measure are known: this many.
+    Planned {
+        /// Weights to measure.
+        weights: usize,
+    },
+    /// Starting on one weight.
+    Measuring(&'a str),
+    /// One weight measured.
+    Measured,
+}
+
+/// Per weight of `request.base` (skipped ones left out unless the adapter has them),
+/// the scheme's error alone and, with an adapter and a merged checkpoint, under the
+/// adapter against the merged weight. A NaN or infinite weight is refused by file and
+/// tensor.
+pub fn measure(
+    request: &QuantErrorRequest<'_>,
+    progress: &mut dyn FnMut(MeasureProgress<'_>),
+) -> Result<Vec<ModuleReport>> {
+    let base = QuantizedBase::open(request.base)
+        .map_err(|e| e.context(format!("cannot open base {}", request.base.display())))?;
+    let mut patterns: Vec<String> = DEFAULT_SKIP.iter().map(|s| s.to_string()).collect();
+    patterns.extend(request.skip.iter().cloned());
+    let skip = compile_skip(&patterns)?;
+    let adapter = match request.adapter {
+        // Module paths in the base's naming, whichever naming the adapter uses; a
+        // module the base does not have is refused by name.
+        Some(dir) => Some(LoraAdapter::open_for(dir, base.checkpoint()).map_err(|e| {
+            QuantError::from(e).context(format!("cannot open adapter {}", dir.display()))
+        })?),
+        None => None,
+    };
+    let merged = match request.merged {
+        Some(dir) => Some(
+            QuantizedBase::open(dir)
+                .map_err(|e| e.context(format!("cannot open merged {}", dir.display())))?,
+        ),
+        None => None,
+    };
+    let adapted: BTreeMap<String, &loraq_io::LoraModuleInfo> = adapter
+        .iter()
+        .flat_map(|a| a.modules.iter())
+        .map(|m| (format!("{}.weight", m.module_path), m))
+        .collect();
+    let names: Vec<String> = base
+        .weights()
+        .filter(|w| !skip.iter().any(|re| re.is_match(&w.name)) || adapted.contains_key(&w.name))
+        .map(|w| w.name.clone())
+        .collect();
+    if names.is_empty() {
+        return Err(QuantError::NothingToDo {
+            path: request.base.to_path_buf(),
+            what: "linear weight to measure",
+        });
+    }
+    progress(MeasureProgress::Planned {
+        weights: names.len(),
+    });
+    let mut reports = Vec::with_capacity(names.len());
+    for name in &names {
+        progress(MeasureProgress::Measuring(name));
+        let weight = base.weight(name)?;
+        let (out_features, in_features) = (weight.rows, weight.cols);
+        let values = base.read_weight_f32(name)?;
+        // A NaN weight gives a NaN error figure; refuse it by file and tensor.
+        base.checkpoint().ensure_finite(name, &values)?;
+        let view = WeightView::new(name, out_features, in_features, &values)?;
+        let (quantized, weight_error) = weight_quant_error(request.scheme, view)?;
+        let merged_error = match (adapted.get(name), &adapter, &merged) {
+            (Some(module), Some(adapter), Some(merged)) => {
+                if (module.out_features, module.in_features) != (out_features, in_features) {
+                    return Err(QuantError::AdapterShape {
+                        module: module.module_path.clone(),
+                        adapter_out_features: module.out_features,
+                        adapter_in_features: module.in_features,
+                        tensor: name.clone(),
+                        out_features,
+                        in_features,
+                    });
+                }
+                let merged_values = merged
+                    .read_weight_f32(name)
+                    .map_err(|e| e.context(format!("merged checkpoint lacks {name}")))?;
+                merged.checkpoint().ensure_finite(name, &merged_values)?;
+                let b = adapter.read_b_f32(&module.module_path)?;
+                let a = adapter.read_a_f32(&module.module_path)?;
+                let update = LoraUpdate {
+                    b: &b,
+                    a: &a,
+                    rank: module.rank,
+                    scale: module.scale as f32,
+                };
+                Some((
+                    module.rank,
+                    merged_quant_error(view, &quantized, update, &merged_values)?,
+                ))
+            }
+            _ => None,
+        };
+        reports.push(ModuleReport {
+            name: name.clone(),
+            out_features,
+            in_features,
+            weight: weight_error,
+            merged: merged_error,
+        });
+        progress(MeasureProgress::Measured);
+    }
+    Ok(reports)
 }

@@ -6,7 +6,7 @@
 
 use loraq_io::{Checkpoint, DType, TensorSpec, write_safetensors_file};
 use loraq_quant::layout::{
-    DEFAULT_SKIP, InputCalibration, Layout, QuantizeOptions, TensorAction, compile_skip,
+    DEFAULT_SKIP, InputActivationStats, Layout, QuantizeOptions, TensorAction, compile_skip,
     plan_quantization, plan_quantization_calibrated, write_quantized,
 };
 use loraq_quant::{QuantError, QuantizedBase, Scheme, StoredWeight};
@@ -77,8 +77,8 @@ fn options(scheme: Scheme, layout: Layout) -> QuantizeOptions {
     }
 }
 
-fn calibration(modules: &[(&str, f32)]) -> InputCalibration {
-    InputCalibration {
+fn calibration(modules: &[(&str, f32)]) -> InputActivationStats {
+    InputActivationStats {
         source: PathBuf::from("stats.safetensors"),
         abs_max: modules.iter().map(|(m, a)| (m.to_string(), *a)).collect(),
     }
@@ -90,7 +90,7 @@ fn write(
     src: &Path,
     scheme: Scheme,
     layout: Layout,
-    calibration: Option<&InputCalibration>,
+    calibration: Option<&InputActivationStats>,
 ) -> PathBuf {
     let input = Checkpoint::open(src).unwrap();
     let options = options(scheme, layout);
