@@ -4,18 +4,19 @@
 //!
 //! `loraq run --collect-stats FILE` writes them; quantization-aware extraction
 //! (`loraq extract --calibration FILE`) weights each input column of a module's
-//! error by `sqrt(E[x_k^2])`, and `loraq quantize --scheme nvfp4 --calibration FILE`
+//! error by $\sqrt{\mathrm{E}[x_k^2]}$, and `loraq quantize --scheme nvfp4 --calibration FILE`
 //! turns each module's absolute maximum into its static activation scale
-//! (`input_scale = amax / (6 * 448)`, NVIDIA ModelOpt's convention). The file is a
+//! (`input_scale` $= a / (6 \cdot 448)$ for the largest magnitude $a$, NVIDIA ModelOpt's
+//! convention). The file is a
 //! safetensors file:
 //!
 //! - one F32 tensor per linear module, named `<module path>.input_sq_mean` (the
 //!   module path is the weight's name without `.weight`, as in the checkpoint,
 //!   e.g. `model.language_model.layers.40.mlp.down_proj.input_sq_mean`), shape
-//!   `[in_features]`, holding `mean over tokens of x_k^2` of the activations that
+//!   `[in_features]`, holding the mean over tokens of $x_k^2$ of the activations that
 //!   enter the linear (before any activation fake-quant);
 //! - (version 2) one F32 scalar per linear module, `<module path>.input_abs_max`,
-//!   shape `[]`: `max over tokens and features of |x|` of the same activations;
+//!   shape `[]`: the maximum over tokens and features of $|x|$ of the same activations;
 //! - metadata `{"format": "loraq-calibration", "version": "2", "tokens": "<count>",
 //!   "records": "<count>"}`.
 //!
@@ -47,7 +48,7 @@ pub struct CalibrationStats {
     pub tokens: u64,
     /// Records (prompts) those tokens came from.
     pub records: u64,
-    /// Module path -> `E[x_k^2]` per input feature `k`.
+    /// Module path -> $\mathrm{E}[x_k^2]$ per input feature $k$.
     pub input_sq_mean: BTreeMap<String, Vec<f32>>,
     /// Module path -> `max |x|` over every token and input feature (empty when read
     /// from a version 1 file).

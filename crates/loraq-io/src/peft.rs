@@ -92,7 +92,7 @@ pub struct AdapterConfig {
     /// Always "none".
     #[serde(default = "default_bias")]
     pub bias: String,
-    /// Rank-stabilized scaling (alpha / sqrt(r)); loraq writes false.
+    /// Rank-stabilized scaling ($\alpha / \sqrt{r}$); loraq writes false.
     #[serde(default)]
     pub use_rslora: bool,
     /// Dropout (0 for inference).
@@ -205,7 +205,7 @@ impl AdapterConfig {
             .unwrap_or(self.lora_alpha)
     }
 
-    /// The module's scale: alpha / r, or alpha / sqrt(r) with rsLoRA.
+    /// The module's scale: $\alpha / r$, or $\alpha / \sqrt{r}$ with rsLoRA.
     pub fn scale_for(&self, module_path: &str) -> f64 {
         let r = self.rank_for(module_path) as f64;
         let alpha = self.alpha_for(module_path);

@@ -143,7 +143,7 @@ pub fn blocks(len: usize, block: usize) -> usize {
     len.div_ceil(block)
 }
 
-/// The FP8 scale of a group with largest magnitude `amax`: `amax / 448`, or 1 for an
+/// The FP8 scale of a group with largest magnitude $a$ (`amax`): $a / 448$, or 1 for an
 /// all-zero group.
 #[inline(always)]
 pub fn fp8_scale(amax: f32) -> f32 {
@@ -185,7 +185,8 @@ impl Nvfp4GlobalScale {
 }
 
 /// The canonical NVFP4 global scale in the dequantization direction,
-/// `g = amax / (6 * 448)`, or 1 for an all-zero tensor.
+/// $g = a / (6 \cdot 448)$ for the tensor's largest magnitude $a$, or 1 for an all-zero
+/// tensor.
 #[inline(always)]
 pub fn nvfp4_global_scale(amax: f32) -> f32 {
     if amax == 0.0 {
@@ -196,8 +197,8 @@ pub fn nvfp4_global_scale(amax: f32) -> f32 {
 }
 
 /// The E4M3 code of the NVFP4 scale of a 16-block with largest magnitude `amax_block`
-/// under global scale `g`: `e4m3(clamp(amax_block / (6 g), 2^-9, 448))`, or the code of
-/// 1.0 when the block is all zero.
+/// $a_b$ under global scale $g$: $\mathrm{e4m3}(\mathrm{clamp}(a_b / (6 g), 2^{-9}, 448))$, or
+/// the code of 1.0 when the block is all zero.
 #[inline(always)]
 pub fn nvfp4_block_scale_code(amax_block: f32, global: f32) -> u8 {
     if amax_block == 0.0 {

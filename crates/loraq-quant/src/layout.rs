@@ -624,7 +624,8 @@ pub struct InputActivationStats {
 }
 
 /// ModelOpt's static NVFP4 activation scale (`input_scale`, dequantization
-/// direction): `amax / (6 * 448)` in f32, as `NVFP4QTensor.get_activation_scaling_factor`
+/// direction): $a / (6 \cdot 448)$ in f32 for the input's largest magnitude $a$, as
+/// `NVFP4QTensor.get_activation_scaling_factor`
 /// computes it.
 pub fn nvfp4_input_scale(amax: f32) -> f32 {
     amax / NVFP4_GLOBAL_DENOMINATOR

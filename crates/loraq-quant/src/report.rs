@@ -15,14 +15,14 @@ use std::path::Path;
 /// Relative error of the fake-quantized weight.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WeightQuantError {
-    /// `||W||`.
+    /// $\lVert W \rVert$.
     pub weight_norm: f64,
-    /// `||dequant(Q(W)) - W||`.
+    /// $\lVert \mathrm{dequant}(Q(W)) - W \rVert$.
     pub error_norm: f64,
 }
 
 impl WeightQuantError {
-    /// `||dequant(Q(W)) - W|| / ||W||` (0 for an all-zero weight).
+    /// $\lVert \mathrm{dequant}(Q(W)) - W \rVert / \lVert W \rVert$ (0 for an all-zero weight).
     pub fn relative(&self) -> f64 {
         ratio(self.error_norm, self.weight_norm)
     }
@@ -32,18 +32,19 @@ impl WeightQuantError {
 /// weight's bf16 rounding floor beside them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MergedQuantError {
-    /// `||M||`.
+    /// $\lVert M \rVert$.
     pub merged_norm: f64,
-    /// `||W + s B A - M||`: the adapter on the unquantized base.
+    /// $\lVert W + s B A - M \rVert$: the adapter on the unquantized base.
     pub exact_error_norm: f64,
-    /// `||dequant(Q(W)) + s B A - M||`: the adapter on the quantized base.
+    /// $\lVert \mathrm{dequant}(Q(W)) + s B A - M \rVert$: the adapter on the quantized base.
     pub quantized_error_norm: f64,
-    /// bf16 rounding floor of M, `sqrt(sum ulp(m)^2 / 12)` (docs/extraction.md).
+    /// bf16 rounding floor of $M$, $\sqrt{\sum_{ij} \mathrm{ulp}(m_{ij})^2 / 12}$
+    /// (docs/extraction.md).
     pub floor: f64,
 }
 
 impl MergedQuantError {
-    /// The four figures relative to `||M||`: exact, quantized, floor.
+    /// The figures relative to $\lVert M \rVert$: exact, quantized, floor.
     pub fn relative(&self) -> (f64, f64, f64) {
         (
             ratio(self.exact_error_norm, self.merged_norm),
@@ -215,7 +216,8 @@ impl ModuleReport {
     }
 }
 
-/// Totals over the adapted modules, each `sqrt(sum error^2) / sqrt(sum ||M||^2)`.
+/// Totals over the adapted modules, each
+/// $\sqrt{\sum e^2} / \sqrt{\sum \lVert M \rVert^2}$ over the modules' errors $e$.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdapterTotals {
     /// Modules with an adapter.
@@ -228,7 +230,8 @@ pub struct AdapterTotals {
     pub bf16_floor_rel: f64,
 }
 
-/// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure (the
+/// Totals over modules: $\sqrt{\sum e^2} / \sqrt{\sum n^2}$ of the errors $e$ and norms $n$
+/// for each figure (the
 /// `totals` object of `loraq quant-error --json`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QuantErrorTotals {
@@ -240,7 +243,8 @@ pub struct QuantErrorTotals {
     pub quant_rel_error: f64,
 }
 
-/// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure.
+/// Totals over modules: $\sqrt{\sum e^2} / \sqrt{\sum n^2}$ of the errors $e$ and norms $n$
+/// for each figure.
 pub fn totals(reports: &[ModuleReport]) -> QuantErrorTotals {
     let sum = |f: &dyn Fn(&ModuleReport) -> Option<f64>| -> f64 {
         reports

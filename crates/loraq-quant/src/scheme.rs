@@ -23,7 +23,7 @@ use std::str::FromStr;
 /// A weight quantization scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scheme {
-    /// FP8 E4M3 with one scale `amax / 448` for the whole tensor.
+    /// FP8 E4M3 with one scale $a / 448$ for the whole tensor (largest magnitude $a$).
     Fp8Tensor,
     /// FP8 E4M3 with one scale per output row.
     Fp8Channel,
@@ -231,8 +231,8 @@ impl<'a> WeightView<'a> {
     }
 }
 
-/// Quantizes to FP8 E4M3 with `s = amax / 448` per group (1 for all-zero groups) and
-/// `q = e4m3(clamp(x / s, -448, 448))`.
+/// Quantizes to FP8 E4M3 with $s = a / 448$ per group of largest magnitude $a$ (1 for
+/// all-zero groups) and $q = \mathrm{e4m3}(\mathrm{clamp}(x / s, -448, 448))$.
 pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Result<Fp8Weight> {
     let amax = weight.finite_abs_max()?;
     let (rows, cols) = (weight.rows, weight.cols);
@@ -409,8 +409,9 @@ pub fn quantize_mxfp4(weight: WeightView<'_>) -> Result<Mxfp4Weight> {
 }
 
 /// Scale and zero point of one INT4 group (GPTQ's `find_params`):
-/// symmetric `s = 2 amax / 15`, `z = 8`; asymmetric over `[min(x, 0), max(x, 0)]`,
-/// `s = (max - min) / 15`, `z = round(-min / s)`. An all-zero group gets `s = 1, z = 8`.
+/// symmetric $s = 2 a / 15$, $z = 8$ (largest magnitude $a$); asymmetric over
+/// $[\min(x, 0), \max(x, 0)]$, $s = (\max - \min) / 15$, $z = \mathrm{round}(-\min / s)$.
+/// An all-zero group gets $s = 1$, $z = 8$.
 #[inline(always)]
 pub fn int4_group_params(values: &[f32], symmetric: bool) -> (f32, u8) {
     if symmetric {
