@@ -223,7 +223,7 @@ fn run_extract(
             &extra_text,
         ]);
         options.target_base = Some(TargetSpec::Dir(target.to_path_buf()));
-        options.calibration = Some(calibration.to_path_buf());
+        options.activation_stats = Some(calibration.to_path_buf());
         options.extra_rank = extra_rank;
     }
     announce(&line);

@@ -17,7 +17,7 @@
 //! - [`verify`] / [`check`]: an adapter against base + merge, and two adapters against
 //!   each other.
 
-pub mod calibration;
+pub mod activation_stats;
 pub mod card;
 pub mod check;
 pub mod error;

@@ -18,7 +18,7 @@
 //! - [`limits`]: the limits on sizes from files and flags, and error-message elision.
 
 pub mod atomic;
-pub mod calibration;
+pub mod activation_stats;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
@@ -35,7 +35,7 @@ pub use atomic::{
     AtomicDir, OutputKind, StagedOutputs, StaleOutcome, StaleSibling, check_output_path,
     sweep_stale_siblings, temp_file_sibling, write_file_atomically,
 };
-pub use calibration::{CalibrationStats, read_calibration, write_calibration};
+pub use activation_stats::{ActivationStats, read_activation_stats, write_activation_stats};
 pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInfo};
 pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};
 pub use dtype::DType;

@@ -317,7 +317,7 @@ impl CudaBackend {
         let scales = if operands.scales.is_empty() {
             s.alloc_zeros::<u8>(4).map_err(&up)?
         } else {
-            s.clone_htod(&operands.scales).map_err(&up)?
+            s.clone_htod(&operands.scales[..]).map_err(&up)?
         };
         let lora = match linear.lora() {
             Some(_) => Some(GpuLora {
@@ -328,7 +328,7 @@ impl CudaBackend {
         };
         Ok(GpuLinear {
             geometry: operands.geometry,
-            codes: s.clone_htod(&operands.codes).map_err(&up)?,
+            codes: s.clone_htod(&operands.codes[..]).map_err(&up)?,
             scales,
             lora,
             t: s.alloc_zeros::<f32>(16).map_err(&up)?,

@@ -169,6 +169,7 @@ pub enum GpuMode {
 pub(crate) const CUDA_LINEAR_MODE: GpuMode = GpuMode::Fused;
 
 /// Threads of every block the linears launch (decode and prefill).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) const BLOCK_THREADS: u32 = DECODE_THREADS as u32;
 /// Output tile (rows and tokens) of the tensor-core prefill kernels.
 const PREFILL_TILE: usize = 64;
@@ -471,6 +472,25 @@ impl ForwardPlan {
         let in_features = as_i32(g.in_features, "in_features")?;
         let rank = as_i32(g.rank, "rank")?;
         let b = buffers;
+        // A launch no programmatic serialization may start early.
+        let plain = |kernel: String, module, grid, args| Launch {
+            kernel,
+            module,
+            grid,
+            args,
+            programmatic_safe: false,
+        };
+        let shrink = |t_scale| {
+            LaunchArgs::LoraShrink(LoraShrinkArgs {
+                x: b.x,
+                lora_a: b.lora_a,
+                t: b.t,
+                batch,
+                in_features,
+                rank,
+                t_scale,
+            })
+        };
         let mut launches = Vec::new();
         match &self.sequence {
             Sequence::FusedDecode(plan) => launches.push(Launch {
@@ -508,52 +528,43 @@ impl ForwardPlan {
                 shrink_blocks,
                 expand_blocks,
             } => {
-                launches.push(Launch {
-                    kernel: format!("{format}_base_b{nb}"),
-                    module: KernelModule::Decode,
-                    grid: (blocks_u32(base_blocks)?, 1),
-                    args: LaunchArgs::BaseDecode(BaseDecodeArgs {
-                        x: b.x,
-                        w_codes: b.w_codes,
-                        w_scales: b.w_scales,
+                let base = BaseDecodeArgs {
+                    x: b.x,
+                    w_codes: b.w_codes,
+                    w_scales: b.w_scales,
+                    y: b.y,
+                    batch,
+                    out_features,
+                    in_features,
+                    w_global: g.w_global,
+                };
+                launches.push(plain(
+                    format!("{format}_base_b{nb}"),
+                    KernelModule::Decode,
+                    (blocks_u32(base_blocks)?, 1),
+                    LaunchArgs::BaseDecode(base),
+                ));
+                if g.rank > 0 {
+                    launches.push(plain(
+                        format!("lora_shrink_b{nb}"),
+                        KernelModule::Decode,
+                        (blocks_u32(shrink_blocks)?, 1),
+                        shrink(g.lora_scale),
+                    ));
+                    let expand = LoraExpandArgs {
+                        t: b.t,
+                        lora_b: b.lora_b,
                         y: b.y,
                         batch,
                         out_features,
-                        in_features,
-                        w_global: g.w_global,
-                    }),
-                    programmatic_safe: false,
-                });
-                if g.rank > 0 {
-                    launches.push(Launch {
-                        kernel: format!("lora_shrink_b{nb}"),
-                        module: KernelModule::Decode,
-                        grid: (blocks_u32(shrink_blocks)?, 1),
-                        args: LaunchArgs::LoraShrink(LoraShrinkArgs {
-                            x: b.x,
-                            lora_a: b.lora_a,
-                            t: b.t,
-                            batch,
-                            in_features,
-                            rank,
-                            t_scale: g.lora_scale,
-                        }),
-                        programmatic_safe: false,
-                    });
-                    launches.push(Launch {
-                        kernel: format!("lora_expand_b{nb}"),
-                        module: KernelModule::Decode,
-                        grid: (blocks_u32(expand_blocks)?, 1),
-                        args: LaunchArgs::LoraExpand(LoraExpandArgs {
-                            t: b.t,
-                            lora_b: b.lora_b,
-                            y: b.y,
-                            batch,
-                            out_features,
-                            rank,
-                        }),
-                        programmatic_safe: false,
-                    });
+                        rank,
+                    };
+                    launches.push(plain(
+                        format!("lora_expand_b{nb}"),
+                        KernelModule::Decode,
+                        (blocks_u32(expand_blocks)?, 1),
+                        LaunchArgs::LoraExpand(expand),
+                    ));
                 }
             }
             &Sequence::Prefill { fused } => {
@@ -563,13 +574,6 @@ impl ForwardPlan {
                         blocks_u32(self.batch.div_ceil(PREFILL_TILE))?,
                     ))
                 };
-                let gemm = |kernel: String, grid, args| Launch {
-                    kernel,
-                    module: KernelModule::Prefill,
-                    grid,
-                    args: LaunchArgs::TcGemm(args),
-                    programmatic_safe: false,
-                };
                 if g.rank > 0 {
                     // The tensor-core kernel scales the whole tile by the global scale,
                     // so the fused pass pre-divides the LoRA intermediate by it.
@@ -578,21 +582,12 @@ impl ForwardPlan {
                     } else {
                         g.lora_scale
                     };
-                    launches.push(Launch {
-                        kernel: "lora_tc_shrink".into(),
-                        module: KernelModule::Prefill,
-                        grid: tiles(g.rank)?,
-                        args: LaunchArgs::LoraShrink(LoraShrinkArgs {
-                            x: b.x,
-                            lora_a: b.lora_a,
-                            t: b.t,
-                            batch,
-                            in_features,
-                            rank,
-                            t_scale,
-                        }),
-                        programmatic_safe: false,
-                    });
+                    launches.push(plain(
+                        "lora_tc_shrink".into(),
+                        KernelModule::Prefill,
+                        tiles(g.rank)?,
+                        shrink(t_scale),
+                    ));
                 }
                 // y = W x, plus the LoRA expand B t in the same pass when fused.
                 let (lora_b, lora_rank) = if fused && g.rank > 0 {
@@ -600,44 +595,45 @@ impl ForwardPlan {
                 } else {
                     (b.placeholder, 0)
                 };
-                launches.push(gemm(
+                let gemm = TcGemmArgs {
+                    x: b.x,
+                    w_codes: b.w_codes,
+                    w_scales: b.w_scales,
+                    t: b.t,
+                    lora_b,
+                    y: b.y,
+                    batch,
+                    in_features,
+                    out_features,
+                    rank: lora_rank,
+                    accumulate: 0,
+                    w_global: g.w_global,
+                };
+                let grid = tiles(g.out_features)?;
+                launches.push(plain(
                     format!("{format}_tc_gemm"),
-                    tiles(g.out_features)?,
-                    TcGemmArgs {
-                        x: b.x,
-                        w_codes: b.w_codes,
-                        w_scales: b.w_scales,
-                        t: b.t,
-                        lora_b,
-                        y: b.y,
-                        batch,
-                        in_features,
-                        out_features,
-                        rank: lora_rank,
-                        accumulate: 0,
-                        w_global: g.w_global,
-                    },
+                    KernelModule::Prefill,
+                    grid,
+                    LaunchArgs::TcGemm(gemm),
                 ));
                 if !fused && g.rank > 0 {
-                    // The expand alone: in-features 0 skips the base product,
-                    // accumulating into y.
-                    launches.push(gemm(
+                    // The expand alone: in-features 0 skips the base product, and y
+                    // is accumulated into.
+                    let expand = TcGemmArgs {
+                        w_codes: b.placeholder,
+                        w_scales: b.placeholder,
+                        lora_b: b.lora_b,
+                        in_features: 0,
+                        rank,
+                        accumulate: 1,
+                        w_global: 1.0,
+                        ..gemm
+                    };
+                    launches.push(plain(
                         "bf16_tc_gemm".into(),
-                        tiles(g.out_features)?,
-                        TcGemmArgs {
-                            x: b.x,
-                            w_codes: b.placeholder,
-                            w_scales: b.placeholder,
-                            t: b.t,
-                            lora_b: b.lora_b,
-                            y: b.y,
-                            batch,
-                            in_features: 0,
-                            out_features,
-                            rank,
-                            accumulate: 1,
-                            w_global: 1.0,
-                        },
+                        KernelModule::Prefill,
+                        grid,
+                        LaunchArgs::TcGemm(expand),
                     ));
                 }
             }

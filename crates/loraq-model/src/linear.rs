@@ -46,7 +46,7 @@ impl InputSqSum {
         let width = self.sum_sq.len();
         for row in x.chunks_exact(width) {
             for (s, &v) in self.sum_sq.iter_mut().zip(row) {
-                // A NaN input makes the maximum NaN too, so write_calibration
+                // A NaN input makes the maximum NaN too, so write_activation_stats
                 // refuses it instead of calibrating a scale around it.
                 let magnitude = v.abs();
                 if magnitude > self.abs_max || magnitude.is_nan() {

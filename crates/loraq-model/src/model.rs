@@ -727,7 +727,7 @@ impl Model {
     /// `E[x_k^2]` per input feature, accumulated in f64 and rounded to f32 last,
     /// and the largest `|x|` the linear saw (the amax of a static activation scale).
     /// `None` unless the model was loaded with [`LoadOptions::collect_input_stats`].
-    pub fn input_stats(&self) -> Option<loraq_io::CalibrationStats> {
+    pub fn input_stats(&self) -> Option<loraq_io::ActivationStats> {
         let registry = self.input_stats.as_ref()?;
         let mut input_sq_mean = std::collections::BTreeMap::new();
         let mut input_abs_max = std::collections::BTreeMap::new();
@@ -739,7 +739,7 @@ impl Model {
             );
             input_abs_max.insert(name.clone(), sums.abs_max);
         }
-        Some(loraq_io::CalibrationStats {
+        Some(loraq_io::ActivationStats {
             tokens: registry.tokens.load(Ordering::Relaxed),
             records: registry.prompts.load(Ordering::Relaxed),
             input_sq_mean,

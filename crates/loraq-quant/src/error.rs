@@ -181,7 +181,7 @@ pub enum QuantError {
     /// A calibration file cannot give a module the static activation scale the
     /// quantized checkpoint needs.
     #[error("{path}: {module}: {reason}")]
-    Calibration {
+    ActivationStats {
         /// The calibration file.
         path: PathBuf,
         /// The module path (no `.weight`).

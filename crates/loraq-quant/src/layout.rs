@@ -283,7 +283,27 @@ impl QuantizedBase {
                 Some((index, value)) => Err(ckpt.non_finite_error(tensor, index, value).into()),
             }
         };
-        let e4m3 = |codes: &[u8]| codes.iter().map(|&c| crate::element::e4m3_decode(c));
+        fn e4m3(codes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+            codes.iter().map(|&c| crate::element::e4m3_decode(c))
+        }
+        // NVFP4: the global scale keeps the direction its layout stores it in.
+        let nvfp4 = |packed: &str,
+                     block_scale: &str,
+                     global_scale: &str,
+                     direction: fn(f32) -> Nvfp4GlobalScale|
+         -> Result<QuantizedWeight> {
+            let block_scales = ckpt.bytes(block_scale)?.to_vec();
+            finite(block_scale, &mut e4m3(&block_scales))?;
+            let global = ckpt.read_f32(global_scale)?[0];
+            finite(global_scale, &mut std::iter::once(global))?;
+            Ok(QuantizedWeight::Nvfp4(Nvfp4Weight {
+                rows,
+                cols,
+                packed: ckpt.bytes(packed)?.to_vec(),
+                block_scales,
+                global_scale: direction(global),
+            }))
+        };
         Ok(match &weight.stored {
             StoredWeight::Float { dtype: DType::BF16 } => {
                 let data: Vec<half::bf16> = ckpt
@@ -316,36 +336,12 @@ impl QuantizedBase {
             StoredWeight::Nvfp4ModelOpt {
                 block_scale,
                 global_scale,
-            } => {
-                let block_scales = ckpt.bytes(block_scale)?.to_vec();
-                finite(block_scale, &mut e4m3(&block_scales))?;
-                let global = ckpt.read_f32(global_scale)?[0];
-                finite(global_scale, &mut std::iter::once(global))?;
-                QuantizedWeight::Nvfp4(Nvfp4Weight {
-                    rows,
-                    cols,
-                    packed: ckpt.bytes(&name)?.to_vec(),
-                    block_scales,
-                    global_scale: Nvfp4GlobalScale::Multiplier(global),
-                })
-            }
+            } => nvfp4(&name, block_scale, global_scale, Nvfp4GlobalScale::Multiplier)?,
             StoredWeight::Nvfp4CompressedTensors {
                 packed,
                 block_scale,
                 global_scale,
-            } => {
-                let block_scales = ckpt.bytes(block_scale)?.to_vec();
-                finite(block_scale, &mut e4m3(&block_scales))?;
-                let global = ckpt.read_f32(global_scale)?[0];
-                finite(global_scale, &mut std::iter::once(global))?;
-                QuantizedWeight::Nvfp4(Nvfp4Weight {
-                    rows,
-                    cols,
-                    packed: ckpt.bytes(packed)?.to_vec(),
-                    block_scales,
-                    global_scale: Nvfp4GlobalScale::Divisor(global),
-                })
-            }
+            } => nvfp4(packed, block_scale, global_scale, Nvfp4GlobalScale::Divisor)?,
         })
     }
 }
@@ -705,7 +701,7 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
 pub fn plan_quantization_calibrated(
     input: &Checkpoint,
     options: &QuantizeOptions,
-    calibration: Option<&InputActivationStats>,
+    activation_stats: Option<&InputActivationStats>,
 ) -> Result<QuantizePlan> {
     let scheme = options.scheme;
     if !options.layout.accepts(scheme) {
@@ -714,11 +710,11 @@ pub fn plan_quantization_calibrated(
             layout: options.layout.name(),
         });
     }
-    if let Some(calibration) = calibration
+    if let Some(stats) = activation_stats
         && !options.layout.is_nvfp4()
     {
-        return Err(QuantError::Calibration {
-            path: calibration.source.clone(),
+        return Err(QuantError::ActivationStats {
+            path: stats.source.clone(),
             module: "(all)".to_string(),
             reason: format!(
                 "static activation scales are written for nvfp4 layouts only, not {}",
@@ -757,10 +753,10 @@ pub fn plan_quantization_calibrated(
             });
         }
         let module = info.name.trim_end_matches(".weight");
-        if let Some(calibration) = calibration {
-            let amax = calibration.abs_max.get(module).copied().ok_or_else(|| {
-                QuantError::Calibration {
-                    path: calibration.source.clone(),
+        if let Some(stats) = activation_stats {
+            let amax = stats.abs_max.get(module).copied().ok_or_else(|| {
+                QuantError::ActivationStats {
+                    path: stats.source.clone(),
                     module: module.to_string(),
                     reason: "no input absolute maximum (collect the statistics with \
                              `loraq run --collect-stats` on this model)"
@@ -768,8 +764,8 @@ pub fn plan_quantization_calibrated(
                 }
             })?;
             if !(amax.is_finite() && amax > 0.0) {
-                return Err(QuantError::Calibration {
-                    path: calibration.source.clone(),
+                return Err(QuantError::ActivationStats {
+                    path: stats.source.clone(),
                     module: module.to_string(),
                     reason: format!(
                         "input absolute maximum {amax} gives no static activation scale"
@@ -778,7 +774,7 @@ pub fn plan_quantization_calibrated(
             }
             input_abs_max.insert(module.to_string(), amax);
         }
-        let calibrated = calibration.is_some();
+        let calibrated = activation_stats.is_some();
         match options.layout {
             Layout::Bf16Emulated => {
                 specs.push(TensorSpec::new(&info.name, DType::BF16, vec![rows, cols]));
@@ -854,7 +850,7 @@ pub fn plan_quantization_calibrated(
         }
         actions.push((info.name.clone(), TensorAction::Quantize { rows, cols }));
     }
-    let calibrated = calibration.is_some();
+    let calibrated = activation_stats.is_some();
     let quantization_config = match options.layout {
         Layout::Bf16Emulated => None,
         Layout::Fp8Block128 => Some(json!({

@@ -128,7 +128,7 @@ pub fn quantize_to_dir(
     progress(QuantizeProgress::StaleSiblings(out.stale_siblings()));
     let activation_stats = match request.activation_stats {
         Some(path) => {
-            let stats = loraq_io::read_calibration(path).map_err(|e| {
+            let stats = loraq_io::read_activation_stats(path).map_err(|e| {
                 QuantError::from(e).context(format!("--calibration {}", path.display()))
             })?;
             Some(InputActivationStats {

@@ -318,7 +318,7 @@ fn bad_calibration_is_refused_naming_file_and_module() {
         calibration(&[(UP, f32::NAN)]),
     ] {
         let err = plan_quantization_calibrated(&input, &nvfp4, Some(&cal)).unwrap_err();
-        assert!(matches!(err, QuantError::Calibration { .. }), "{err}");
+        assert!(matches!(err, QuantError::ActivationStats { .. }), "{err}");
         let text = err.to_string();
         assert!(
             text.contains("stats.safetensors") && text.contains(UP),
