@@ -14,9 +14,6 @@
 //! for a closer look; each step prints the equivalent command line on stderr.
 
 use crate::compare::{CompareRequest, compare_to_files};
-use loraq_quant::quantize_dir::DEFAULT_MAX_SHARD_BYTES;
-use loraq_quant::report::measure;
-use loraq_quant::{QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir};
 use crate::run::{RunRequest, score_to_files};
 use anyhow::{Context, Result, bail};
 use loraq_eval::{CompareOptions, Report};
@@ -26,7 +23,10 @@ use loraq_extract::verify::{DEFAULT_MAX_RESIDUAL_RATIO, VerifyOptions, VerifyRep
 use loraq_model::{LinearBackend, LoadOptions, Model};
 use loraq_quant::ActivationQuantKind;
 use loraq_quant::Scheme;
+use loraq_quant::quantize_dir::DEFAULT_MAX_SHARD_BYTES;
+use loraq_quant::report::measure;
 use loraq_quant::report::{QuantErrorTotals, totals};
+use loraq_quant::{QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir};
 use loraq_synth::questions::{
     NextTokenModel, RecordSetSpec, calibration_set, question_set, to_json_lines,
 };

@@ -203,11 +203,14 @@ pub fn write_adapter_dir(
         }
         TargetSummary {
             target_base: spec.describe(),
-            activation_stats: plan.activation_stats.as_ref().map(|c| ActivationStatsRecord {
-                path: c.path().to_path_buf(),
-                tokens: c.tokens(),
-                records: c.records(),
-            }),
+            activation_stats: plan
+                .activation_stats
+                .as_ref()
+                .map(|c| ActivationStatsRecord {
+                    path: c.path().to_path_buf(),
+                    tokens: c.tokens(),
+                    records: c.records(),
+                }),
             extra_rank: options.extra_rank,
             correction_rank: options.all_layers.then_some(options.correction_rank),
             totals,

@@ -11,8 +11,8 @@
 use crate::error::{KernelError, Result};
 use crate::kernel_args::DeviceAddress;
 use crate::launch_plan::{
-    self, BLOCK_THREADS, CUDA_LINEAR_MODE, ForwardBuffers, ForwardPlan, HostOperands,
-    KernelModule, LinearGeometry,
+    self, BLOCK_THREADS, CUDA_LINEAR_MODE, ForwardBuffers, ForwardPlan, HostOperands, KernelModule,
+    LinearGeometry,
 };
 use crate::linear::QuantLoraLinear;
 use crate::lora::MAX_RANK;
@@ -470,7 +470,7 @@ impl GpuLinear {
         if x.len() < batch * in_features || y.len() < batch * out_features {
             return Err(KernelError::InputShape {
                 batch,
-                in_dim: in_features,
+                in_features: in_features,
                 actual: x.len(),
             });
         }
@@ -553,8 +553,8 @@ impl GpuLinear {
 pub struct CudaLinear {
     device: Arc<CudaBackend>,
     linear: Mutex<GpuLinear>,
-    in_dim: usize,
-    out_dim: usize,
+    in_features: usize,
+    out_features: usize,
 }
 
 impl CudaLinear {
@@ -564,8 +564,8 @@ impl CudaLinear {
         Ok(Self {
             device,
             linear: Mutex::new(uploaded),
-            in_dim: linear.in_dim(),
-            out_dim: linear.out_dim(),
+            in_features: linear.in_features(),
+            out_features: linear.out_features(),
         })
     }
 }
@@ -574,25 +574,25 @@ impl std::fmt::Debug for CudaLinear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaLinear")
             .field("device", &self.device.device_name())
-            .field("in_dim", &self.in_dim)
-            .field("out_dim", &self.out_dim)
+            .field("in_features", &self.in_features)
+            .field("out_features", &self.out_features)
             .finish()
     }
 }
 
 impl crate::LoraLinear for CudaLinear {
     fn forward(&self, x: &[f32], batch: usize, y: &mut [f32]) -> Result<()> {
-        if batch.checked_mul(self.out_dim) != Some(y.len()) {
+        if batch.checked_mul(self.out_features) != Some(y.len()) {
             return Err(KernelError::OutputShape {
                 batch,
-                out_dim: self.out_dim,
+                out_features: self.out_features,
                 actual: y.len(),
             });
         }
-        if batch.checked_mul(self.in_dim) != Some(x.len()) {
+        if batch.checked_mul(self.in_features) != Some(x.len()) {
             return Err(KernelError::InputShape {
                 batch,
-                in_dim: self.in_dim,
+                in_features: self.in_features,
                 actual: x.len(),
             });
         }
@@ -610,11 +610,11 @@ impl crate::LoraLinear for CudaLinear {
         Ok(())
     }
 
-    fn in_dim(&self) -> usize {
-        self.in_dim
+    fn in_features(&self) -> usize {
+        self.in_features
     }
 
-    fn out_dim(&self) -> usize {
-        self.out_dim
+    fn out_features(&self) -> usize {
+        self.out_features
     }
 }

@@ -323,7 +323,10 @@ fn assert_layout<T: KernelArgs>(out: &mut String) {
     );
     // Member order and names: C++20 designated initializers must follow the
     // declaration order. Member count: one initializer more must not compile.
-    let designators: Vec<String> = fields.iter().map(|f| format!(".{} = {{}}", f.name)).collect();
+    let designators: Vec<String> = fields
+        .iter()
+        .map(|f| format!(".{} = {{}}", f.name))
+        .collect();
     let one_more = vec!["{}"; fields.len() + 1].join(", ");
     let _ = writeln!(
         out,

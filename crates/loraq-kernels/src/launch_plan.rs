@@ -267,16 +267,14 @@ impl<'a> HostOperands<'a> {
                 return refuse(format!("ggml {} base weights", w.ggml_type));
             }
         };
-        let (out_features, in_features) = (linear.out_dim(), linear.in_dim());
+        let (out_features, in_features) = (linear.out_features(), linear.in_features());
         if !in_features.is_multiple_of(16) {
             return refuse(format!(
                 "in-dim {in_features} (the GPU kernels need a multiple of 16)"
             ));
         }
         if !linear.activation_quant().is_identity() {
-            return refuse(
-                "activation fake-quant (the GPU kernels take bf16 activations)".into(),
-            );
+            return refuse("activation fake-quant (the GPU kernels take bf16 activations)".into());
         }
         let bits = |v: &[half::bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
         let (rank, lora_scale, lora_a, lora_b) = match linear.lora() {
@@ -762,8 +760,8 @@ mod host_emulation {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let base = match format {
             "bf16" => QuantizedWeight::Bf16(Bf16Weight {
-                rows: n,
-                cols: k,
+                out_features: n,
+                in_features: k,
                 data: bf16s(&mut rng, n * k, 0.05),
             }),
             "fp8b128" => {
@@ -775,8 +773,8 @@ mod host_emulation {
                     .map(|_| rng.random_range(1e-3f32..1e-2))
                     .collect();
                 QuantizedWeight::Fp8(Fp8Weight {
-                    rows: n,
-                    cols: k,
+                    out_features: n,
+                    in_features: k,
                     granularity: Fp8Granularity::Block128,
                     codes,
                     scales,
@@ -790,8 +788,8 @@ mod host_emulation {
                     .collect();
                 let global = rng.random_range(1e-3f32..1e-1);
                 QuantizedWeight::Nvfp4(Nvfp4Weight {
-                    rows: n,
-                    cols: k,
+                    out_features: n,
+                    in_features: k,
                     packed,
                     block_scales: scales,
                     global_scale: Nvfp4GlobalScale::Multiplier(global),

@@ -115,8 +115,14 @@ fn a_layout_mismatch_fails_the_layout_check() {
     let Some(nvrtc) = nvrtc_or_skip() else { return };
     let fields = FusedDecodeArgs::fields();
     let target = fields.iter().find(|f| f.name == "target").unwrap();
-    let correct = format!("LORAQ_OFFSETOF(FusedDecodeArgs, target) == {}", target.offset);
-    let wrong = format!("LORAQ_OFFSETOF(FusedDecodeArgs, target) == {}", target.offset + 4);
+    let correct = format!(
+        "LORAQ_OFFSETOF(FusedDecodeArgs, target) == {}",
+        target.offset
+    );
+    let wrong = format!(
+        "LORAQ_OFFSETOF(FusedDecodeArgs, target) == {}",
+        target.offset + 4
+    );
     let assertions = layout_assertions();
     assert!(assertions.contains(&correct), "{assertions}");
     let source: &'static str = Box::leak(assertions.replace(&correct, &wrong).into_boxed_str());
@@ -131,9 +137,11 @@ fn a_layout_mismatch_fails_the_layout_check() {
         .to_string();
     assert!(message.contains("FusedDecodeArgs::target"), "{message}");
     // Two members swapped in the header: the designated initializers refuse the order.
-    let swapped_header = loraq_kernels::nvrtc::COMMON_HEADER
-        .1
-        .replacen("    int shrink_blocks;\n    int slice_chunks;", "    int slice_chunks;\n    int shrink_blocks;", 1);
+    let swapped_header = loraq_kernels::nvrtc::COMMON_HEADER.1.replacen(
+        "    int shrink_blocks;\n    int slice_chunks;",
+        "    int slice_chunks;\n    int shrink_blocks;",
+        1,
+    );
     assert_ne!(swapped_header, loraq_kernels::nvrtc::COMMON_HEADER.1);
     let source: &'static str = Box::leak(
         layout_assertions()
@@ -149,5 +157,8 @@ fn a_layout_mismatch_fails_the_layout_check() {
         .compile_with_options(&check, TARGET_ARCHS[0], &cxx20())
         .expect_err("members out of order must not compile")
         .to_string();
-    assert!(message.contains("loraq_layout_order_FusedDecodeArgs"), "{message}");
+    assert!(
+        message.contains("loraq_layout_order_FusedDecodeArgs"),
+        "{message}"
+    );
 }

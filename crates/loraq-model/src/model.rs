@@ -189,11 +189,11 @@ impl Loader<'_> {
             source,
         };
         let stored = self.base.weight(&weight_name).map_err(quant_err)?;
-        if (stored.rows, stored.cols) != (out, inp) {
+        if (stored.out_features, stored.in_features) != (out, inp) {
             return Err(ModelError::Shape {
                 root: self.root(),
                 tensor: weight_name,
-                found: vec![stored.rows, stored.cols],
+                found: vec![stored.out_features, stored.in_features],
                 expected: vec![out, inp],
             });
         }

@@ -146,8 +146,8 @@ fn check_width(name: &str, values: &[f32], hidden: usize) -> Result<()> {
     if hidden == 0 || values.len() % hidden != 0 {
         return Err(QuantError::ShapeMismatch {
             tensor: name.to_string(),
-            rows: values.len().checked_div(hidden).unwrap_or(0),
-            cols: hidden,
+            out_features: values.len().checked_div(hidden).unwrap_or(0),
+            in_features: hidden,
             len: values.len(),
         });
     }
@@ -218,7 +218,7 @@ pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32)
             tensor: name.to_string(),
             scheme: "nvfp4",
             multiple: NVFP4_BLOCK,
-            cols: hidden,
+            in_features: hidden,
         });
     }
     if !(global.is_finite() && global > 0.0) {
@@ -269,7 +269,7 @@ pub fn nvfp4_static_vllm(
             tensor: name.to_string(),
             scheme: "nvfp4",
             multiple: NVFP4_BLOCK,
-            cols: hidden,
+            in_features: hidden,
         });
     }
     let stored = match input_scale {

@@ -30,15 +30,15 @@ pub enum QuantError {
         /// The layout.
         layout: &'static str,
     },
-    /// The data length does not match `rows * cols` (or the product overflows).
-    #[error("tensor {tensor}: {len} values do not form a {rows}x{cols} matrix")]
+    /// The data length does not match `out_features * in_features` (or the product overflows).
+    #[error("tensor {tensor}: {len} values do not form a {out_features}x{in_features} matrix")]
     ShapeMismatch {
         /// Tensor name.
         tensor: String,
         /// Rows (output features).
-        rows: usize,
+        out_features: usize,
         /// Columns (input features).
-        cols: usize,
+        in_features: usize,
         /// Number of values given.
         len: usize,
     },
@@ -56,7 +56,7 @@ pub enum QuantError {
     },
     /// The input dimension is not a multiple of what the scheme needs.
     #[error(
-        "tensor {tensor}: scheme {scheme} needs the input dimension to be a multiple of {multiple}, got {cols}"
+        "tensor {tensor}: scheme {scheme} needs the input dimension to be a multiple of {multiple}, got {in_features}"
     )]
     InputDimNotDivisible {
         /// Tensor name.
@@ -66,7 +66,7 @@ pub enum QuantError {
         /// Required multiple.
         multiple: usize,
         /// The input dimension given.
-        cols: usize,
+        in_features: usize,
     },
     /// A global or static scale that is zero, negative or not finite.
     #[error("tensor {tensor}: scale {value} is not a positive finite number")]

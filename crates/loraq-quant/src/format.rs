@@ -27,13 +27,13 @@ pub enum WeightFormat {
     Ggml(GgmlType),
 }
 
-/// The region one scale covers: `out` rows by `in` inputs, `None` for the whole
+/// The region one scale covers: `out` out_features by `in` inputs, `None` for the whole
 /// dimension. Partial blocks at the edges have their own scale where the format
 /// allows them (fp8 tiles, INT4 groups); NVFP4 and MXFP4 have none
-/// ([`WeightFormat::in_dim_multiple`]).
+/// ([`WeightFormat::in_features_multiple`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ScaleBlock {
-    /// Output rows per scale (`None`: every row).
+    /// Output out_features per scale (`None`: every row).
     pub out: Option<usize>,
     /// Inputs per scale (`None`: the whole row).
     pub inputs: Option<usize>,
@@ -84,7 +84,7 @@ impl WeightFormat {
     /// Multiple the input dimension must have: the scale block of NVFP4 (16) and
     /// MXFP4 (32), the block of a ggml type (32 or 256), whose layouts have no
     /// partial block; 1 for the others.
-    pub fn in_dim_multiple(self) -> usize {
+    pub fn in_features_multiple(self) -> usize {
         match self {
             Self::Nvfp4 => NVFP4_BLOCK,
             Self::Mxfp4 => MXFP4_BLOCK,
@@ -151,11 +151,11 @@ pub fn fp8_scale(amax: f32) -> f32 {
 }
 
 /// Scale-tensor shape of an FP8 weight of the given granularity.
-pub fn fp8_scale_shape(granularity: Fp8Granularity, rows: usize, cols: usize) -> [usize; 2] {
+pub fn fp8_scale_shape(granularity: Fp8Granularity, out_features: usize, in_features: usize) -> [usize; 2] {
     match granularity {
         Fp8Granularity::Tensor => [1, 1],
-        Fp8Granularity::Channel => [rows, 1],
-        Fp8Granularity::Block128 => [blocks(rows, FP8_BLOCK), blocks(cols, FP8_BLOCK)],
+        Fp8Granularity::Channel => [out_features, 1],
+        Fp8Granularity::Block128 => [blocks(out_features, FP8_BLOCK), blocks(in_features, FP8_BLOCK)],
     }
 }
 

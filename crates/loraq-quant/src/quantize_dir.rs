@@ -139,7 +139,10 @@ pub fn quantize_to_dir(
         None => None,
     };
     let input = Checkpoint::open(request.input).map_err(|e| {
-        QuantError::from(e).context(format!("cannot open checkpoint {}", request.input.display()))
+        QuantError::from(e).context(format!(
+            "cannot open checkpoint {}",
+            request.input.display()
+        ))
     })?;
     let plan = plan_quantization_calibrated(&input, &options, activation_stats.as_ref())?;
     if plan.quantized_count() == 0 {

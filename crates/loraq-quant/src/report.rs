@@ -109,22 +109,22 @@ pub fn merged_quant_error(
     update: LoraUpdate<'_>,
     merged: &[f32],
 ) -> Result<MergedQuantError> {
-    let (rows, cols, rank) = (base.rows, base.cols, update.rank);
+    let (out_features, in_features, rank) = (base.out_features, base.in_features, update.rank);
     let shape_error = |len| QuantError::ShapeMismatch {
         tensor: base.name.to_string(),
-        rows,
-        cols,
+        out_features,
+        in_features,
         len,
     };
     if merged.len() != base.data.len() || quantized.len() != base.data.len() {
         return Err(shape_error(merged.len()));
     }
-    if rows.checked_mul(rank) != Some(update.b.len())
-        || rank.checked_mul(cols) != Some(update.a.len())
+    if out_features.checked_mul(rank) != Some(update.b.len())
+        || rank.checked_mul(in_features) != Some(update.a.len())
     {
         return Err(shape_error(update.b.len() + update.a.len()));
     }
-    if cols == 0 {
+    if in_features == 0 {
         return Ok(MergedQuantError {
             merged_norm: 0.0,
             exact_error_norm: 0.0,
@@ -132,20 +132,23 @@ pub fn merged_quant_error(
             floor: 0.0,
         });
     }
-    let sums = (0..rows)
+    let sums = (0..out_features)
         .into_par_iter()
         .map(|row| {
-            // delta = scale * B[row, :] A, accumulated as axpys over A's rows.
-            let mut delta = vec![0.0f32; cols];
+            // delta = scale * B[row, :] A, accumulated as axpys over A's out_features.
+            let mut delta = vec![0.0f32; in_features];
             for k in 0..rank {
                 let coefficient = update.scale * update.b[row * rank + k];
                 if coefficient != 0.0 {
-                    for (d, &a) in delta.iter_mut().zip(&update.a[k * cols..(k + 1) * cols]) {
+                    for (d, &a) in delta
+                        .iter_mut()
+                        .zip(&update.a[k * in_features..(k + 1) * in_features])
+                    {
                         *d += coefficient * a;
                     }
                 }
             }
-            let range = row * cols..(row + 1) * cols;
+            let range = row * in_features..(row + 1) * in_features;
             let mut acc = [0.0f64; 4];
             for (((&d, &w), &q), &m) in delta
                 .iter()
@@ -390,7 +393,7 @@ pub fn measure(
     for name in &names {
         progress(MeasureProgress::Measuring(name));
         let weight = base.weight(name)?;
-        let (out_features, in_features) = (weight.rows, weight.cols);
+        let (out_features, in_features) = (weight.out_features, weight.in_features);
         let values = base.read_weight_f32(name)?;
         // A NaN weight gives a NaN error figure; refuse it by file and tensor.
         base.checkpoint().ensure_finite(name, &values)?;

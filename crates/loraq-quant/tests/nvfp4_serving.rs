@@ -270,7 +270,7 @@ fn nvfp4_compressed_tensors_layout_matches_modelopt_codes_with_divisor_scales() 
         2688.0 / amax
     );
     let weight = base.weight(&format!("{UP}.weight")).unwrap();
-    assert_eq!((weight.rows, weight.cols), (32, 128));
+    assert_eq!((weight.out_features, weight.in_features), (32, 128));
     assert!(matches!(
         weight.stored,
         StoredWeight::Nvfp4CompressedTensors { .. }
