@@ -470,7 +470,7 @@ impl GpuLinear {
         if x.len() < batch * in_features || y.len() < batch * out_features {
             return Err(KernelError::InputShape {
                 batch,
-                in_features: in_features,
+                in_features,
                 actual: x.len(),
             });
         }
