@@ -11,7 +11,7 @@
 //!   modules listed), [`factoring`] (factor, thresholds), [`output`] (write, then
 //!   re-read and check); [`report`]: what it reports; [`card`]: the model card
 //!   (README.md) it writes into the adapter directory.
-//! - [`target`] / [`quant_aware`] / [`calibration`]: quantization-aware extraction
+//! - [`target`] / [`quant_aware`] / [`activation_stats`]: quantization-aware extraction
 //!   (`--target-base`): factor merged - dequant(Q(base)), optionally weighted by the
 //!   input second moments of a calibration run.
 //! - [`verify`] / [`check`]: an adapter against base + merge, and two adapters against

@@ -14,7 +14,7 @@
 //!   of a command's or none, never over its inputs.
 //! - [`write_sha256sums`] / [`verify_sha256sums`]: `sha256sum -c` compatible lists.
 //! - [`peft`]: PEFT LoRA adapters, read and written.
-//! - [`calibration`]: per-module input mean squares (`loraq run --collect-stats`).
+//! - [`activation_stats`]: per-module input mean squares (`loraq run --collect-stats`).
 //! - [`limits`]: the limits on sizes from files and flags, and error-message elision.
 
 pub mod activation_stats;
