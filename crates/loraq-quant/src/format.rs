@@ -151,11 +151,18 @@ pub fn fp8_scale(amax: f32) -> f32 {
 }
 
 /// Scale-tensor shape of an FP8 weight of the given granularity.
-pub fn fp8_scale_shape(granularity: Fp8Granularity, out_features: usize, in_features: usize) -> [usize; 2] {
+pub fn fp8_scale_shape(
+    granularity: Fp8Granularity,
+    out_features: usize,
+    in_features: usize,
+) -> [usize; 2] {
     match granularity {
         Fp8Granularity::Tensor => [1, 1],
         Fp8Granularity::Channel => [out_features, 1],
-        Fp8Granularity::Block128 => [blocks(out_features, FP8_BLOCK), blocks(in_features, FP8_BLOCK)],
+        Fp8Granularity::Block128 => [
+            blocks(out_features, FP8_BLOCK),
+            blocks(in_features, FP8_BLOCK),
+        ],
     }
 }
 

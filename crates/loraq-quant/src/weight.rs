@@ -98,7 +98,11 @@ pub struct Bf16Weight {
 impl Bf16Weight {
     /// Wraps row-major bf16 values `[out_features, in_features]`.
     pub fn new(out_features: usize, in_features: usize, data: Vec<bf16>) -> Self {
-        Self { out_features, in_features, data }
+        Self {
+            out_features,
+            in_features,
+            data,
+        }
     }
 }
 
@@ -123,7 +127,12 @@ impl Fp8Weight {
     /// Wraps E4M3 codes `[out_features, in_features]` and 128x128 tile multipliers
     /// `[ceil(out_features / 128), ceil(in_features / 128)]` (the Qwen / DeepSeek `weight` +
     /// `weight_scale_inv` layout).
-    pub fn block128(out_features: usize, in_features: usize, codes: Vec<u8>, scales: Vec<f32>) -> Self {
+    pub fn block128(
+        out_features: usize,
+        in_features: usize,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> Self {
         Self {
             out_features,
             in_features,
@@ -151,7 +160,13 @@ impl Fp8Weight {
     /// # Panics
     /// If `out` has the wrong length.
     pub fn dequantize_into(&self, out: &mut [f32]) {
-        dequantize_fp8_into(&self.codes, &self.scales, self.granularity, self.in_features, out);
+        dequantize_fp8_into(
+            &self.codes,
+            &self.scales,
+            self.granularity,
+            self.in_features,
+            out,
+        );
     }
 }
 
@@ -181,7 +196,11 @@ pub fn dequantize_fp8_into(
     if in_features == 0 || codes.is_empty() {
         return;
     }
-    assert_eq!(codes.len() % in_features, 0, "dequantize_fp8_into: ragged rows");
+    assert_eq!(
+        codes.len() % in_features,
+        0,
+        "dequantize_fp8_into: ragged rows"
+    );
     let out_features = codes.len() / in_features;
     let [scale_rows, scale_cols] = fp8_scale_shape(granularity, out_features, in_features);
     assert!(
