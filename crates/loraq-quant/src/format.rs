@@ -27,13 +27,13 @@ pub enum WeightFormat {
     Ggml(GgmlType),
 }
 
-/// The region one scale covers: `out` out_features by `in` inputs, `None` for the whole
+/// The region one scale covers: `out` rows by `in` inputs, `None` for the whole
 /// dimension. Partial blocks at the edges have their own scale where the format
 /// allows them (fp8 tiles, INT4 groups); NVFP4 and MXFP4 have none
 /// ([`WeightFormat::in_features_multiple`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ScaleBlock {
-    /// Output out_features per scale (`None`: every row).
+    /// Output rows per scale (`None`: every row).
     pub out: Option<usize>,
     /// Inputs per scale (`None`: the whole row).
     pub inputs: Option<usize>,

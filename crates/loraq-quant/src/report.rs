@@ -135,7 +135,7 @@ pub fn merged_quant_error(
     let sums = (0..out_features)
         .into_par_iter()
         .map(|row| {
-            // delta = scale * B[row, :] A, accumulated as axpys over A's out_features.
+            // delta = scale * B[row, :] A, accumulated as axpys over A's rows.
             let mut delta = vec![0.0f32; in_features];
             for k in 0..rank {
                 let coefficient = update.scale * update.b[row * rank + k];

@@ -11,7 +11,7 @@ use crate::format::{
 use crate::multiversion::multiversion;
 
 /// Values per parallel work item of the NVFP4 runs (whole blocks, so a run never
-/// splits a block; out_features do not matter since blocks never cross out_features).
+/// splits a block; rows do not matter since blocks never cross rows).
 pub(crate) const NVFP4_RUN: usize = NVFP4_BLOCK * 256;
 /// Values per parallel work item of the MXFP4 runs.
 pub(crate) const MXFP4_RUN: usize = MXFP4_BLOCK * 128;

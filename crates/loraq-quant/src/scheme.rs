@@ -349,7 +349,7 @@ fn fake_quant_fp8(
     Ok(())
 }
 
-/// Scales of the 128x128 tiles of one band of up to 128 out_features.
+/// Scales of the 128x128 tiles of one band of up to 128 rows.
 fn fp8_tile_scales(band: &[f32], in_features: usize, scale_cols: usize) -> Vec<f32> {
     let mut amax_bits = vec![0u32; scale_cols];
     for row in band.chunks(in_features) {
