@@ -17,8 +17,6 @@
 //! look; each step prints the equivalent command line on stderr.
 
 use crate::compare::{CompareRequest, compare_to_files};
-use crate::quant_error::{QuantErrorRequest, measure};
-use crate::quantize::{DEFAULT_MAX_SHARD_BYTES, QuantizeRequest, quantize_to_dir};
 use crate::run::{RunRequest, score_to_files};
 use anyhow::{Context, Result, bail};
 use loraq_eval::{CompareOptions, Report};
@@ -28,7 +26,10 @@ use loraq_extract::verify::{DEFAULT_MAX_RESIDUAL_RATIO, VerifyOptions, VerifyRep
 use loraq_model::{LinearBackend, LoadOptions, Model};
 use loraq_quant::ActivationQuantKind;
 use loraq_quant::Scheme;
+use loraq_quant::quantize_dir::DEFAULT_MAX_SHARD_BYTES;
+use loraq_quant::report::measure;
 use loraq_quant::report::{QuantErrorTotals, totals};
+use loraq_quant::{QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir};
 use loraq_synth::merge::{MergeSummary, merge_adapter};
 use loraq_synth::questions::{
     NextTokenModel, RecordSetSpec, calibration_set, question_set, to_json_lines,
@@ -343,7 +344,7 @@ fn run_extract(
             &extra_text,
         ]);
         options.target_base = Some(TargetSpec::Dir(target.to_path_buf()));
-        options.calibration = Some(calibration.to_path_buf());
+        options.activation_stats = Some(calibration.to_path_buf());
         options.extra_rank = extra_rank;
     }
     announce(&line);
@@ -655,17 +656,24 @@ fn run_steps(out: &Path, kind: PairKind, seed: u64, sizes: DemoSizes) -> Result<
             "--scheme",
             name,
         ]);
-        quantize_to_dir(&QuantizeRequest {
-            input: &base,
-            out: &quantized,
-            scheme,
-            layout: None,
-            calibration: None,
-            skip: &[],
-            no_default_skip: false,
-            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
-            force: false,
-        })?;
+        quantize_to_dir(
+            &QuantizeRequest {
+                input: &base,
+                out: &quantized,
+                scheme,
+                layout: None,
+                activation_stats: None,
+                skip: &[],
+                no_default_skip: false,
+                max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+                force: false,
+            },
+            &mut |event| {
+                if let QuantizeProgress::StaleSiblings(stale) = event {
+                    crate::outputs::report_stale(stale);
+                }
+            },
+        )?;
         announce(&[
             "quant-error",
             "--base",
@@ -677,13 +685,16 @@ fn run_steps(out: &Path, kind: PairKind, seed: u64, sizes: DemoSizes) -> Result<
             "--merged",
             path_str(&merged)?,
         ]);
-        let reports = measure(&QuantErrorRequest {
-            base: &base,
-            scheme,
-            adapter: Some(&adapter),
-            merged: Some(&merged),
-            skip: &[],
-        })?;
+        let reports = measure(
+            &QuantErrorRequest {
+                base: &base,
+                scheme,
+                adapter: Some(&adapter),
+                merged: Some(&merged),
+                skip: &[],
+            },
+            &mut |_| {},
+        )?;
         weight_rows.push(WeightRow {
             scheme: name,
             totals: totals(&reports),

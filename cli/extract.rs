@@ -129,7 +129,7 @@ pub fn run(args: Args) -> Result<()> {
         copy: args.copy,
         force: args.force,
         target_base: args.target_base.as_deref().map(TargetSpec::parse),
-        calibration: args.calibration,
+        activation_stats: args.calibration,
         extra_rank: args.extra_rank,
         all_layers: args.all_layers,
         correction_rank: args.correction_rank.unwrap_or(0),

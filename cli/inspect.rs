@@ -157,7 +157,7 @@ fn summarize(args: &Args) -> Result<Summary> {
                 entry.shapes.push(t.shape.clone());
             }
             if let Some(w) = linear_by_codes.get(&t.name) {
-                let logical = vec![w.rows, w.cols];
+                let logical = vec![w.out_features, w.in_features];
                 if !entry.logical_shapes.contains(&logical) {
                     entry.logical_shapes.push(logical);
                 }

@@ -2,15 +2,10 @@
 //! merged weight an adapter reproduces on the quantized base.
 
 use crate::progress;
-use anyhow::{Context, Result, bail};
-use loraq_io::LoraAdapter;
-use loraq_quant::layout::{DEFAULT_SKIP, compile_skip};
-use loraq_quant::report::{
-    LoraUpdate, ModuleReport, merged_quant_error, totals, totals_json, weight_quant_error,
-};
-use loraq_quant::{QuantizedBase, Scheme, WeightView};
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use anyhow::Result;
+use loraq_quant::report::{ModuleReport, measure, totals, totals_json};
+use loraq_quant::{MeasureProgress, QuantErrorRequest, Scheme};
+use std::path::PathBuf;
 
 /// Per module, the relative error of dequant(Q(W)) against W, and with --adapter
 /// and --merged, of dequant(Q(W_base)) + B A against the merged weight, with the
@@ -37,120 +32,36 @@ pub struct Args {
     json: bool,
 }
 
-/// A measurement of a scheme on a base, alone and with an adapter against a merge:
-/// what `loraq quant-error` does, and what the demo asks for without going through
-/// the command line.
-pub struct QuantErrorRequest<'a> {
-    /// Base checkpoint.
-    pub base: &'a Path,
-    /// Scheme applied to it.
-    pub scheme: Scheme,
-    /// Adapter directory (with `merged`).
-    pub adapter: Option<&'a Path>,
-    /// Merged checkpoint (with `adapter`).
-    pub merged: Option<&'a Path>,
-    /// Extra skip regexes.
-    pub skip: &'a [String],
-}
-
-/// Per module, the scheme's error alone and under the adapter.
-pub fn measure(request: &QuantErrorRequest<'_>) -> Result<Vec<ModuleReport>> {
-    let base = QuantizedBase::open(request.base)
-        .with_context(|| format!("cannot open base {}", request.base.display()))?;
-    let mut patterns: Vec<String> = DEFAULT_SKIP.iter().map(|s| s.to_string()).collect();
-    patterns.extend(request.skip.iter().cloned());
-    let skip = compile_skip(&patterns)?;
-    let adapter = match request.adapter {
-        Some(dir) => Some(
-            // Module paths in the base's naming, whichever naming the adapter uses; a
-            // module the base does not have is refused by name.
-            LoraAdapter::open_for(dir, base.checkpoint())
-                .with_context(|| format!("cannot open adapter {}", dir.display()))?,
-        ),
-        None => None,
-    };
-    let merged = match request.merged {
-        Some(dir) => Some(
-            QuantizedBase::open(dir)
-                .with_context(|| format!("cannot open merged {}", dir.display()))?,
-        ),
-        None => None,
-    };
-    let adapted: BTreeMap<String, &loraq_io::LoraModuleInfo> = adapter
-        .iter()
-        .flat_map(|a| a.modules.iter())
-        .map(|m| (format!("{}.weight", m.module_path), m))
-        .collect();
-    let names: Vec<String> = base
-        .weights()
-        .filter(|w| !skip.iter().any(|re| re.is_match(&w.name)) || adapted.contains_key(&w.name))
-        .map(|w| w.name.clone())
-        .collect();
-    if names.is_empty() {
-        bail!("{}: no linear weight to measure", request.base.display());
-    }
-    let bar = progress::bar(names.len() as u64, "quant-error");
-    let mut reports = Vec::with_capacity(names.len());
-    for name in &names {
-        bar.set_message(name.clone());
-        let weight = base.weight(name)?;
-        let (rows, cols) = (weight.rows, weight.cols);
-        let values = base.read_weight_f32(name)?;
-        // A NaN weight gives a NaN error figure; refuse it by file and tensor.
-        base.checkpoint().ensure_finite(name, &values)?;
-        let view = WeightView::new(name, rows, cols, &values)?;
-        let (quantized, weight_error) = weight_quant_error(request.scheme, view)?;
-        let merged_error = match (adapted.get(name), &adapter, &merged) {
-            (Some(module), Some(adapter), Some(merged)) => {
-                if (module.out_features, module.in_features) != (rows, cols) {
-                    bail!(
-                        "adapter module {} is {}x{}, base weight {name} is {rows}x{cols}",
-                        module.module_path,
-                        module.out_features,
-                        module.in_features
-                    );
-                }
-                let merged_values = merged
-                    .read_weight_f32(name)
-                    .with_context(|| format!("merged checkpoint lacks {name}"))?;
-                merged.checkpoint().ensure_finite(name, &merged_values)?;
-                let b = adapter.read_b_f32(&module.module_path)?;
-                let a = adapter.read_a_f32(&module.module_path)?;
-                let update = LoraUpdate {
-                    b: &b,
-                    a: &a,
-                    rank: module.rank,
-                    scale: module.scale as f32,
-                };
-                Some((
-                    module.rank,
-                    merged_quant_error(view, &quantized, update, &merged_values)?,
-                ))
-            }
-            _ => None,
-        };
-        reports.push(ModuleReport {
-            name: name.clone(),
-            rows,
-            cols,
-            weight: weight_error,
-            merged: merged_error,
-        });
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    Ok(reports)
-}
-
 /// Runs `loraq quant-error`.
 pub fn run(args: Args) -> Result<()> {
-    let reports = measure(&QuantErrorRequest {
-        base: &args.base,
-        scheme: args.scheme,
-        adapter: args.adapter.as_deref(),
-        merged: args.merged.as_deref(),
-        skip: &args.skip,
-    })?;
+    let mut bar = None;
+    let reports = measure(
+        &QuantErrorRequest {
+            base: &args.base,
+            scheme: args.scheme,
+            adapter: args.adapter.as_deref(),
+            merged: args.merged.as_deref(),
+            skip: &args.skip,
+        },
+        &mut |event| match event {
+            MeasureProgress::Planned { weights } => {
+                bar = Some(progress::bar(weights as u64, "quant-error"));
+            }
+            MeasureProgress::Measuring(name) => {
+                if let Some(bar) = &bar {
+                    bar.set_message(name.to_string());
+                }
+            }
+            MeasureProgress::Measured => {
+                if let Some(bar) = &bar {
+                    bar.inc(1);
+                }
+            }
+        },
+    )?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
     if args.json {
         let value = serde_json::json!({
             "base": args.base,
@@ -173,7 +84,7 @@ pub fn run(args: Args) -> Result<()> {
         println!("{:<60} {:>13} {:>10}", "module", "shape", "W rel err");
     }
     for r in &reports {
-        let shape = format!("{}x{}", r.rows, r.cols);
+        let shape = format!("{}x{}", r.out_features, r.in_features);
         let mut line = format!(
             "{:<60} {:>13} {:>10.3e}",
             r.name,

@@ -217,7 +217,7 @@ pub fn score_to_files(request: &RunRequest<'_>) -> Result<RunSummary> {
             let stats = model
                 .input_stats()
                 .context("the model was loaded without input statistics")?;
-            loraq_io::write_calibration(temp, &stats)
+            loraq_io::write_activation_stats(temp, &stats)
                 .with_context(|| format!("writing --collect-stats {}", path.display()))?;
             Some((path, stats))
         }

@@ -15,8 +15,8 @@ use loraq_quant::{Scheme, WeightView};
 
 fn main() -> anyhow::Result<()> {
     let name = "model.language_model.layers.0.mlp.up_proj.weight";
-    let (out_dim, in_dim, rank) = (1536, 512, 32);
-    let pair = loraq_synth::projection_pair(name, out_dim, in_dim, rank, 1)?;
+    let (out_features, in_features, rank) = (1536, 512, 32);
+    let pair = loraq_synth::projection_pair(name, out_features, in_features, rank, 1)?;
     let to_bf16 = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
 
     for scheme in [
@@ -26,12 +26,17 @@ fn main() -> anyhow::Result<()> {
         Scheme::Int4G128Asym,
     ] {
         // The base in its stored format (codes and scales), never dequantized as a whole.
-        let base = scheme.quantize(WeightView::new(name, out_dim, in_dim, &pair.base)?)?;
+        let base = scheme.quantize(WeightView::new(
+            name,
+            out_features,
+            in_features,
+            &pair.base,
+        )?)?;
         // The adapter's factors in bf16, as PEFT stores them; scale alpha / r = 1.
         let lora = LoraAdapter::new(
             rank,
-            in_dim,
-            out_dim,
+            in_features,
+            out_features,
             to_bf16(&pair.lora_a),
             to_bf16(&pair.lora_b),
             1.0,
@@ -39,18 +44,21 @@ fn main() -> anyhow::Result<()> {
         let linear = QuantLoraLinear::new(base, Some(lora))?;
 
         for batch in [1, 16] {
-            let x: Vec<f32> = (0..batch * in_dim)
+            let x: Vec<f32> = (0..batch * in_features)
                 .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
                 .collect();
-            let mut y = vec![0f32; batch * out_dim];
+            let mut y = vec![0f32; batch * out_features];
             linear.forward(&x, batch, &mut y, CpuOptions::default())?;
             let reference = linear.forward_reference(&x, batch)?;
             // What the merged model computes, for scale: the quantized base's error.
-            let merged: Vec<f32> = (0..batch * out_dim)
+            let merged: Vec<f32> = (0..batch * out_features)
                 .map(|i| {
-                    let (t, o) = (i / out_dim, i % out_dim);
-                    let row = &pair.merged[o * in_dim..(o + 1) * in_dim];
-                    row.iter().zip(&x[t * in_dim..]).map(|(w, v)| w * v).sum()
+                    let (t, o) = (i / out_features, i % out_features);
+                    let row = &pair.merged[o * in_features..(o + 1) * in_features];
+                    row.iter()
+                        .zip(&x[t * in_features..])
+                        .map(|(w, v)| w * v)
+                        .sum()
                 })
                 .collect();
             println!(

@@ -433,23 +433,29 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
 #endif
 
 #define FORMAT_ENTRIES(NAME, WTYPE, MAKE_W, NB)                                                        \
-    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_fused_b##NB(                              \
-        const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
-        float w_global, const bf16* lora_a, const bf16* lora_b, int rank, float t_scale, float* t,     \
-        unsigned int* counter, unsigned int target, int shrink_blocks, int /* slice_chunks */,        \
-        float* /* part */, unsigned int* /* tickets */, bf16* y) {                                     \
-        /* The tensor-core decode's arguments too (unused here): one launch path. */                  \
+    /* The tensor-core decode's arguments (slice_chunks, part, tickets unused here): one   */     \
+    /* launch path for both fused decodes.                                                 */     \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_fused_b##NB(      \
+        const FusedDecodeArgs args) {                                                                  \
+        const int K = args.in_features;                                                                \
+        const void* w_codes = args.w_codes;                                                            \
+        const void* w_scales = args.w_scales;                                                          \
+        const float w_global = args.w_global;                                                          \
         WTYPE w = MAKE_W;                                                                              \
         CENSUS_ASSUME_ALIGNED(K);                                                                      \
-        fused_kernel<WTYPE, NB>(x, batch, N, K, w, lora_a, lora_b, rank, t_scale, t, counter, target, \
-                                shrink_blocks, y);                                                     \
+        fused_kernel<WTYPE, NB>(args.x, args.batch, args.out_features, K, w, args.lora_a, args.lora_b, \
+                                args.rank, args.t_scale, args.t, args.counter, args.target,            \
+                                args.shrink_blocks, args.y);                                           \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_base_b##NB(                               \
-        const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales,             \
-        float w_global, bf16* y) {                                                                     \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) NAME##_base_b##NB(       \
+        const BaseDecodeArgs args) {                                                                   \
+        const int K = args.in_features;                                                                \
+        const void* w_codes = args.w_codes;                                                            \
+        const void* w_scales = args.w_scales;                                                          \
+        const float w_global = args.w_global;                                                          \
         WTYPE w = MAKE_W;                                                                              \
         CENSUS_ASSUME_ALIGNED(K);                                                                      \
-        base_kernel<WTYPE, NB>(x, batch, N, K, w, y);                                                  \
+        base_kernel<WTYPE, NB>(args.x, args.batch, args.out_features, K, w, args.y);                   \
     }
 
 #define MAKE_BF16 Bf16Weight{static_cast<const bf16*>(w_codes), K, w_global}
@@ -466,13 +472,18 @@ __device__ void base_kernel(const bf16* __restrict__ x, int batch, int N, int K,
 // Unfused baseline, step 2: t = s * A x (grid: ceil(rank / rows per block)).
 // Step 3: y += B t (grid: ceil(N / rows per block)).
 #define LORA_ENTRIES(NB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) lora_shrink_b##NB(                                \
-        const bf16* x, int batch, int K, const bf16* lora_a, int rank, float t_scale, float* t) {       \
-        shrink_rows<NB, RowsPerWarp<NB>::value>(lora_a, rank, K, x, batch, t_scale, t,                   \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) lora_shrink_b##NB(         \
+        const LoraShrinkArgs args) {                                                                     \
+        shrink_rows<NB, RowsPerWarp<NB>::value>(args.lora_a, args.rank, args.in_features, args.x,        \
+                                                args.batch, args.t_scale, args.t,                        \
                                                 blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5));      \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) lora_expand_b##NB(                                \
-        const float* t, int batch, int N, const bf16* lora_b, int rank, bf16* y) {                       \
+    extern "C" __global__ void __launch_bounds__(128, MinBlocks<NB>::value) lora_expand_b##NB(         \
+        const LoraExpandArgs args) {                                                                     \
+        const float* t = args.t;                                                                         \
+        const int batch = args.batch, N = args.out_features, rank = args.rank;                          \
+        const bf16* lora_b = args.lora_b;                                                                \
+        bf16* y = args.y;                                                                                \
         constexpr int R = RowsPerWarp<NB>::value;                                                        \
         const int row0 = (blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5)) * R;                        \
         if (row0 >= N) return;                                                                           \
@@ -838,14 +849,15 @@ __device__ void tc_fused_kernel(const bf16* __restrict__ x, int batch, int N, in
 }
 
 #define TC_ENTRIES(NAME, WTYPE, MAKE_W, NB)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128, 2) NAME##_tcdec_fused_b##NB(                            \
-        const bf16* x, int batch, int N, int K, const void* w_codes, const void* w_scales, float w_global,   \
-        const bf16* lora_a, const bf16* lora_b, int rank, float t_scale, float* t, unsigned int* counter,    \
-        unsigned int target, int shrink_blocks, int slice_chunks, float* part, unsigned int* tickets,        \
-        bf16* y) {                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, 2) NAME##_tcdec_fused_b##NB(const FusedDecodeArgs args) { \
+        const int K = args.in_features;                                                                      \
+        const void* w_codes = args.w_codes;                                                                  \
+        const void* w_scales = args.w_scales;                                                                \
+        const float w_global = args.w_global;                                                                \
         WTYPE w = MAKE_W;                                                                                    \
-        tc_fused_kernel<WTYPE, NB>(x, batch, N, K, w, lora_a, lora_b, rank, t_scale, t, counter, target,     \
-                                   shrink_blocks, slice_chunks, part, tickets, y);                           \
+        tc_fused_kernel<WTYPE, NB>(args.x, args.batch, args.out_features, K, w, args.lora_a, args.lora_b,    \
+                                   args.rank, args.t_scale, args.t, args.counter, args.target,               \
+                                   args.shrink_blocks, args.slice_chunks, args.part, args.tickets, args.y);  \
     }
 
 TC_ENTRIES(bf16, Bf16Weight, MAKE_BF16, 8)

@@ -209,11 +209,14 @@ __device__ void tc_gemm(const bf16* __restrict__ x, int M, int K, W w, int N, co
 // Grid: (ceil(N / 64), ceil(M / 64)), block 128. K == 0 skips the base product (the
 // unfused baseline's separate expand launch).
 #define TC_ENTRY(NAME, WTYPE, MAKE_W)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) NAME##_tc_gemm(                                        \
-        const bf16* x, int M, int K, const void* w_codes, const void* w_scales, float w_global, int N,       \
-        const float* t, const bf16* lora_b, int rank, bf16* y, int accumulate) {                             \
+    extern "C" __global__ void __launch_bounds__(128) NAME##_tc_gemm(const TcGemmArgs args) {               \
+        const int K = args.in_features;                                                                      \
+        const void* w_codes = args.w_codes;                                                                  \
+        const void* w_scales = args.w_scales;                                                                \
+        const float w_global = args.w_global;                                                                \
         WTYPE w = MAKE_W;                                                                                    \
-        tc_gemm<WTYPE, bf16>(x, M, K, w, N, t, lora_b, rank, y, w_global, accumulate);                       \
+        tc_gemm<WTYPE, bf16>(args.x, args.batch, K, w, args.out_features, args.t, args.lora_b, args.rank,    \
+                             args.y, w_global, args.accumulate);                                             \
     }
 
 #define MAKE_BF16 Bf16Weight{static_cast<const bf16*>(w_codes), K, w_global}
@@ -227,8 +230,8 @@ TC_ENTRY(fp8b128, Fp8Block128Weight, MAKE_FP8)
 TC_ENTRY(nvfp4, Nvfp4Weight, MAKE_NVFP4)
 
 // T[M, rank] = t_scale * X A^T in f32 (grid: (ceil(rank / 64), ceil(M / 64)), block 128).
-extern "C" __global__ void __launch_bounds__(128) lora_tc_shrink(const bf16* x, int M, int K, const bf16* lora_a,
-                                                                 int rank, float t_scale, float* t) {
-    Bf16Weight a{lora_a, K, 1.0f};
-    tc_gemm<Bf16Weight, float>(x, M, K, a, rank, nullptr, nullptr, 0, t, t_scale, 0);
+extern "C" __global__ void __launch_bounds__(128) lora_tc_shrink(const LoraShrinkArgs args) {
+    Bf16Weight a{args.lora_a, args.in_features, 1.0f};
+    tc_gemm<Bf16Weight, float>(args.x, args.batch, args.in_features, a, args.rank, nullptr, nullptr, 0, args.t,
+                               args.t_scale, 0);
 }

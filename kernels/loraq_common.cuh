@@ -8,6 +8,84 @@
 
 typedef __nv_bfloat16 bf16;
 
+// ---- Launch arguments: each kernel takes one of these structs by value as its only
+// parameter. Each has a Rust twin of the same name and fields in
+// crates/loraq-kernels/src/kernel_args.rs (pointers first, then 4-byte scalars), whose
+// layout the NVRTC compile test asserts against these definitions.
+
+// {format}_fused_b{NB} and {format}_tcdec_fused_b{NB} (lora_decode.cu); the CUDA-core
+// kernel ignores slice_chunks, part and tickets.
+struct FusedDecodeArgs {
+    const bf16* x;
+    const void* w_codes;
+    const void* w_scales;
+    const bf16* lora_a;
+    const bf16* lora_b;
+    float* t;
+    unsigned int* counter;
+    float* part;
+    unsigned int* tickets;
+    bf16* y;
+    int batch;
+    int out_features;
+    int in_features;
+    int rank;
+    float w_global;
+    float t_scale;
+    unsigned int target;
+    int shrink_blocks;
+    int slice_chunks;
+};
+
+// {format}_base_b{NB} (lora_decode.cu).
+struct BaseDecodeArgs {
+    const bf16* x;
+    const void* w_codes;
+    const void* w_scales;
+    bf16* y;
+    int batch;
+    int out_features;
+    int in_features;
+    float w_global;
+};
+
+// lora_shrink_b{NB} (lora_decode.cu) and lora_tc_shrink (lora_prefill.cu).
+struct LoraShrinkArgs {
+    const bf16* x;
+    const bf16* lora_a;
+    float* t;
+    int batch;
+    int in_features;
+    int rank;
+    float t_scale;
+};
+
+// lora_expand_b{NB} (lora_decode.cu).
+struct LoraExpandArgs {
+    const float* t;
+    const bf16* lora_b;
+    bf16* y;
+    int batch;
+    int out_features;
+    int rank;
+};
+
+// {format}_tc_gemm (lora_prefill.cu).
+struct TcGemmArgs {
+    const bf16* x;
+    const void* w_codes;
+    const void* w_scales;
+    const float* t;
+    const bf16* lora_b;
+    bf16* y;
+    int batch;
+    int in_features;
+    int out_features;
+    int rank;
+    int accumulate;
+    float w_global;
+};
+
 // E4M3 code -> f32: the code's exponent+mantissa bits are placed under f32's, the value
 // is then 2^-120 of the E4M3 value (subnormals land on f32 subnormals, exactly), and one
 // multiply by 2^120 rebiases. The codes 0x7F/0xFF (NaN) never occur in a quantized weight

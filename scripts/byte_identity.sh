@@ -12,6 +12,7 @@
 set -uo pipefail
 LORAQ="${1:?usage: byte_identity.sh LORAQ_BINARY WORK_DIR}"
 WORK="${2:?usage: byte_identity.sh LORAQ_BINARY WORK_DIR}"
+SCRIPTS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 rm -rf "$WORK"
 mkdir -p "$WORK"
 cd "$WORK" || exit 1
@@ -27,20 +28,7 @@ run() { # $1 label, rest: the command
 
 run synth synth --preset tiny --out pair --seed 3
 VOCAB=$(python3 -c 'import json,sys; c=json.load(open("pair/base/config.json")); print(c.get("text_config", c)["vocab_size"])')
-# 24 four-option records with 12-token prompts, deterministic.
-awk -v vocab="$VOCAB" 'BEGIN {
-    srand(7)
-    for (i = 0; i < 24; i++) {
-        line = sprintf("{\"id\":\"q%02d\",\"tokens\":[", i)
-        for (t = 0; t < 12; t++) line = line (t ? "," : "") int(rand() * vocab)
-        split("", used); opts = ""
-        for (k = 0; k < 4; k++) {
-            do { o = int(rand() * vocab) } while (o in used)
-            used[o] = 1; opts = opts (k ? "," : "") o
-        }
-        print line "],\"options\":[\"A\",\"B\",\"C\",\"D\"],\"option_tokens\":[" opts "]}"
-    }
-}' > records.jsonl
+"$SCRIPTS/random_records.sh" "$VOCAB" > records.jsonl
 
 # --base-id: the adapter config otherwise names the base by its absolute path.
 run extract extract --merged pair/merged --base pair/base --out adapter --rank 8 \

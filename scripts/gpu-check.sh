@@ -121,19 +121,7 @@ run_check() {
     "$loraq_bin" synth --preset tiny --out "$dir/pair" --seed 3 >/dev/null || return 1
     local vocab
     vocab=$(sed -n 's/.*"vocab_size": *\([0-9]*\).*/\1/p' "$dir/pair/base/config.json" | head -n 1)
-    awk -v vocab="${vocab:-256}" 'BEGIN {
-        srand(7)
-        for (i = 0; i < 24; i++) {
-            line = sprintf("{\"id\":\"q%02d\",\"tokens\":[", i)
-            for (t = 0; t < 12; t++) line = line (t ? "," : "") int(rand() * vocab)
-            split("", used); opts = ""
-            for (k = 0; k < 4; k++) {
-                do { o = int(rand() * vocab) } while (o in used)
-                used[o] = 1; opts = opts (k ? "," : "") o
-            }
-            print line "],\"options\":[\"A\",\"B\",\"C\",\"D\"],\"option_tokens\":[" opts "]}"
-        }
-    }' > "$dir/records.jsonl"
+    scripts/random_records.sh "${vocab:-256}" > "$dir/records.jsonl"
     local status=0
     for scheme in bf16 fp8-block128 nvfp4; do
         local model="$dir/pair/base"

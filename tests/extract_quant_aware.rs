@@ -354,7 +354,7 @@ fn linear_modules(ckpt: &Path) -> Vec<(String, usize)> {
 
 /// A calibration file (the format of `loraq run --collect-stats`) with `value(k)` for
 /// feature k of every module; `edit` may change a module's entry (None drops it).
-fn write_calibration(
+fn write_activation_stats(
     path: &Path,
     modules: &[(String, usize)],
     value: &dyn Fn(usize) -> f32,
@@ -416,10 +416,10 @@ fn calibration_weighting_minimizes_the_weighted_error() {
     let (dir, base, merged) = tiny(14);
     let mods = linear_modules(&base);
     let (uniform, skewed) = (dir.path().join("uniform.st"), dir.path().join("skewed.st"));
-    write_calibration(&uniform, &mods, &|_| 1.0, &keep_all);
+    write_activation_stats(&uniform, &mods, &|_| 1.0, &keep_all);
     // E[x^2] spanning 1..49 over the features: weights 1..7.
     let sq_mean = |k: usize| ((k % 7 + 1) as f32).powi(2);
-    write_calibration(&skewed, &mods, &sq_mean, &keep_all);
+    write_activation_stats(&skewed, &mods, &sq_mean, &keep_all);
     let nvfp4 = dir.path().join("nvfp4");
     ok(loraq(&[
         "quantize",
@@ -532,7 +532,7 @@ fn bad_targets_and_statistics_are_refused_with_no_output() {
     ];
     for (i, (needle, edit)) in cases.iter().enumerate() {
         let file = dir.path().join(format!("bad{i}.st"));
-        write_calibration(&file, &mods, &|_| 1.0, edit.as_ref());
+        write_activation_stats(&file, &mods, &|_| 1.0, edit.as_ref());
         let o = extract(
             &merged,
             &base,

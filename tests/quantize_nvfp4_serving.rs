@@ -70,7 +70,7 @@ fn run_answers(model: &Path, out: &Path, act_quant: &str) -> std::process::Outpu
 fn calibrated_nvfp4_has_input_scales_and_runs_w4a4() {
     let dir = tempfile::tempdir().unwrap();
     let stats = collect_stats(dir.path());
-    let calibration = loraq_io::read_calibration(&stats).unwrap();
+    let calibration = loraq_io::read_activation_stats(&stats).unwrap();
     let w4a4 = quantize(dir.path(), "w4a4", &["--calibration", s(&stats)]);
     let base = QuantizedBase::open(&w4a4).unwrap();
     let mut quantized = 0;

@@ -32,7 +32,7 @@ fn collect_stats_writes_the_hooks_means_and_leaves_answers_unchanged() {
         std::fs::read(&without).unwrap()
     );
 
-    let got = loraq_io::read_calibration(&stats).unwrap();
+    let got = loraq_io::read_activation_stats(&stats).unwrap();
     let oracle =
         loraq_io::Checkpoint::open(data().join("calibration-qwen3_5.safetensors")).unwrap();
     assert_eq!(got.tokens.to_string(), oracle.shard_metadata(0)["tokens"]);

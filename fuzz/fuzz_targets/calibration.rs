@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     if std::fs::write(&path, data).is_err() {
         return;
     }
-    if let Ok(stats) = loraq_io::read_calibration(&path) {
+    if let Ok(stats) = loraq_io::read_activation_stats(&path) {
         let modules: Vec<String> = stats.input_sq_mean.keys().cloned().collect();
         for module in modules {
             let _ = stats.module(&module);

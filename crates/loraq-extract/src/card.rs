@@ -234,7 +234,7 @@ fn target_section(out: &mut String, report: &ExtractionReport) {
             report.corrections.len()
         );
     }
-    if let Some(c) = &t.calibration {
+    if let Some(c) = &t.activation_stats {
         let _ = writeln!(
             out,
             "- Weighted by the input second moments of `{}` ({} tokens, {} records): the error minimized is the one that reaches the module outputs.",

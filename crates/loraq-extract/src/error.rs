@@ -109,7 +109,7 @@ pub enum ExtractError {
     },
     /// The calibration statistics file (`--calibration FILE`) is unusable.
     #[error("--calibration {path}: {tensor}: {what}")]
-    Calibration {
+    ActivationStats {
         /// The statistics file.
         path: std::path::PathBuf,
         /// The tensor (or metadata key) at fault.

@@ -21,7 +21,7 @@ pub use crate::options::{
 };
 pub use crate::output::adapter_r;
 pub use crate::report::{
-    CalibrationRecord, CorrectionReport, ExtractionReport, InputRecord, ModuleReport,
+    ActivationStatsRecord, CorrectionReport, ExtractionReport, InputRecord, ModuleReport,
     TargetSummary, TargetTotals, Totals,
 };
 

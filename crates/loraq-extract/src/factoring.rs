@@ -125,7 +125,7 @@ pub fn factor(
         merged_files: &merged_files,
         base_files: &base_files,
         target,
-        calibration: plan.calibration.as_ref(),
+        activation_stats: plan.activation_stats.as_ref(),
         split: options.split,
         method: options.method,
         par,

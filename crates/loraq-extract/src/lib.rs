@@ -11,13 +11,13 @@
 //!   modules listed), [`factoring`] (factor, thresholds), [`output`] (write, then
 //!   re-read and check); [`report`]: what it reports; [`card`]: the model card
 //!   (README.md) it writes into the adapter directory.
-//! - [`target`] / [`quant_aware`] / [`calibration`]: quantization-aware extraction
+//! - [`target`] / [`quant_aware`] / [`activation_stats`]: quantization-aware extraction
 //!   (`--target-base`): factor merged - dequant(Q(base)), optionally weighted by the
 //!   input second moments of a calibration run.
 //! - [`verify`] / [`check`]: an adapter against base + merge, and two adapters against
 //!   each other.
 
-pub mod calibration;
+pub mod activation_stats;
 pub mod card;
 pub mod check;
 pub mod error;

@@ -69,7 +69,7 @@ pub struct ExtractOptions {
     pub target_base: Option<TargetSpec>,
     /// Input second moments per module (`loraq run --collect-stats`): the
     /// quantization-aware factorization minimizes the error weighted by them.
-    pub calibration: Option<PathBuf>,
+    pub activation_stats: Option<PathBuf>,
     /// Ranks added to every LoRA module's quantization-aware factorization.
     pub extra_rank: usize,
     /// Also correct the target's quantization error in modules the LoRA leaves alone,
@@ -103,7 +103,7 @@ impl ExtractOptions {
             copy: Vec::new(),
             force: false,
             target_base: None,
-            calibration: None,
+            activation_stats: None,
             extra_rank: 0,
             all_layers: false,
             correction_rank: 0,

@@ -9,7 +9,7 @@ use crate::factoring::{Factored, ModuleFigures};
 use crate::options::{CARD_FILE, ExtractOptions, MANIFEST_FILE, REPORT_FILE, RankChoice};
 use crate::plan::ExtractionPlan;
 use crate::report::{
-    CalibrationRecord, ExtractionReport, InputRecord, TargetSummary, Totals, relative_totals,
+    ActivationStatsRecord, ExtractionReport, InputRecord, TargetSummary, Totals, relative_totals,
 };
 use crate::target::TargetSpec;
 use loraq_io::peft::VLLM_MAX_LORA_RANKS;
@@ -203,11 +203,14 @@ pub fn write_adapter_dir(
         }
         TargetSummary {
             target_base: spec.describe(),
-            calibration: plan.calibration.as_ref().map(|c| CalibrationRecord {
-                path: c.path().to_path_buf(),
-                tokens: c.tokens(),
-                records: c.records(),
-            }),
+            activation_stats: plan
+                .activation_stats
+                .as_ref()
+                .map(|c| ActivationStatsRecord {
+                    path: c.path().to_path_buf(),
+                    tokens: c.tokens(),
+                    records: c.records(),
+                }),
             extra_rank: options.extra_rank,
             correction_rank: options.all_layers.then_some(options.correction_rank),
             totals,

@@ -4,7 +4,7 @@
 //! it leaves alone that the target changes), every module's statistics checked
 //! before any work.
 
-use crate::calibration::Calibration;
+use crate::activation_stats::ActivationStatsFile;
 use crate::error::{ExtractError, Result};
 use crate::options::{ExtractOptions, RankChoice};
 use crate::scan::{Projection, ScanReport, scan};
@@ -47,7 +47,7 @@ pub struct ExtractionPlan {
     /// The base the adapter will run on (`--target-base`).
     pub target: Option<TargetBase>,
     /// Input second moments (`--calibration`).
-    pub calibration: Option<Calibration>,
+    pub activation_stats: Option<ActivationStatsFile>,
     /// Every module to factor, in the order the adapter lists them: the scan's
     /// projections, then the corrections.
     pub modules: Vec<PlannedModule>,
@@ -70,7 +70,7 @@ pub fn validate_options(options: &ExtractOptions) -> Result<()> {
 /// Every path the extraction reads, which its output must not be or contain.
 pub fn input_paths(options: &ExtractOptions) -> Vec<&Path> {
     let mut inputs = vec![options.merged.as_path(), options.base.as_path()];
-    inputs.extend(options.calibration.as_deref());
+    inputs.extend(options.activation_stats.as_deref());
     if let Some(TargetSpec::Dir(dir)) = &options.target_base {
         inputs.push(dir);
     }
@@ -89,10 +89,10 @@ pub fn plan(options: &ExtractOptions) -> Result<ExtractionPlan> {
         .as_ref()
         .map(|spec| TargetBase::open(spec, &base))
         .transpose()?;
-    let calibration = options
-        .calibration
+    let activation_stats = options
+        .activation_stats
         .as_deref()
-        .map(Calibration::open)
+        .map(ActivationStatsFile::open)
         .transpose()?;
     let corrections = if options.all_layers {
         let target = target
@@ -119,7 +119,7 @@ pub fn plan(options: &ExtractOptions) -> Result<ExtractionPlan> {
         }))
         .collect();
     // Every module's statistics are checked before any work.
-    if let Some(c) = &calibration {
+    if let Some(c) = &activation_stats {
         for p in modules.iter().map(|m| &m.projection) {
             c.input_sq_mean(&p.module_path, p.in_features)?;
         }
@@ -129,7 +129,7 @@ pub fn plan(options: &ExtractOptions) -> Result<ExtractionPlan> {
         base,
         scan: scanned,
         target,
-        calibration,
+        activation_stats,
         modules,
     })
 }
@@ -151,7 +151,7 @@ fn validate_target_options(options: &ExtractOptions) -> Result<()> {
     let invalid =
         |name: &'static str, detail: String| Err(ExtractError::InvalidParameter { name, detail });
     if options.target_base.is_none()
-        && (options.calibration.is_some() || options.extra_rank > 0 || options.all_layers)
+        && (options.activation_stats.is_some() || options.extra_rank > 0 || options.all_layers)
     {
         return invalid(
             "--target-base",

@@ -11,7 +11,7 @@
 //! weight: $\\|M - (\hat W + B_{bf16} A_{bf16})\\|_F$, reported over $\\|M\\|_F$ and over the
 //! bf16 rounding floor of $M$ (the figure `loraq verify --base <quantized>` gives).
 
-use crate::calibration::Calibration;
+use crate::activation_stats::ActivationStatsFile;
 use crate::error::{ExtractError, Result};
 use crate::factor::{FactorParams, Method, factorize};
 use crate::floor::FloorFormat;
@@ -68,7 +68,7 @@ pub(crate) struct QaContext<'a> {
     pub merged_files: &'a ShardFiles,
     pub base_files: &'a ShardFiles,
     pub target: &'a TargetBase,
-    pub calibration: Option<&'a Calibration>,
+    pub activation_stats: Option<&'a ActivationStatsFile>,
     pub split: Split,
     pub method: Method,
     pub par: Par,
@@ -185,7 +185,7 @@ pub(crate) fn qa_module(
         what: format!("{:?} is not a matrix", info.shape),
     })?;
     let weights = ctx
-        .calibration
+        .activation_stats
         .map(|c| c.column_weights(module, cols))
         .transpose()?;
     let mut merged = read_f32(ctx.merged_files, info)?;

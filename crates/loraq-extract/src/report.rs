@@ -93,8 +93,9 @@ pub struct TargetTotals {
 pub struct TargetSummary {
     /// The `--target-base` (scheme name or directory).
     pub target_base: String,
-    /// The calibration file, tokens and records it covers.
-    pub calibration: Option<CalibrationRecord>,
+    /// The activation statistics file (`--calibration`), tokens and records it covers.
+    #[serde(rename = "calibration")]
+    pub activation_stats: Option<ActivationStatsRecord>,
     /// `--extra-rank`.
     pub extra_rank: usize,
     /// `--correction-rank` when `--all-layers`.
@@ -105,7 +106,7 @@ pub struct TargetSummary {
 
 /// The calibration statistics used.
 #[derive(Debug, Clone, Serialize)]
-pub struct CalibrationRecord {
+pub struct ActivationStatsRecord {
     /// The file.
     pub path: PathBuf,
     /// Tokens in the statistics.

@@ -185,11 +185,14 @@ impl TargetBase {
                         tensor: tensor.to_string(),
                         what: "missing".into(),
                     })?;
-                if (w.rows, w.cols) != (rows, cols) {
+                if (w.out_features, w.in_features) != (rows, cols) {
                     return Err(ExtractError::TargetBase {
                         path: path.clone(),
                         tensor: tensor.to_string(),
-                        what: format!("[{}, {}], the base has [{rows}, {cols}]", w.rows, w.cols),
+                        what: format!(
+                            "[{}, {}], the base has [{rows}, {cols}]",
+                            w.out_features, w.in_features
+                        ),
                     });
                 }
                 let values = decoded.read_weight_f32(tensor)?;
@@ -222,10 +225,10 @@ fn check_dir_matches(path: &Path, decoded: &QuantizedBase, base: &Checkpoint) ->
             let w = decoded.weight(&info.name).map_err(|_| {
                 mismatch("missing (the base has it; is this a quantization of that base?)".into())
             })?;
-            if [w.rows, w.cols] != info.shape[..] {
+            if [w.out_features, w.in_features] != info.shape[..] {
                 return Err(mismatch(format!(
                     "decodes to [{}, {}], the base has {:?}",
-                    w.rows, w.cols, info.shape
+                    w.out_features, w.in_features, info.shape
                 )));
             }
         } else {

@@ -341,24 +341,49 @@ impl Checkpoint {
         Ok(values)
     }
 
+    /// A BF16 tensor's values as stored, refusing another dtype, and a NaN or infinite
+    /// value with the file, the tensor and the element.
+    pub fn read_bf16_finite(&self, name: &str) -> Result<Vec<half::bf16>> {
+        let info = self.info(name)?;
+        if info.dtype != DType::BF16 {
+            return Err(IoError::Tensor {
+                path: self.shards[info.shard].path.clone(),
+                tensor: name.to_string(),
+                reason: format!("expected BF16, found {}", info.dtype),
+            });
+        }
+        let values: Vec<half::bf16> = self
+            .bytes(name)?
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
+            .collect();
+        match values.iter().position(|v| !v.is_finite()) {
+            None => Ok(values),
+            Some(index) => Err(self.non_finite_error(name, index, values[index].to_f32())),
+        }
+    }
+
     /// Refuses `values` (the tensor `name` of this checkpoint, decoded by any means)
     /// when one is NaN or infinite, naming the file, the tensor and the element.
     pub fn ensure_finite(&self, name: &str, values: &[f32]) -> Result<()> {
-        let Some(index) = first_non_finite(values) else {
-            return Ok(());
-        };
+        match first_non_finite(values) {
+            None => Ok(()),
+            Some(index) => Err(self.non_finite_error(name, index, values[index])),
+        }
+    }
+
+    /// The refusal of element `index` of the tensor `name`, found NaN or infinite
+    /// (`value`) by whatever decoded it, naming the file, the tensor and the element.
+    pub fn non_finite_error(&self, name: &str, index: usize, value: f32) -> IoError {
         let path = match self.tensors.get(name) {
             Some(info) => self.shards[info.shard].path.clone(),
             None => self.root.clone(),
         };
-        Err(IoError::Tensor {
+        IoError::Tensor {
             path,
             tensor: name.to_string(),
-            reason: format!(
-                "element {index} is {} (a weight must be finite)",
-                values[index]
-            ),
-        })
+            reason: format!("element {index} is {value} (a weight must be finite)"),
+        }
     }
 
     /// Refuses a float tensor holding a NaN or infinite value, decoding its stored

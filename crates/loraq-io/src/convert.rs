@@ -120,7 +120,8 @@ pub fn first_non_finite(values: &[f32]) -> Option<usize> {
 }
 
 /// The bf16 unit in the last place of `m`, as the rounding floor uses it (docs/extraction.md):
-/// `2^(floor(log2|m|) - 7)` for normal values, `2^-133` for subnormals and zero.
+/// $2^{\lfloor \log_2 |m| \rfloor - 7}$ for normal values, $2^{-133}$ for subnormals and
+/// zero.
 #[inline]
 pub fn bf16_ulp(m: f32) -> f64 {
     let exponent = ((m.to_bits() >> 23) & 0xff) as i32;

@@ -170,7 +170,7 @@ pub enum IoError {
     /// A calibration statistics file (`loraq run --collect-stats`) that does not
     /// follow the format, or statistics that cannot be written.
     #[error("{path}: invalid calibration statistics: {reason}")]
-    Calibration {
+    ActivationStats {
         /// The statistics file.
         path: PathBuf,
         /// What is wrong.

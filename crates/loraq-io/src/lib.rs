@@ -14,11 +14,11 @@
 //!   of a command's or none, never over its inputs.
 //! - [`write_sha256sums`] / [`verify_sha256sums`]: `sha256sum -c` compatible lists.
 //! - [`peft`]: PEFT LoRA adapters, read and written.
-//! - [`calibration`]: per-module input mean squares (`loraq run --collect-stats`).
+//! - [`activation_stats`]: per-module input mean squares (`loraq run --collect-stats`).
 //! - [`limits`]: the limits on sizes from files and flags, and error-message elision.
 
+pub mod activation_stats;
 pub mod atomic;
-pub mod calibration;
 pub mod checkpoint;
 pub mod config;
 pub mod convert;
@@ -31,11 +31,11 @@ pub mod peft;
 pub mod sha256sums;
 pub mod writer;
 
+pub use activation_stats::{ActivationStats, read_activation_stats, write_activation_stats};
 pub use atomic::{
     AtomicDir, OutputKind, StagedOutputs, StaleOutcome, StaleSibling, check_output_path,
     sweep_stale_siblings, temp_file_sibling, write_file_atomically,
 };
-pub use calibration::{CalibrationStats, read_calibration, write_calibration};
 pub use checkpoint::{CONFIG_FILE, Checkpoint, INDEX_FILE, SINGLE_FILE, TensorInfo};
 pub use config::{Architecture, LayerType, ModelConfig, QuantizationConfig};
 pub use dtype::DType;

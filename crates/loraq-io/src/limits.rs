@@ -13,11 +13,11 @@ use std::io::BufRead;
 pub const MAX_LAYERS: usize = 4096;
 
 /// Largest width a config.json may declare for hidden, intermediate and head sizes
-/// and head counts: 2^20, about 20 times the widest published projection
+/// and head counts: $2^{20}$, about 20 times the widest published projection
 /// (Qwen3.5's largest intermediate size is in the tens of thousands).
 pub const MAX_DIMENSION: usize = 1 << 20;
 
-/// Largest vocabulary a config.json may declare: 2^24 (published vocabularies hold
+/// Largest vocabulary a config.json may declare: $2^{24}$ (published vocabularies hold
 /// a few hundred thousand tokens).
 pub const MAX_VOCAB: usize = 1 << 24;
 

@@ -92,7 +92,7 @@ pub struct AdapterConfig {
     /// Always "none".
     #[serde(default = "default_bias")]
     pub bias: String,
-    /// Rank-stabilized scaling (alpha / sqrt(r)); loraq writes false.
+    /// Rank-stabilized scaling ($\alpha / \sqrt{r}$); loraq writes false.
     #[serde(default)]
     pub use_rslora: bool,
     /// Dropout (0 for inference).
@@ -205,7 +205,7 @@ impl AdapterConfig {
             .unwrap_or(self.lora_alpha)
     }
 
-    /// The module's scale: alpha / r, or alpha / sqrt(r) with rsLoRA.
+    /// The module's scale: $\alpha / r$, or $\alpha / \sqrt{r}$ with rsLoRA.
     pub fn scale_for(&self, module_path: &str) -> f64 {
         let r = self.rank_for(module_path) as f64;
         let alpha = self.alpha_for(module_path);
@@ -464,6 +464,30 @@ impl LoraAdapter {
     pub fn read_b_f32(&self, module_path: &str) -> Result<Vec<f32>> {
         self.weights
             .read_f32_finite(&b_name(self.stored_path(module_path)))
+    }
+
+    /// lora_A of a module as its stored bf16 values, row-major [rank, in]. A factor
+    /// stored in another dtype is refused, and so is a NaN or infinite entry, with the
+    /// file, tensor and element.
+    pub fn read_a_bf16(&self, module_path: &str) -> Result<Vec<half::bf16>> {
+        self.weights
+            .read_bf16_finite(&a_name(self.stored_path(module_path)))
+    }
+
+    /// lora_B of a module as its stored bf16 values, row-major [out, rank] (refusals as
+    /// [`LoraAdapter::read_a_bf16`]).
+    pub fn read_b_bf16(&self, module_path: &str) -> Result<Vec<half::bf16>> {
+        self.weights
+            .read_bf16_finite(&b_name(self.stored_path(module_path)))
+    }
+
+    /// The dtypes lora_A and lora_B of a module are stored in.
+    pub fn factor_dtypes(&self, module_path: &str) -> Result<(DType, DType)> {
+        let stored = self.stored_path(module_path);
+        Ok((
+            self.weights.info(&a_name(stored))?.dtype,
+            self.weights.info(&b_name(stored))?.dtype,
+        ))
     }
 
     /// The dtype lora_A of a module is stored in.

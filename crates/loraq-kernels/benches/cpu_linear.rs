@@ -46,49 +46,58 @@ fn no_nan_e4m3(b: u8) -> u8 {
     if b & 0x7F == 0x7F { b ^ 1 } else { b }
 }
 
-fn lora(out_dim: usize, in_dim: usize, rank: usize) -> Option<LoraAdapter> {
+fn lora(out_features: usize, in_features: usize, rank: usize) -> Option<LoraAdapter> {
     if rank == 0 {
         return None;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(9);
-    let a = (0..rank * in_dim)
+    let a = (0..rank * in_features)
         .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
         .collect();
-    let b = (0..out_dim * rank)
+    let b = (0..out_features * rank)
         .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
         .collect();
-    Some(LoraAdapter::new(rank, in_dim, out_dim, a, b, 1.0).unwrap())
+    Some(LoraAdapter::new(rank, in_features, out_features, a, b, 1.0).unwrap())
 }
 
-fn fp8_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
-    let codes = random_bytes(out_dim * in_dim, 1, no_nan_e4m3);
-    let scales = vec![1e-3f32; out_dim.div_ceil(128) * in_dim.div_ceil(128)];
-    let base = QuantizedWeight::Fp8(Fp8Weight::block128(out_dim, in_dim, codes, scales));
-    QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
+fn fp8_linear(out_features: usize, in_features: usize, rank: usize) -> QuantLoraLinear {
+    let codes = random_bytes(out_features * in_features, 1, no_nan_e4m3);
+    let scales = vec![1e-3f32; out_features.div_ceil(128) * in_features.div_ceil(128)];
+    let base = QuantizedWeight::Fp8(Fp8Weight::block128(
+        out_features,
+        in_features,
+        codes,
+        scales,
+    ));
+    QuantLoraLinear::new(base, lora(out_features, in_features, rank)).unwrap()
 }
 
-fn nvfp4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
-    let packed = random_bytes(out_dim * in_dim / 2, 2, |b| b);
-    let scales = random_bytes(out_dim * in_dim / 16, 3, |b| 0x30 + (b & 0x0F));
+fn nvfp4_linear(out_features: usize, in_features: usize, rank: usize) -> QuantLoraLinear {
+    let packed = random_bytes(out_features * in_features / 2, 2, |b| b);
+    let scales = random_bytes(out_features * in_features / 16, 3, |b| 0x30 + (b & 0x0F));
     let base = QuantizedWeight::Nvfp4(Nvfp4Weight::new(
-        out_dim,
-        in_dim,
+        out_features,
+        in_features,
         packed,
         scales,
         Nvfp4GlobalScale::Multiplier(1e-3),
     ));
-    QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
+    QuantLoraLinear::new(base, lora(out_features, in_features, rank)).unwrap()
 }
 
-fn int4_linear(out_dim: usize, in_dim: usize, rank: usize) -> QuantLoraLinear {
-    let packed = random_bytes(out_dim * in_dim / 2, 4, |b| b);
-    let groups = out_dim * in_dim.div_ceil(128);
+fn int4_linear(out_features: usize, in_features: usize, rank: usize) -> QuantLoraLinear {
+    let packed = random_bytes(out_features * in_features / 2, 4, |b| b);
+    let groups = out_features * in_features.div_ceil(128);
     let scales = vec![2e-3f32; groups];
     let zeros = random_bytes(groups, 5, |b| b & 0x0F);
     let base = QuantizedWeight::Int4(Int4Weight::from_packed(
-        out_dim, in_dim, packed, scales, zeros,
+        out_features,
+        in_features,
+        packed,
+        scales,
+        zeros,
     ));
-    QuantLoraLinear::new(base, lora(out_dim, in_dim, rank)).unwrap()
+    QuantLoraLinear::new(base, lora(out_features, in_features, rank)).unwrap()
 }
 
 fn activations(len: usize) -> Vec<f32> {
@@ -126,20 +135,20 @@ fn memory_read(c: &mut Criterion) {
 }
 
 fn decode(c: &mut Criterion) {
-    let (out_dim, in_dim, rank) = (17408, 5120, 256);
+    let (out_features, in_features, rank) = (17408, 5120, 256);
     let opts = CpuOptions::default();
-    let x = activations(in_dim);
+    let x = activations(in_features);
     let mut group = c.benchmark_group("decode_17408x5120_r256_b1");
     group
         .sample_size(10)
         .measurement_time(Duration::from_secs(5));
     for (name, linear) in [
-        ("fp8-block128", fp8_linear(out_dim, in_dim, rank)),
-        ("nvfp4", nvfp4_linear(out_dim, in_dim, rank)),
-        ("int4-g128", int4_linear(out_dim, in_dim, rank)),
+        ("fp8-block128", fp8_linear(out_features, in_features, rank)),
+        ("nvfp4", nvfp4_linear(out_features, in_features, rank)),
+        ("int4-g128", int4_linear(out_features, in_features, rank)),
     ] {
         group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
-        let mut y = vec![0f32; out_dim];
+        let mut y = vec![0f32; out_features];
         group.bench_function(BenchmarkId::new("fused", name), |b| {
             b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
         });
@@ -173,8 +182,8 @@ fn decode(c: &mut Criterion) {
 fn decode_compute(c: &mut Criterion) {
     // 256 KiB - 512 KiB of codes: L2-resident, so the time is the decode loop's
     // instructions, not DRAM; one thread, no LoRA.
-    let (out_dim, in_dim) = (256, 2048);
-    let x = activations(in_dim);
+    let (out_features, in_features) = (256, 2048);
+    let x = activations(in_features);
     let mut group = c.benchmark_group("decode_l2_resident_256x2048_b1_1thread");
     group
         .sample_size(20)
@@ -188,12 +197,12 @@ fn decode_compute(c: &mut Criterion) {
             parallelism: Parallelism::Sequential,
         };
         for (name, linear) in [
-            ("fp8-block128", fp8_linear(out_dim, in_dim, 0)),
-            ("nvfp4", nvfp4_linear(out_dim, in_dim, 0)),
-            ("int4-g128", int4_linear(out_dim, in_dim, 0)),
+            ("fp8-block128", fp8_linear(out_features, in_features, 0)),
+            ("nvfp4", nvfp4_linear(out_features, in_features, 0)),
+            ("int4-g128", int4_linear(out_features, in_features, 0)),
         ] {
             group.throughput(Throughput::Bytes(linear.weight_bytes() as u64));
-            let mut y = vec![0f32; out_dim];
+            let mut y = vec![0f32; out_features];
             let id = BenchmarkId::new(format!("fused/{}", isa.name()), name);
             group.bench_function(id, |b| {
                 b.iter(|| linear.forward(black_box(&x), 1, &mut y, opts).unwrap())
@@ -204,7 +213,7 @@ fn decode_compute(c: &mut Criterion) {
 }
 
 fn prefill(c: &mut Criterion) {
-    let (out_dim, in_dim, rank, batch) = (6144, 5120, 256, 128);
+    let (out_features, in_features, rank, batch) = (6144, 5120, 256, 128);
     // `LORAQ_BENCH_ISA=avx2` times the AVX2 kernels on an AVX-512 machine.
     let isa = std::env::var("LORAQ_BENCH_ISA").ok().map(|name| {
         Isa::from_name(&name).unwrap_or_else(|| {
@@ -218,19 +227,19 @@ fn prefill(c: &mut Criterion) {
         isa,
         ..CpuOptions::default()
     };
-    let x = activations(batch * in_dim);
+    let x = activations(batch * in_features);
     let mut group = c.benchmark_group("prefill_6144x5120_r256_b128");
     group
         .sample_size(10)
         .measurement_time(Duration::from_secs(8));
     for (name, linear) in [
-        ("fp8-block128", fp8_linear(out_dim, in_dim, rank)),
-        ("nvfp4", nvfp4_linear(out_dim, in_dim, rank)),
+        ("fp8-block128", fp8_linear(out_features, in_features, rank)),
+        ("nvfp4", nvfp4_linear(out_features, in_features, rank)),
     ] {
         group.throughput(Throughput::Elements(
             (linear.macs_per_token() * batch) as u64,
         ));
-        let mut y = vec![0f32; batch * out_dim];
+        let mut y = vec![0f32; batch * out_features];
         group.bench_function(BenchmarkId::new("fused", name), |b| {
             b.iter(|| linear.forward(black_box(&x), batch, &mut y, opts).unwrap())
         });

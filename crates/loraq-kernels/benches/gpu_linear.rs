@@ -70,39 +70,44 @@ fn random_bytes(len: usize, seed: u64, map: impl Fn(u8) -> u8) -> Vec<u8> {
     out
 }
 
-fn lora(out_dim: usize, in_dim: usize) -> LoraAdapter {
+fn lora(out_features: usize, in_features: usize) -> LoraAdapter {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
-    let a = (0..RANK * in_dim)
+    let a = (0..RANK * in_features)
         .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
         .collect();
-    let b = (0..out_dim * RANK)
+    let b = (0..out_features * RANK)
         .map(|_| bf16::from_f32(rng.random_range(-0.02..0.02)))
         .collect();
-    LoraAdapter::new(RANK, in_dim, out_dim, a, b, 1.0).unwrap()
+    LoraAdapter::new(RANK, in_features, out_features, a, b, 1.0).unwrap()
 }
 
-fn linear(format: &str, out_dim: usize, in_dim: usize) -> QuantLoraLinear {
+fn linear(format: &str, out_features: usize, in_features: usize) -> QuantLoraLinear {
     let base = match format {
         "fp8-block128" => {
-            let codes = random_bytes(out_dim * in_dim, 1, |b| {
+            let codes = random_bytes(out_features * in_features, 1, |b| {
                 if b & 0x7F == 0x7F { b ^ 1 } else { b }
             });
-            let scales = vec![1e-3f32; out_dim.div_ceil(128) * in_dim.div_ceil(128)];
-            QuantizedWeight::Fp8(Fp8Weight::block128(out_dim, in_dim, codes, scales))
+            let scales = vec![1e-3f32; out_features.div_ceil(128) * in_features.div_ceil(128)];
+            QuantizedWeight::Fp8(Fp8Weight::block128(
+                out_features,
+                in_features,
+                codes,
+                scales,
+            ))
         }
         _ => {
-            let packed = random_bytes(out_dim * in_dim / 2, 2, |b| b);
-            let scales = random_bytes(out_dim * in_dim / 16, 3, |b| 0x30 + (b & 0x0F));
+            let packed = random_bytes(out_features * in_features / 2, 2, |b| b);
+            let scales = random_bytes(out_features * in_features / 16, 3, |b| 0x30 + (b & 0x0F));
             QuantizedWeight::Nvfp4(Nvfp4Weight::new(
-                out_dim,
-                in_dim,
+                out_features,
+                in_features,
                 packed,
                 scales,
                 Nvfp4GlobalScale::Multiplier(1e-3),
             ))
         }
     };
-    QuantLoraLinear::new(base, Some(lora(out_dim, in_dim))).unwrap()
+    QuantLoraLinear::new(base, Some(lora(out_features, in_features))).unwrap()
 }
 
 /// Bytes of weights the timed loop cycles through, so that no launch finds its weights
@@ -172,10 +177,10 @@ fn time_ms(
 fn rotation_copies(
     backend: &CudaBackend,
     format: &str,
-    out_dim: usize,
-    in_dim: usize,
+    out_features: usize,
+    in_features: usize,
 ) -> Vec<GpuLinear> {
-    let l = linear(format, out_dim, in_dim);
+    let l = linear(format, out_features, in_features);
     let count = ROTATION_BYTES.div_ceil(l.weight_bytes()).max(2);
     (0..count).map(|_| backend.upload(&l).unwrap()).collect()
 }
@@ -219,14 +224,14 @@ fn write_table(backend: &CudaBackend, path: &str) {
     writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|").unwrap();
     for format in formats() {
         let format = format.as_str();
-        for (name, out_dim, in_dim) in SHAPES {
-            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
+        for (name, out_features, in_features) in SHAPES {
+            let mut copies = rotation_copies(backend, format, out_features, in_features);
             let weight_bytes = copies[0].weight_bytes();
             for batch in batches() {
                 let x = backend
-                    .upload_activations(&vec![0.5f32; batch * in_dim])
+                    .upload_activations(&vec![0.5f32; batch * in_features])
                     .unwrap();
-                let mut y = backend.alloc_output(batch * out_dim).unwrap();
+                let mut y = backend.alloc_output(batch * out_features).unwrap();
                 let fused = time_ms(backend, &mut copies, &x, batch, &mut y, GpuMode::Fused);
                 let unfused = time_ms(backend, &mut copies, &x, batch, &mut y, GpuMode::Unfused);
                 let gbps = weight_bytes as f64 / (fused * 1e-3) / 1e9;
@@ -265,10 +270,12 @@ fn explore_decode_grid(backend: &mut CudaBackend, path: &str) {
     );
     for format in formats() {
         let format = format.as_str();
-        for (name, out_dim, in_dim) in SHAPES {
-            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
-            let x = backend.upload_activations(&vec![0.5f32; in_dim]).unwrap();
-            let mut y = backend.alloc_output(out_dim).unwrap();
+        for (name, out_features, in_features) in SHAPES {
+            let mut copies = rotation_copies(backend, format, out_features, in_features);
+            let x = backend
+                .upload_activations(&vec![0.5f32; in_features])
+                .unwrap();
+            let mut y = backend.alloc_output(out_features).unwrap();
             let mut row = format!("| {format} | {name} |");
             for blocks in [None, Some(1), Some(2), Some(4)] {
                 backend.set_decode_blocks_per_sm(blocks);
@@ -303,14 +310,14 @@ fn compare_tensor_core_decode(backend: &CudaBackend, path: &str) {
     );
     for format in formats() {
         let format = format.as_str();
-        for (name, out_dim, in_dim) in SHAPES {
-            let mut copies = rotation_copies(backend, format, out_dim, in_dim);
+        for (name, out_features, in_features) in SHAPES {
+            let mut copies = rotation_copies(backend, format, out_features, in_features);
             let weight_bytes = copies[0].weight_bytes();
             for batch in [1usize, 4, 8, 16] {
                 let x = backend
-                    .upload_activations(&vec![0.5f32; batch * in_dim])
+                    .upload_activations(&vec![0.5f32; batch * in_features])
                     .unwrap();
-                let mut y = backend.alloc_output(batch * out_dim).unwrap();
+                let mut y = backend.alloc_output(batch * out_features).unwrap();
                 let mut time = |mode| time_ms(backend, &mut copies, &x, batch, &mut y, mode);
                 let tc = time(GpuMode::FusedTensorCoreDecode);
                 let fused = time(GpuMode::Fused);
@@ -357,21 +364,21 @@ fn compare_programmatic_launch(backend: &mut CudaBackend, path: &str) {
     const FIXED_COST: (&str, usize, usize) = ("fixed cost 512->256, L2-resident", 256, 512);
     for format in formats() {
         let format = format.as_str();
-        for (name, out_dim, in_dim) in SHAPES.into_iter().chain([FIXED_COST]) {
+        for (name, out_features, in_features) in SHAPES.into_iter().chain([FIXED_COST]) {
             let fixed_cost = name == FIXED_COST.0;
             let mut copies = if fixed_cost {
-                let l = linear(format, out_dim, in_dim);
+                let l = linear(format, out_features, in_features);
                 vec![backend.upload(&l).unwrap(), backend.upload(&l).unwrap()]
             } else {
-                rotation_copies(backend, format, out_dim, in_dim)
+                rotation_copies(backend, format, out_features, in_features)
             };
             let weight_bytes = copies[0].weight_bytes();
             let batches: &[usize] = if fixed_cost { &[1] } else { &[1, 4, 16] };
             for &batch in batches {
                 let x = backend
-                    .upload_activations(&vec![0.5f32; batch * in_dim])
+                    .upload_activations(&vec![0.5f32; batch * in_features])
                     .unwrap();
-                let mut y = backend.alloc_output(batch * out_dim).unwrap();
+                let mut y = backend.alloc_output(batch * out_features).unwrap();
                 backend.set_programmatic_launch(false);
                 let plain = time_ms(backend, &mut copies, &x, batch, &mut y, GpuMode::Fused);
                 backend.set_programmatic_launch(true);
@@ -401,15 +408,15 @@ fn criterion_groups(c: &mut Criterion, backend: &CudaBackend) {
         .warm_up_time(Duration::from_millis(500));
     for format in formats() {
         let format = format.as_str();
-        let (out_dim, in_dim) = (17408, 5120);
-        let l = linear(format, out_dim, in_dim);
+        let (out_features, in_features) = (17408, 5120);
+        let l = linear(format, out_features, in_features);
         let mut gpu = backend.upload(&l).unwrap();
         group.throughput(Throughput::Bytes(gpu.weight_bytes() as u64));
         for batch in [1usize, 16] {
             let x = backend
-                .upload_activations(&vec![0.5f32; batch * in_dim])
+                .upload_activations(&vec![0.5f32; batch * in_features])
                 .unwrap();
-            let mut y = backend.alloc_output(batch * out_dim).unwrap();
+            let mut y = backend.alloc_output(batch * out_features).unwrap();
             for mode in [
                 GpuMode::Fused,
                 GpuMode::Unfused,

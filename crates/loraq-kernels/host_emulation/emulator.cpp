@@ -10,8 +10,9 @@
 // INPUT (little-endian, written by the loraq-kernels host_emulation tests):
 //   u32 buffer count, then per buffer: u64 byte length + the bytes (its initial content)
 //   u32 launch count, then per launch: u32 name length + name, u32 grid x, u32 grid y,
-//       u32 argument count, then per argument: u8 kind (0 buffer: u32 index; 1 i32;
-//       2 f32; 3 u32) and its 4-byte value
+//       u32 byte length + the bytes of the kernel's argument struct (kernel_args.rs;
+//       pointer fields hold u64 buffer indices), u32 count of pointer fields + each one's
+//       u32 byte offset (replaced by the buffer's host address before the launch)
 //   u32 index of the buffer written to OUTPUT
 //   u32 count of (u32 buffer index, u32 expected first word) checks made after the last
 //       launch (the release counter reached its target, the shrink tickets are back at 0)
@@ -87,66 +88,32 @@ void emu_mma_bf16_16816(float* c, const unsigned int* a, const unsigned int* b) 
 }
 
 namespace {
-// One argument of a launch: a buffer's base address or a 4-byte scalar.
-struct Arg {
-    unsigned char kind;
-    unsigned int bits;
-    void* ptr;
-    int i() const { return (int)bits; }
-    unsigned int u() const { return bits; }
-    float f() const { return __uint_as_float(bits); }
-    template <class T>
-    T* p() const {
-        return static_cast<T*>(ptr);
-    }
+// A launch's argument struct, its pointer fields already relocated to host buffers.
+typedef std::vector<unsigned char> ArgBytes;
+
+// A kernel: the size of its argument struct, and a call with that struct copied out of a
+// launch's bytes.
+struct Kernel {
+    size_t args_size;
+    std::function<void(const ArgBytes&)> call;
 };
-typedef std::vector<Arg> Args;
 
-// Each kernel signature of the .cu files, as a call on an argument list.
-template <class F>
-std::function<void(const Args&)> fused(F f) {
-    return [f](const Args& a) {
-        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].i(), a[4].p<const void>(), a[5].p<const void>(), a[6].f(),
-          a[7].p<const bf16>(), a[8].p<const bf16>(), a[9].i(), a[10].f(), a[11].p<float>(), a[12].p<unsigned int>(),
-          a[13].u(), a[14].i(), a[15].i(), a[16].p<float>(), a[17].p<unsigned int>(), a[18].p<bf16>());
-    };
-}
-template <class F>
-std::function<void(const Args&)> base(F f) {
-    return [f](const Args& a) {
-        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].i(), a[4].p<const void>(), a[5].p<const void>(), a[6].f(),
-          a[7].p<bf16>());
-    };
-}
-template <class F>
-std::function<void(const Args&)> shrink(F f) {
-    return [f](const Args& a) {
-        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].p<const bf16>(), a[4].i(), a[5].f(), a[6].p<float>());
-    };
-}
-template <class F>
-std::function<void(const Args&)> expand(F f) {
-    return [f](const Args& a) {
-        f(a[0].p<const float>(), a[1].i(), a[2].i(), a[3].p<const bf16>(), a[4].i(), a[5].p<bf16>());
-    };
-}
-template <class F>
-std::function<void(const Args&)> tc_gemm(F f) {
-    return [f](const Args& a) {
-        f(a[0].p<const bf16>(), a[1].i(), a[2].i(), a[3].p<const void>(), a[4].p<const void>(), a[5].f(), a[6].i(),
-          a[7].p<const float>(), a[8].p<const bf16>(), a[9].i(), a[10].p<bf16>(), a[11].i());
-    };
+template <class T>
+Kernel by_value(void (*kernel)(T)) {
+    return Kernel{sizeof(T), [kernel](const ArgBytes& bytes) {
+                      T args;
+                      std::memcpy(&args, bytes.data(), sizeof(T));
+                      kernel(args);
+                  }};
 }
 
-#define K(wrap, name) {#name, wrap(name)}
-#define FORMATS(wrap, suffix) K(wrap, bf16_##suffix), K(wrap, fp8b128_##suffix), K(wrap, nvfp4_##suffix)
-const std::map<std::string, std::function<void(const Args&)>> kKernels = {
-    FORMATS(fused, fused_b1),       FORMATS(fused, fused_b4),       FORMATS(fused, fused_b16),
-    FORMATS(fused, tcdec_fused_b8), FORMATS(fused, tcdec_fused_b16), FORMATS(base, base_b1),
-    FORMATS(base, base_b4),         FORMATS(base, base_b16),        FORMATS(tc_gemm, tc_gemm),
-    K(shrink, lora_shrink_b1),      K(shrink, lora_shrink_b4),      K(shrink, lora_shrink_b16),
-    K(expand, lora_expand_b1),      K(expand, lora_expand_b4),      K(expand, lora_expand_b16),
-    K(shrink, lora_tc_shrink),
+#define K(name) {#name, by_value(name)}
+#define FORMATS(suffix) K(bf16_##suffix), K(fp8b128_##suffix), K(nvfp4_##suffix)
+const std::map<std::string, Kernel> kKernels = {
+    FORMATS(fused_b1),       FORMATS(fused_b4),        FORMATS(fused_b16),     FORMATS(tcdec_fused_b8),
+    FORMATS(tcdec_fused_b16), FORMATS(base_b1),         FORMATS(base_b4),       FORMATS(base_b16),
+    FORMATS(tc_gemm),        K(lora_shrink_b1),        K(lora_shrink_b4),      K(lora_shrink_b16),
+    K(lora_expand_b1),       K(lora_expand_b4),        K(lora_expand_b16),     K(lora_tc_shrink),
 };
 
 struct Reader {
@@ -193,7 +160,8 @@ class BlockRunner {
         start_.arrive_and_wait();
         for (auto& th : threads_) th.join();
     }
-    void run(const std::function<void(const Args&)>& kernel, const Args& args, unsigned int bx, unsigned int by) {
+    void run(const std::function<void(const ArgBytes&)>& kernel, const ArgBytes& args, unsigned int bx,
+             unsigned int by) {
         kernel_ = &kernel;
         args_ = &args;
         block_ = {bx, by, 0};
@@ -204,8 +172,8 @@ class BlockRunner {
    private:
     std::barrier<> start_, end_;
     std::vector<std::thread> threads_;
-    const std::function<void(const Args&)>* kernel_ = nullptr;
-    const Args* args_ = nullptr;
+    const std::function<void(const ArgBytes&)>* kernel_ = nullptr;
+    const ArgBytes* args_ = nullptr;
     dim3_emu block_{};
 };
 }  // namespace
@@ -236,16 +204,29 @@ int main(int argc, char** argv) {
             return 2;
         }
         const unsigned int gx = r.get<unsigned int>(), gy = r.get<unsigned int>();
-        Args args(r.get<unsigned int>());
-        for (auto& a : args) {
-            a.kind = r.get<unsigned char>();
-            a.bits = r.get<unsigned int>();
-            a.ptr = a.kind == 0 ? (void*)buffers.at(a.bits).data() : nullptr;
+        ArgBytes args(r.get<unsigned int>());
+        r.in.read(reinterpret_cast<char*>(args.data()), (std::streamsize)args.size());
+        const unsigned int pointers = r.get<unsigned int>();
+        for (unsigned int p = 0; p < pointers; ++p) {
+            const unsigned int offset = r.get<unsigned int>();
+            unsigned long long index;
+            if ((unsigned long long)offset + sizeof(index) > args.size()) {
+                std::fprintf(stderr, "emulator: %s: pointer offset %u outside its arguments\n", name.c_str(), offset);
+                return 2;
+            }
+            std::memcpy(&index, args.data() + offset, sizeof(index));
+            void* host = buffers.at(index).data();
+            std::memcpy(args.data() + offset, &host, sizeof(host));
+        }
+        if (args.size() != kernel->second.args_size) {
+            std::fprintf(stderr, "emulator: %s: %zu bytes of arguments, its struct has %zu\n", name.c_str(),
+                         args.size(), kernel->second.args_size);
+            return 2;
         }
         gridDim = {gx, gy, 1};
         blockDim = {kThreads, 1, 1};
         for (unsigned int by = 0; by < gy; ++by)
-            for (unsigned int bx = 0; bx < gx; ++bx) runner.run(kernel->second, args, bx, by);
+            for (unsigned int bx = 0; bx < gx; ++bx) runner.run(kernel->second.call, args, bx, by);
     }
     const unsigned int output = r.get<unsigned int>();
     const unsigned int checks = r.get<unsigned int>();

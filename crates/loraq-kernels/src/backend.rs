@@ -13,14 +13,14 @@ use loraq_quant::{ActivationQuant, QuantizedWeight};
 use std::fmt;
 
 /// A quantized-base + LoRA linear ready to run: `y = W act(x) + s B (A x)` for
-/// `batch` tokens, `x` `[batch, in_dim]`, `y` `[batch, out_dim]` (overwritten).
+/// `batch` tokens, `x` `[batch, in_features]`, `y` `[batch, out_features]` (overwritten).
 pub trait LoraLinear: Send + Sync + fmt::Debug {
     /// Runs the linear on `batch` tokens.
     fn forward(&self, x: &[f32], batch: usize, y: &mut [f32]) -> Result<()>;
     /// Input features.
-    fn in_dim(&self) -> usize;
+    fn in_features(&self) -> usize;
     /// Output features.
-    fn out_dim(&self) -> usize;
+    fn out_features(&self) -> usize;
 }
 
 /// Where a linear runs.
@@ -89,7 +89,7 @@ impl LoraLinear for ReferenceLinear {
         if out.len() != y.len() {
             return Err(crate::KernelError::OutputShape {
                 batch,
-                out_dim: self.0.out_dim(),
+                out_features: self.0.out_features(),
                 actual: y.len(),
             });
         }
@@ -97,12 +97,12 @@ impl LoraLinear for ReferenceLinear {
         Ok(())
     }
 
-    fn in_dim(&self) -> usize {
-        self.0.in_dim()
+    fn in_features(&self) -> usize {
+        self.0.in_features()
     }
 
-    fn out_dim(&self) -> usize {
-        self.0.out_dim()
+    fn out_features(&self) -> usize {
+        self.0.out_features()
     }
 }
 
@@ -118,11 +118,11 @@ impl LoraLinear for CpuLinear {
         self.linear.forward(x, batch, y, self.options)
     }
 
-    fn in_dim(&self) -> usize {
-        self.linear.in_dim()
+    fn in_features(&self) -> usize {
+        self.linear.in_features()
     }
 
-    fn out_dim(&self) -> usize {
-        self.linear.out_dim()
+    fn out_features(&self) -> usize {
+        self.linear.out_features()
     }
 }

@@ -9,7 +9,11 @@
 //! accumulation is f32; the LoRA intermediate `s * A x` is f32.
 
 use crate::error::{KernelError, Result};
-use crate::launch_plan::{self, DecodeKernel, FusedPlan};
+use crate::kernel_args::DeviceAddress;
+use crate::launch_plan::{
+    self, BLOCK_THREADS, CUDA_LINEAR_MODE, ForwardBuffers, ForwardPlan, HostOperands, KernelModule,
+    LinearGeometry,
+};
 use crate::linear::QuantLoraLinear;
 use crate::lora::MAX_RANK;
 use crate::nvrtc::{KERNELS, KernelSource, Nvrtc, NvrtcLocation};
@@ -19,7 +23,6 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
-use loraq_quant::{Nvfp4GlobalScale, QuantizedWeight};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -28,11 +31,10 @@ use std::sync::{Arc, Mutex};
 /// [`CudaBackend::from_cubin_dir`]).
 pub const CUBIN_DIR_ENV: &str = "LORAQ_CUBIN_DIR";
 
+pub use crate::launch_plan::GpuMode;
+
 /// Largest batch of the decode kernels; larger batches use the tensor-core kernels.
 pub const DECODE_MAX_BATCH: usize = launch_plan::DECODE_MAX_BATCH;
-const TC_TILE: usize = 64;
-/// Threads of a decode block (`DECODE_WARPS` in lora_decode.cu).
-const DECODE_THREADS: u32 = launch_plan::DECODE_THREADS as u32;
 
 fn driver_err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
     move |e| KernelError::Cuda {
@@ -59,23 +61,6 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     } else {
         format!("sm_{major}{minor}")
     }
-}
-
-/// Which kernel sequence [`GpuLinear::forward`] runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GpuMode {
-    /// Decode: one launch (shrink overlapped with the base stream); prefill: shrink, then
-    /// base + expand in one tensor-core pass.
-    Fused,
-    /// Base product, LoRA shrink, LoRA expand as three launches (the baseline).
-    Unfused,
-    /// As `Fused`, but decode batches (up to 16 tokens) with a rank that is a multiple of
-    /// 16 (or no LoRA) run the tensor-core decode (`{format}_tcdec_fused_b{8,16}` in
-    /// lora_decode.cu: 16 weight rows x the tokens per mma, one launch with the shrink).
-    /// Opt-in: it matches the reference in the host emulation (`launch_plan.rs`), and
-    /// becomes the default for those batches once `scripts/gpu-check.sh` shows it
-    /// correct and faster on a device.
-    FusedTensorCoreDecode,
 }
 
 /// A device, its stream and the loaded kernels.
@@ -271,7 +256,7 @@ impl CudaBackend {
                     .load_function(name)
                     .map_err(driver_err("loading a decode kernel"))?;
                 let per_sm = function
-                    .occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None)
+                    .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)
                     .map_err(driver_err("querying a decode kernel's occupancy"))?
                     .max(1);
                 cache.insert(name.to_string(), (function.clone(), per_sm));
@@ -328,85 +313,23 @@ impl CudaBackend {
     pub fn upload(&self, linear: &QuantLoraLinear) -> Result<GpuLinear> {
         let s = &self.stream;
         let up = driver_err("uploading weights");
-        let (format, codes, scales, global) = match linear.base() {
-            QuantizedWeight::Bf16(w) => {
-                let bytes: Vec<u8> = w
-                    .data
-                    .iter()
-                    .flat_map(|v| v.to_bits().to_le_bytes())
-                    .collect();
-                (
-                    "bf16",
-                    s.clone_htod(&bytes).map_err(&up)?,
-                    s.alloc_zeros::<u8>(4).map_err(&up)?,
-                    1.0,
-                )
-            }
-            QuantizedWeight::Fp8(w) => {
-                let scale_bytes: Vec<u8> = w.scales.iter().flat_map(|v| v.to_le_bytes()).collect();
-                (
-                    "fp8b128",
-                    s.clone_htod(&w.codes).map_err(&up)?,
-                    s.clone_htod(&scale_bytes).map_err(&up)?,
-                    1.0,
-                )
-            }
-            QuantizedWeight::Nvfp4(w) => (
-                "nvfp4",
-                s.clone_htod(&w.packed).map_err(&up)?,
-                s.clone_htod(&w.block_scales).map_err(&up)?,
-                // The kernels multiply by the global scale; a compressed-tensors divisor
-                // becomes `1 / d`, one rounding more than the CPU path's division.
-                match w.global_scale {
-                    Nvfp4GlobalScale::Multiplier(g) => g,
-                    Nvfp4GlobalScale::Divisor(d) => 1.0 / d,
-                },
-            ),
-            QuantizedWeight::Mxfp4(_) => {
-                return Err(KernelError::UnsupportedOnGpu {
-                    what: "mxfp4 base weights (CPU path only)".into(),
-                });
-            }
-            QuantizedWeight::Int4(_) => {
-                return Err(KernelError::UnsupportedOnGpu {
-                    what: "int4-g128 base weights (CPU path only)".into(),
-                });
-            }
-            QuantizedWeight::Ggml(w) => {
-                return Err(KernelError::UnsupportedOnGpu {
-                    what: format!("ggml {} base weights", w.ggml_type),
-                });
-            }
+        let operands = HostOperands::new(linear)?;
+        let scales = if operands.scales.is_empty() {
+            s.alloc_zeros::<u8>(4).map_err(&up)?
+        } else {
+            s.clone_htod(&operands.scales[..]).map_err(&up)?
         };
-        let (n, k) = (linear.out_dim(), linear.in_dim());
-        if !k.is_multiple_of(16) {
-            return Err(KernelError::UnsupportedOnGpu {
-                what: format!("in-dim {k} (the GPU kernels need a multiple of 16)"),
-            });
-        }
-        if !linear.activation_quant().is_identity() {
-            return Err(KernelError::UnsupportedOnGpu {
-                what: "activation fake-quant (the GPU kernels take bf16 activations)".into(),
-            });
-        }
         let lora = match linear.lora() {
-            Some(l) => Some(GpuLora {
-                a: s.clone_htod(&l.a.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
-                    .map_err(&up)?,
-                b: s.clone_htod(&l.b.iter().map(|v| v.to_bits()).collect::<Vec<u16>>())
-                    .map_err(&up)?,
-                rank: l.rank,
-                scale: l.scale,
+            Some(_) => Some(GpuLora {
+                a: s.clone_htod(&operands.lora_a).map_err(&up)?,
+                b: s.clone_htod(&operands.lora_b).map_err(&up)?,
             }),
             None => None,
         };
         Ok(GpuLinear {
-            format,
-            n,
-            k,
-            codes,
+            geometry: operands.geometry,
+            codes: s.clone_htod(&operands.codes[..]).map_err(&up)?,
             scales,
-            global,
             lora,
             t: s.alloc_zeros::<f32>(16).map_err(&up)?,
             counter: s.alloc_zeros::<u32>(1).map_err(&up)?,
@@ -422,18 +345,14 @@ impl CudaBackend {
 struct GpuLora {
     a: CudaSlice<u16>,
     b: CudaSlice<u16>,
-    rank: usize,
-    scale: f32,
 }
 
 /// A linear resident on the device.
 pub struct GpuLinear {
-    format: &'static str,
-    n: usize,
-    k: usize,
+    /// Format, shape, global multiplier, LoRA rank and scale.
+    geometry: LinearGeometry,
     codes: CudaSlice<u8>,
     scales: CudaSlice<u8>,
-    global: f32,
     lora: Option<GpuLora>,
     /// LoRA intermediate, f32 `[batch, rank]` (grown on demand).
     t: CudaSlice<f32>,
@@ -447,17 +366,6 @@ pub struct GpuLinear {
     /// Stands in for absent LoRA operands (the kernels never read it when rank is 0).
     placeholder: CudaSlice<u16>,
     weight_bytes: usize,
-}
-
-fn as_i32(v: usize, what: &'static str) -> Result<i32> {
-    i32::try_from(v).map_err(|_| KernelError::UnsupportedOnGpu {
-        what: format!("{what} = {v} exceeds i32"),
-    })
-}
-
-/// A kernel argument as `cuLaunchKernel` takes it: a pointer to the argument's value.
-fn kernel_param<T>(value: &T) -> *mut std::ffi::c_void {
-    value as *const T as *mut std::ffi::c_void
 }
 
 /// Launches `function` on the backend's stream with raw parameters; `programmatic`
@@ -545,7 +453,8 @@ impl GpuLinear {
     }
 
     /// `y = W x + s B (A x)` for `batch` tokens of bf16 `x` (`[batch, in]`) into bf16 `y`
-    /// (`[batch, out]`), queued on the backend's stream.
+    /// (`[batch, out]`), queued on the backend's stream: the launches of
+    /// [`ForwardPlan::launches`], each kernel given its argument struct.
     pub fn forward(
         &mut self,
         backend: &CudaBackend,
@@ -557,298 +466,66 @@ impl GpuLinear {
         if batch == 0 {
             return Ok(());
         }
-        if x.len() < batch * self.k || y.len() < batch * self.n {
+        let (out_features, in_features) = (self.geometry.out_features, self.geometry.in_features);
+        if x.len() < batch * in_features || y.len() < batch * out_features {
             return Err(KernelError::InputShape {
                 batch,
-                in_dim: self.k,
+                in_features,
                 actual: x.len(),
             });
         }
-        let rank = self.lora.as_ref().map_or(0, |l| l.rank);
-        self.ensure_t(&backend.stream, batch * rank.max(1))?;
-        if batch <= DECODE_MAX_BATCH {
-            self.forward_decode(backend, x, batch, y, mode)
-        } else {
-            self.forward_prefill(backend, x, batch, y, mode)
-        }
-    }
-
-    fn forward_decode(
-        &mut self,
-        backend: &CudaBackend,
-        x: &CudaSlice<u16>,
-        batch: usize,
-        y: &mut CudaSlice<u16>,
-        mode: GpuMode,
-    ) -> Result<()> {
-        let threads = DECODE_THREADS;
-        let (batch_i, n_i, k_i) = (
-            as_i32(batch, "batch")?,
-            as_i32(self.n, "out_dim")?,
-            as_i32(self.k, "in_dim")?,
-        );
         let stream = &backend.stream;
-        let launch = driver_err("launching a decode kernel");
-        let (rank, scale) = self.lora.as_ref().map_or((0, 0.0), |l| (l.rank, l.scale));
-        let nb = launch_plan::cuda_core_instance(batch);
-        match mode {
-            GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
-                let tensor_cores = if mode == GpuMode::FusedTensorCoreDecode {
-                    let tc_nb = if batch <= 8 { 8 } else { 16 };
-                    let (f, resident) = backend.decode_fn(&format!(
-                        "{}_{}_b{tc_nb}",
-                        self.format,
-                        DecodeKernel::TensorCore.name()
-                    ))?;
-                    launch_plan::tensor_core_plan(self.n, self.k, batch, rank, resident)
-                        .map(|plan| (f, plan))
-                } else {
-                    None
-                };
-                let (function, plan): (CudaFunction, FusedPlan) = match tensor_cores {
-                    Some(chosen) => chosen,
-                    None => {
-                        let (f, resident) = backend.decode_fn(&format!(
-                            "{}_{}_b{nb}",
-                            self.format,
-                            DecodeKernel::CudaCore.name()
-                        ))?;
-                        (
-                            f,
-                            launch_plan::cuda_core_plan(self.n, batch, rank, resident),
-                        )
-                    }
-                };
-                if self.tc_part.len() < plan.slices * 16 * rank {
-                    self.tc_part = stream
-                        .alloc_zeros::<f32>(plan.slices * 16 * rank)
-                        .map_err(driver_err("allocating the shrink's partial sums"))?;
-                }
-                self.counter_value = self.counter_value.wrapping_add(plan.releases as u32);
-                let (rank_i, shrink_i, slice_i) = (
-                    as_i32(rank, "rank")?,
-                    as_i32(plan.shrink_blocks, "shrink blocks")?,
-                    as_i32(plan.slice_chunks, "shrink slice")?,
-                );
-                let target = self.counter_value;
-                let (a, b) = match &self.lora {
-                    Some(l) => (&l.a, &l.b),
-                    None => (&self.placeholder, &self.placeholder),
-                };
-                // Raw pointers: the same argument list serves a plain and a programmatic
-                // launch (cudarc's builder has no launch attributes). Event tracking is
-                // off (with_images), so taking the pointers records nothing.
-                let (x_ptr, codes, scales) = (
-                    x.device_ptr(stream).0,
-                    self.codes.device_ptr(stream).0,
-                    self.scales.device_ptr(stream).0,
-                );
-                let (a_ptr, b_ptr) = (a.device_ptr(stream).0, b.device_ptr(stream).0);
-                let (t_ptr, counter, part, tickets, y_ptr) = (
-                    self.t.device_ptr_mut(stream).0,
-                    self.counter.device_ptr_mut(stream).0,
-                    self.tc_part.device_ptr_mut(stream).0,
-                    self.tc_tickets.device_ptr_mut(stream).0,
-                    y.device_ptr_mut(stream).0,
-                );
-                let mut params = [
-                    kernel_param(&x_ptr),
-                    kernel_param(&batch_i),
-                    kernel_param(&n_i),
-                    kernel_param(&k_i),
-                    kernel_param(&codes),
-                    kernel_param(&scales),
-                    kernel_param(&self.global),
-                    kernel_param(&a_ptr),
-                    kernel_param(&b_ptr),
-                    kernel_param(&rank_i),
-                    kernel_param(&scale),
-                    kernel_param(&t_ptr),
-                    kernel_param(&counter),
-                    kernel_param(&target),
-                    kernel_param(&shrink_i),
-                    kernel_param(&slice_i),
-                    kernel_param(&part),
-                    kernel_param(&tickets),
-                    kernel_param(&y_ptr),
-                ];
-                // Only the CUDA-core kernel waits before touching what the previous
-                // kernel may use (griddep_wait in lora_decode.cu).
-                let programmatic = backend.programmatic_launch
-                    && plan.kind == DecodeKernel::CudaCore
-                    && backend.major >= 9;
-                // SAFETY: the parameters match `{format}_fused_b{NB}` and
-                // `{format}_tcdec_fused_b{NB}` in lora_decode.cu, in order and type, and
-                // outlive the call; t holds batch * rank floats (forward), tc_part the
-                // plan's slices * 16 * rank, tc_tickets one per 16 rows of A up to
-                // MAX_RANK; the grid is co-resident.
-                unsafe {
-                    launch_raw(
-                        backend,
-                        &function,
-                        grid_1d(plan.shrink_blocks + plan.base_blocks, threads),
-                        &mut params,
-                        programmatic,
-                    )
-                }
-                .map_err(&launch)?;
-            }
-            GpuMode::Unfused => {
-                let (f, resident) = backend.decode_fn(&format!("{}_base_b{nb}", self.format))?;
-                let base_blocks =
-                    launch_plan::cuda_core_plan(self.n, batch, 0, resident).base_blocks;
-                // With no cap on co-residency: a block per 4 row groups of the expand, per
-                // 4 warps' rows of A for the shrink.
-                let uncapped = launch_plan::cuda_core_plan(self.n, batch, rank, usize::MAX);
-                let mut builder = stream.launch_builder(&f);
-                builder
-                    .arg(x)
-                    .arg(&batch_i)
-                    .arg(&n_i)
-                    .arg(&k_i)
-                    .arg(&self.codes)
-                    .arg(&self.scales)
-                    .arg(&self.global)
-                    .arg(&mut *y);
-                // SAFETY: matches `{format}_base_b{NB}`.
-                unsafe { builder.launch(grid_1d(base_blocks, threads)) }.map_err(&launch)?;
-                if let Some(l) = &self.lora {
-                    let rank_i = as_i32(l.rank, "rank")?;
-                    let (shrink, _) = backend.decode_fn(&format!("lora_shrink_b{nb}"))?;
-                    let mut builder = stream.launch_builder(&shrink);
-                    builder
-                        .arg(x)
-                        .arg(&batch_i)
-                        .arg(&k_i)
-                        .arg(&l.a)
-                        .arg(&rank_i)
-                        .arg(&l.scale)
-                        .arg(&mut self.t);
-                    // SAFETY: matches `lora_shrink_b{NB}`.
-                    unsafe { builder.launch(grid_1d(uncapped.shrink_blocks, threads)) }
-                        .map_err(&launch)?;
-                    let (expand, _) = backend.decode_fn(&format!("lora_expand_b{nb}"))?;
-                    let mut builder = stream.launch_builder(&expand);
-                    builder
-                        .arg(&self.t)
-                        .arg(&batch_i)
-                        .arg(&n_i)
-                        .arg(&l.b)
-                        .arg(&rank_i)
-                        .arg(y);
-                    // SAFETY: matches `lora_expand_b{NB}`.
-                    unsafe { builder.launch(grid_1d(uncapped.base_blocks, threads)) }
-                        .map_err(&launch)?;
-                }
-            }
+        let plan = ForwardPlan::new(self.geometry, batch, mode, |kernel| {
+            backend.decode_fn(kernel).map(|(_, resident)| resident)
+        })?;
+        self.ensure_t(stream, plan.t_floats())?;
+        if self.tc_part.len() < plan.part_floats() {
+            self.tc_part = stream
+                .alloc_zeros::<f32>(plan.part_floats())
+                .map_err(driver_err("allocating the shrink's partial sums"))?;
         }
-        Ok(())
-    }
-
-    fn forward_prefill(
-        &mut self,
-        backend: &CudaBackend,
-        x: &CudaSlice<u16>,
-        batch: usize,
-        y: &mut CudaSlice<u16>,
-        mode: GpuMode,
-    ) -> Result<()> {
-        let stream = &backend.stream;
-        let launch = driver_err("launching a prefill kernel");
-        let (m_i, n_i, k_i) = (
-            as_i32(batch, "batch")?,
-            as_i32(self.n, "out_dim")?,
-            as_i32(self.k, "in_dim")?,
-        );
-        let grid = |cols: usize| LaunchConfig {
-            grid_dim: (
-                cols.div_ceil(TC_TILE) as u32,
-                batch.div_ceil(TC_TILE) as u32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        self.counter_value = self.counter_value.wrapping_add(plan.releases());
+        let (a, b) = match &self.lora {
+            Some(l) => (&l.a, &l.b),
+            None => (&self.placeholder, &self.placeholder),
         };
-        let gemm = backend.prefill_fn(&format!("{}_tc_gemm", self.format))?;
-        let zero_i = 0i32;
-        let placeholder = &self.placeholder;
-        // y = W x, plus the LoRA expand B t when `lora_b` is given (its rank), in one
-        // `{format}_tc_gemm` launch.
-        let base_gemm = |lora_b: Option<(&CudaSlice<u16>, i32)>,
-                         t: &CudaSlice<f32>,
-                         y: &mut CudaSlice<u16>|
-         -> Result<()> {
-            let (b, rank_i) = lora_b.unwrap_or((placeholder, 0));
-            let mut builder = stream.launch_builder(&gemm);
-            builder
-                .arg(x)
-                .arg(&m_i)
-                .arg(&k_i)
-                .arg(&self.codes)
-                .arg(&self.scales)
-                .arg(&self.global)
-                .arg(&n_i)
-                .arg(t)
-                .arg(b)
-                .arg(&rank_i)
-                .arg(y)
-                .arg(&zero_i);
-            // SAFETY: matches `{format}_tc_gemm`; t holds batch * rank floats (written by
-            // the shrink before), rank 0 skips the LoRA operands.
-            unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
-            Ok(())
+        // Event tracking is off (with_images), so taking the addresses records nothing.
+        let address = |ptr: u64| DeviceAddress(ptr);
+        let buffers = ForwardBuffers {
+            x: address(x.device_ptr(stream).0),
+            w_codes: address(self.codes.device_ptr(stream).0),
+            w_scales: address(self.scales.device_ptr(stream).0),
+            lora_a: address(a.device_ptr(stream).0),
+            lora_b: address(b.device_ptr(stream).0),
+            t: address(self.t.device_ptr_mut(stream).0),
+            counter: address(self.counter.device_ptr_mut(stream).0),
+            part: address(self.tc_part.device_ptr_mut(stream).0),
+            tickets: address(self.tc_tickets.device_ptr_mut(stream).0),
+            y: address(y.device_ptr_mut(stream).0),
+            placeholder: address(self.placeholder.device_ptr(stream).0),
         };
-        match &self.lora {
-            None => base_gemm(None, &self.t, y)?,
-            Some(l) => {
-                let rank_i = as_i32(l.rank, "rank")?;
-                // The tensor-core kernel scales the whole tile by the global scale, so the
-                // fused path pre-divides the LoRA intermediate by it.
-                let t_scale = match mode {
-                    GpuMode::Fused | GpuMode::FusedTensorCoreDecode => l.scale / self.global,
-                    GpuMode::Unfused => l.scale,
-                };
-                let shrink = backend.prefill_fn("lora_tc_shrink")?;
-                let mut builder = stream.launch_builder(&shrink);
-                builder
-                    .arg(x)
-                    .arg(&m_i)
-                    .arg(&k_i)
-                    .arg(&l.a)
-                    .arg(&rank_i)
-                    .arg(&t_scale)
-                    .arg(&mut self.t);
-                // SAFETY: matches `lora_tc_shrink`; t holds batch * rank floats.
-                unsafe { builder.launch(grid(l.rank)) }.map_err(&launch)?;
-                match mode {
-                    GpuMode::Fused | GpuMode::FusedTensorCoreDecode => {
-                        base_gemm(Some((&l.b, rank_i)), &self.t, y)?;
-                    }
-                    GpuMode::Unfused => {
-                        base_gemm(None, &self.t, y)?;
-                        let expand = backend.prefill_fn("bf16_tc_gemm")?;
-                        let one = 1i32;
-                        let unit = 1.0f32;
-                        let mut builder = stream.launch_builder(&expand);
-                        builder
-                            .arg(x)
-                            .arg(&m_i)
-                            .arg(&zero_i)
-                            .arg(placeholder)
-                            .arg(placeholder)
-                            .arg(&unit)
-                            .arg(&n_i)
-                            .arg(&self.t)
-                            .arg(&l.b)
-                            .arg(&rank_i)
-                            .arg(y)
-                            .arg(&one);
-                        // SAFETY: matches `bf16_tc_gemm` with K = 0 (LoRA segment only),
-                        // accumulating into y.
-                        unsafe { builder.launch(grid(self.n)) }.map_err(&launch)?;
-                    }
-                }
-            }
+        let launch_err = driver_err("launching a kernel");
+        for mut launch in plan.launches(&buffers, self.counter_value)? {
+            let function = match launch.module {
+                KernelModule::Decode => backend.decode_fn(&launch.kernel)?.0,
+                KernelModule::Prefill => backend.prefill_fn(&launch.kernel)?,
+            };
+            let programmatic =
+                launch.programmatic_safe && backend.programmatic_launch && backend.major >= 9;
+            let config = LaunchConfig {
+                grid_dim: (launch.grid.0, launch.grid.1, 1),
+                block_dim: (BLOCK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut params = [launch.args.as_kernel_param()];
+            // SAFETY: each kernel takes exactly one parameter, the argument struct its
+            // `LaunchArgs` variant holds (kernel_args.rs, laid out as its C twin in
+            // loraq_common.cuh, which tests/nvrtc_compile.rs asserts); `launch` outlives
+            // the call. The buffers hold what the plan sized: t its t_floats, tc_part its
+            // part_floats, tc_tickets one per 16 rows of A up to MAX_RANK; a fused
+            // decode's grid is co-resident.
+            unsafe { launch_raw(backend, &function, config, &mut params, programmatic) }
+                .map_err(&launch_err)?;
         }
         Ok(())
     }
@@ -862,7 +539,7 @@ impl GpuLinear {
         mode: GpuMode,
     ) -> Result<Vec<f32>> {
         let xd = backend.upload_activations(x)?;
-        let mut yd = backend.alloc_output(batch * self.n)?;
+        let mut yd = backend.alloc_output(batch * self.geometry.out_features)?;
         self.forward(backend, &xd, batch, &mut yd, mode)?;
         backend.synchronize()?;
         backend.download(&yd)
@@ -876,8 +553,8 @@ impl GpuLinear {
 pub struct CudaLinear {
     device: Arc<CudaBackend>,
     linear: Mutex<GpuLinear>,
-    in_dim: usize,
-    out_dim: usize,
+    in_features: usize,
+    out_features: usize,
 }
 
 impl CudaLinear {
@@ -887,8 +564,8 @@ impl CudaLinear {
         Ok(Self {
             device,
             linear: Mutex::new(uploaded),
-            in_dim: linear.in_dim(),
-            out_dim: linear.out_dim(),
+            in_features: linear.in_features(),
+            out_features: linear.out_features(),
         })
     }
 }
@@ -897,25 +574,25 @@ impl std::fmt::Debug for CudaLinear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaLinear")
             .field("device", &self.device.device_name())
-            .field("in_dim", &self.in_dim)
-            .field("out_dim", &self.out_dim)
+            .field("in_features", &self.in_features)
+            .field("out_features", &self.out_features)
             .finish()
     }
 }
 
 impl crate::LoraLinear for CudaLinear {
     fn forward(&self, x: &[f32], batch: usize, y: &mut [f32]) -> Result<()> {
-        if batch.checked_mul(self.out_dim) != Some(y.len()) {
+        if batch.checked_mul(self.out_features) != Some(y.len()) {
             return Err(KernelError::OutputShape {
                 batch,
-                out_dim: self.out_dim,
+                out_features: self.out_features,
                 actual: y.len(),
             });
         }
-        if batch.checked_mul(self.in_dim) != Some(x.len()) {
+        if batch.checked_mul(self.in_features) != Some(x.len()) {
             return Err(KernelError::InputShape {
                 batch,
-                in_dim: self.in_dim,
+                in_features: self.in_features,
                 actual: x.len(),
             });
         }
@@ -928,16 +605,16 @@ impl crate::LoraLinear for CudaLinear {
             .linear
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let out = linear.forward_host(&self.device, x, batch, GpuMode::Fused)?;
+        let out = linear.forward_host(&self.device, x, batch, CUDA_LINEAR_MODE)?;
         y.copy_from_slice(&out);
         Ok(())
     }
 
-    fn in_dim(&self) -> usize {
-        self.in_dim
+    fn in_features(&self) -> usize {
+        self.in_features
     }
 
-    fn out_dim(&self) -> usize {
-        self.out_dim
+    fn out_features(&self) -> usize {
+        self.out_features
     }
 }

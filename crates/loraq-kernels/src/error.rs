@@ -31,7 +31,7 @@ pub enum KernelError {
     },
     /// NVFP4 (and MXFP4) pack 16 (32) input elements per scale block; other in-dims are refused.
     #[error(
-        "{format} weight needs an in-dimension divisible by {block}, got {in_dim} \
+        "{format} weight needs an in-dimension divisible by {block}, got {in_features} \
          (pad the input dimension or keep this module in a higher-precision format)"
     )]
     InDimNotBlockAligned {
@@ -40,7 +40,7 @@ pub enum KernelError {
         /// Block size along the input dimension.
         block: usize,
         /// The offending input dimension.
-        in_dim: usize,
+        in_features: usize,
     },
     /// The LoRA rank is outside 1..=MAX_RANK.
     #[error("LoRA rank {rank} outside the supported range 1..={max}")]
@@ -75,22 +75,22 @@ pub enum KernelError {
         value: f32,
     },
     /// The input activation buffer does not match batch x in-dim.
-    #[error("input has {actual} elements, expected batch {batch} x in-dim {in_dim}")]
+    #[error("input has {actual} elements, expected batch {batch} x in-dim {in_features}")]
     InputShape {
         /// Tokens.
         batch: usize,
         /// Input features.
-        in_dim: usize,
+        in_features: usize,
         /// Elements supplied.
         actual: usize,
     },
     /// The output buffer does not match batch x out-dim.
-    #[error("output has {actual} elements, expected batch {batch} x out-dim {out_dim}")]
+    #[error("output has {actual} elements, expected batch {batch} x out-dim {out_features}")]
     OutputShape {
         /// Tokens.
         batch: usize,
         /// Output features.
-        out_dim: usize,
+        out_features: usize,
         /// Elements supplied.
         actual: usize,
     },

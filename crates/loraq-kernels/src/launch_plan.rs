@@ -1,8 +1,19 @@
-//! How the fused decode kernels of `kernels/lora_decode.cu` are laid out on the device:
-//! which instantiation, how many shrink and base blocks, how the tensor-core shrink is
-//! sliced. Pure arithmetic on the shapes and the number of co-resident blocks, so the
-//! CUDA launcher (`cuda.rs`, feature `cuda`) and the host emulation of the kernels (the
-//! tests below, which run them on the CPU) lay them out identically.
+//! How the kernels of `kernels/` are launched for one forward of a linear: which
+//! instantiation, how many shrink and base blocks, how the tensor-core shrink is sliced,
+//! and the typed argument struct of each launch ([`crate::kernel_args`]). Pure
+//! arithmetic on the shapes, the operands' device addresses and the number of
+//! co-resident blocks: the CUDA launcher (`cuda.rs`, feature `cuda`) queues exactly the
+//! launches [`ForwardPlan::launches`] returns, and the host emulation (the tests below,
+//! which run the kernels on the CPU) runs the same launches.
+
+use crate::error::{KernelError, Result};
+use crate::kernel_args::{
+    BaseDecodeArgs, DeviceAddress, FusedDecodeArgs, LaunchArgs, LoraExpandArgs, LoraShrinkArgs,
+    TcGemmArgs,
+};
+use crate::linear::QuantLoraLinear;
+use loraq_quant::{Nvfp4GlobalScale, QuantizedWeight};
+use std::borrow::Cow;
 
 /// Token counts the CUDA-core decode kernels are instantiated for (`ALL_FORMATS(NB)`).
 pub(crate) const DECODE_BATCHES: [usize; 3] = [1, 4, 16];
@@ -137,6 +148,498 @@ pub(crate) fn tensor_core_plan(
     })
 }
 
+/// Which kernel sequence a forward of an uploaded linear runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuMode {
+    /// Decode: one launch (shrink overlapped with the base stream); prefill: shrink, then
+    /// base + expand in one tensor-core pass.
+    Fused,
+    /// Base product, LoRA shrink, LoRA expand as three launches (the baseline).
+    Unfused,
+    /// As `Fused`, but decode batches (up to 16 tokens) with a rank that is a multiple of
+    /// 16 (or no LoRA) run the tensor-core decode (`{format}_tcdec_fused_b{8,16}` in
+    /// lora_decode.cu: 16 weight rows x the tokens per mma, one launch with the shrink).
+    /// Opt-in: it matches the reference in the host emulation (`launch_plan.rs`), and
+    /// becomes the default for those batches once `scripts/gpu-check.sh` shows it
+    /// correct and faster on a device.
+    FusedTensorCoreDecode,
+}
+
+/// The mode `CudaLinear` (the CUDA backend of [`crate::LoraLinear`]) runs.
+pub(crate) const CUDA_LINEAR_MODE: GpuMode = GpuMode::Fused;
+
+/// Threads of every block the linears launch (decode and prefill).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const BLOCK_THREADS: u32 = DECODE_THREADS as u32;
+/// Output tile (rows and tokens) of the tensor-core prefill kernels.
+const PREFILL_TILE: usize = 64;
+
+/// The kernel-name prefix of a base weight format on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GpuFormat {
+    /// bf16 values.
+    Bf16,
+    /// E4M3 codes with a 128 x 128 tile multiplier.
+    Fp8Block128,
+    /// NVFP4 codes with E4M3 block scales and a global multiplier.
+    Nvfp4,
+}
+
+impl GpuFormat {
+    /// The format's name in the kernels' entry points.
+    pub(crate) fn kernel_prefix(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Fp8Block128 => "fp8b128",
+            Self::Nvfp4 => "nvfp4",
+        }
+    }
+}
+
+/// What the launches need to know of a linear: base format and shape, global
+/// multiplier, LoRA rank (0: none) and scale.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct LinearGeometry {
+    pub format: GpuFormat,
+    pub out_features: usize,
+    pub in_features: usize,
+    pub w_global: f32,
+    pub rank: usize,
+    pub lora_scale: f32,
+}
+
+/// A linear's operands as the GPU kernels take them, still on the host: what `cuda.rs`
+/// uploads and the host emulation hands the emulator. Building it refuses what the
+/// kernels cannot run.
+pub(crate) struct HostOperands<'a> {
+    pub geometry: LinearGeometry,
+    /// Base codes (bf16 values as little-endian bytes, E4M3 codes, packed E2M1).
+    pub codes: Cow<'a, [u8]>,
+    /// Base scales (fp8 tile multipliers as little-endian f32, NVFP4 E4M3 block scales;
+    /// empty for bf16).
+    pub scales: Cow<'a, [u8]>,
+    /// LoRA A and B as bf16 bits (empty without LoRA).
+    pub lora_a: Vec<u16>,
+    pub lora_b: Vec<u16>,
+}
+
+impl<'a> HostOperands<'a> {
+    /// The operands of `linear`; refuses MXFP4, INT4, fp8 layouts other than block128,
+    /// in-dims that are not a multiple of 16 and activation fake-quant.
+    pub(crate) fn new(linear: &'a QuantLoraLinear) -> Result<Self> {
+        let refuse = |what: String| Err(KernelError::UnsupportedOnGpu { what });
+        let (format, codes, scales, w_global) = match linear.base() {
+            QuantizedWeight::Bf16(w) => (
+                GpuFormat::Bf16,
+                Cow::Owned(
+                    w.data
+                        .iter()
+                        .flat_map(|v| v.to_bits().to_le_bytes())
+                        .collect(),
+                ),
+                Cow::Borrowed(&[][..]),
+                1.0,
+            ),
+            QuantizedWeight::Fp8(w) => (
+                GpuFormat::Fp8Block128,
+                Cow::Borrowed(&w.codes[..]),
+                Cow::Owned(w.scales.iter().flat_map(|v| v.to_le_bytes()).collect()),
+                1.0,
+            ),
+            QuantizedWeight::Nvfp4(w) => (
+                GpuFormat::Nvfp4,
+                Cow::Borrowed(&w.packed[..]),
+                Cow::Borrowed(&w.block_scales[..]),
+                // The kernels multiply by the global scale; a compressed-tensors divisor
+                // becomes `1 / d`, one rounding more than the CPU path's division.
+                match w.global_scale {
+                    Nvfp4GlobalScale::Multiplier(g) => g,
+                    Nvfp4GlobalScale::Divisor(d) => 1.0 / d,
+                },
+            ),
+            QuantizedWeight::Mxfp4(_) => {
+                return refuse("mxfp4 base weights (CPU path only)".into());
+            }
+            QuantizedWeight::Int4(_) => {
+                return refuse("int4-g128 base weights (CPU path only)".into());
+            }
+            QuantizedWeight::Ggml(w) => {
+                return refuse(format!("ggml {} base weights", w.ggml_type));
+            }
+        };
+        let (out_features, in_features) = (linear.out_features(), linear.in_features());
+        if !in_features.is_multiple_of(16) {
+            return refuse(format!(
+                "in-dim {in_features} (the GPU kernels need a multiple of 16)"
+            ));
+        }
+        if !linear.activation_quant().is_identity() {
+            return refuse("activation fake-quant (the GPU kernels take bf16 activations)".into());
+        }
+        let bits = |v: &[half::bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+        let (rank, lora_scale, lora_a, lora_b) = match linear.lora() {
+            Some(l) => (l.rank, l.scale, bits(&l.a), bits(&l.b)),
+            None => (0, 0.0, Vec::new(), Vec::new()),
+        };
+        Ok(Self {
+            geometry: LinearGeometry {
+                format,
+                out_features,
+                in_features,
+                w_global,
+                rank,
+                lora_scale,
+            },
+            codes,
+            scales,
+            lora_a,
+            lora_b,
+        })
+    }
+}
+
+/// Device addresses of a forward's operands and scratch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ForwardBuffers {
+    /// bf16 activations `[batch, in_features]`.
+    pub x: DeviceAddress,
+    pub w_codes: DeviceAddress,
+    pub w_scales: DeviceAddress,
+    /// LoRA factors (the placeholder without LoRA).
+    pub lora_a: DeviceAddress,
+    pub lora_b: DeviceAddress,
+    /// f32, at least [`ForwardPlan::t_floats`].
+    pub t: DeviceAddress,
+    /// The fused decode's release counter (u32).
+    pub counter: DeviceAddress,
+    /// f32, at least [`ForwardPlan::part_floats`].
+    pub part: DeviceAddress,
+    /// `MAX_RANK / 16` u32 tickets, all 0.
+    pub tickets: DeviceAddress,
+    /// bf16 output `[batch, out_features]`.
+    pub y: DeviceAddress,
+    /// Stands in for operands a launch never reads.
+    pub placeholder: DeviceAddress,
+}
+
+/// Which module of `kernels/` a launch's kernel is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KernelModule {
+    /// lora_decode.cu.
+    Decode,
+    /// lora_prefill.cu.
+    Prefill,
+}
+
+/// One kernel launch: `grid` blocks of [`BLOCK_THREADS`] threads.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Launch {
+    pub kernel: String,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub module: KernelModule,
+    pub grid: (u32, u32),
+    pub args: LaunchArgs,
+    /// The kernel waits (`griddep_wait`) before it touches what the previous kernel on
+    /// the stream may use, so it may start early under programmatic serialization.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub programmatic_safe: bool,
+}
+
+/// The launch sequence of one forward.
+#[derive(Clone, Debug, PartialEq)]
+enum Sequence {
+    /// One fused decode launch (`{format}_{kind}_b{nb}`) laid out by `plan`.
+    FusedDecode(FusedPlan),
+    /// Decode base, then shrink and expand, `_b{nb}`; the base on `base_blocks`, the
+    /// shrink and expand uncapped by co-residency.
+    UnfusedDecode {
+        nb: usize,
+        base_blocks: usize,
+        shrink_blocks: usize,
+        expand_blocks: usize,
+    },
+    /// Prefill: tensor-core shrink, then base + expand (fused) or base and a separate
+    /// expand (unfused).
+    Prefill { fused: bool },
+}
+
+/// The launches of one forward of `batch` tokens through a linear, before the buffers
+/// are bound: what scratch they need and how far they advance the release counter.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ForwardPlan {
+    geometry: LinearGeometry,
+    batch: usize,
+    sequence: Sequence,
+}
+
+/// A size as the kernels' `int`, or the refusal naming it.
+fn as_i32(v: usize, what: &'static str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| KernelError::UnsupportedOnGpu {
+        what: format!("{what} = {v} exceeds i32"),
+    })
+}
+
+fn blocks_u32(v: usize) -> Result<u32> {
+    u32::try_from(v.max(1)).map_err(|_| KernelError::UnsupportedOnGpu {
+        what: format!("a grid of {v} blocks"),
+    })
+}
+
+impl ForwardPlan {
+    /// Chooses the kernels for `batch` tokens (>= 1) in `mode`: the decode kernels up to
+    /// [`DECODE_MAX_BATCH`] tokens, the tensor-core prefill above. `resident(kernel)` is
+    /// how many blocks of that decode kernel the device holds at once.
+    pub(crate) fn new(
+        geometry: LinearGeometry,
+        batch: usize,
+        mode: GpuMode,
+        mut resident: impl FnMut(&str) -> Result<usize>,
+    ) -> Result<Self> {
+        let (format, rank) = (geometry.format.kernel_prefix(), geometry.rank);
+        let (out_features, in_features) = (geometry.out_features, geometry.in_features);
+        let sequence = if batch > DECODE_MAX_BATCH {
+            Sequence::Prefill {
+                fused: mode != GpuMode::Unfused,
+            }
+        } else if mode == GpuMode::Unfused {
+            let nb = cuda_core_instance(batch);
+            let resident = resident(&format!("{format}_base_b{nb}"))?;
+            // With no cap on co-residency: a block per 4 row groups of the expand, per 4
+            // warps' rows of A for the shrink.
+            let uncapped = cuda_core_plan(out_features, batch, rank, usize::MAX);
+            Sequence::UnfusedDecode {
+                nb,
+                base_blocks: cuda_core_plan(out_features, batch, 0, resident).base_blocks,
+                shrink_blocks: uncapped.shrink_blocks,
+                expand_blocks: uncapped.base_blocks,
+            }
+        } else {
+            let tensor_cores = if mode == GpuMode::FusedTensorCoreDecode {
+                let tc_nb = if batch <= 8 { 8 } else { 16 };
+                let name = format!("{format}_{}_b{tc_nb}", DecodeKernel::TensorCore.name());
+                tensor_core_plan(out_features, in_features, batch, rank, resident(&name)?)
+            } else {
+                None
+            };
+            let plan = match tensor_cores {
+                Some(plan) => plan,
+                None => {
+                    let nb = cuda_core_instance(batch);
+                    let name = format!("{format}_{}_b{nb}", DecodeKernel::CudaCore.name());
+                    cuda_core_plan(out_features, batch, rank, resident(&name)?)
+                }
+            };
+            Sequence::FusedDecode(plan)
+        };
+        Ok(Self {
+            geometry,
+            batch,
+            sequence,
+        })
+    }
+
+    /// f32 elements the LoRA intermediate `t` needs.
+    pub(crate) fn t_floats(&self) -> usize {
+        self.batch * self.geometry.rank.max(1)
+    }
+
+    /// f32 elements of the tensor-core decode's per-slice partial sums (0 otherwise).
+    pub(crate) fn part_floats(&self) -> usize {
+        match &self.sequence {
+            Sequence::FusedDecode(plan) => plan.slices * 16 * self.geometry.rank,
+            _ => 0,
+        }
+    }
+
+    /// Increments of the release counter the launches make.
+    pub(crate) fn releases(&self) -> u32 {
+        match &self.sequence {
+            Sequence::FusedDecode(plan) => plan.releases as u32,
+            _ => 0,
+        }
+    }
+
+    /// The launches, in queue order, on `buffers`; `target` is the release counter's
+    /// value once this forward's shrink is complete (its value before plus
+    /// [`ForwardPlan::releases`], wrapping).
+    pub(crate) fn launches(&self, buffers: &ForwardBuffers, target: u32) -> Result<Vec<Launch>> {
+        let g = &self.geometry;
+        let format = g.format.kernel_prefix();
+        let batch = as_i32(self.batch, "batch")?;
+        let out_features = as_i32(g.out_features, "out_features")?;
+        let in_features = as_i32(g.in_features, "in_features")?;
+        let rank = as_i32(g.rank, "rank")?;
+        let b = buffers;
+        // A launch no programmatic serialization may start early.
+        let plain = |kernel: String, module, grid, args| Launch {
+            kernel,
+            module,
+            grid,
+            args,
+            programmatic_safe: false,
+        };
+        let shrink = |t_scale| {
+            LaunchArgs::LoraShrink(LoraShrinkArgs {
+                x: b.x,
+                lora_a: b.lora_a,
+                t: b.t,
+                batch,
+                in_features,
+                rank,
+                t_scale,
+            })
+        };
+        let mut launches = Vec::new();
+        match &self.sequence {
+            Sequence::FusedDecode(plan) => launches.push(Launch {
+                kernel: format!("{format}_{}_b{}", plan.kind.name(), plan.nb),
+                module: KernelModule::Decode,
+                grid: (blocks_u32(plan.shrink_blocks + plan.base_blocks)?, 1),
+                args: LaunchArgs::FusedDecode(FusedDecodeArgs {
+                    x: b.x,
+                    w_codes: b.w_codes,
+                    w_scales: b.w_scales,
+                    lora_a: b.lora_a,
+                    lora_b: b.lora_b,
+                    t: b.t,
+                    counter: b.counter,
+                    part: b.part,
+                    tickets: b.tickets,
+                    y: b.y,
+                    batch,
+                    out_features,
+                    in_features,
+                    rank,
+                    w_global: g.w_global,
+                    t_scale: g.lora_scale,
+                    target,
+                    shrink_blocks: as_i32(plan.shrink_blocks, "shrink blocks")?,
+                    slice_chunks: as_i32(plan.slice_chunks, "shrink slice")?,
+                }),
+                // Only the CUDA-core kernel waits before touching what the previous
+                // kernel may use (griddep_wait in lora_decode.cu).
+                programmatic_safe: plan.kind == DecodeKernel::CudaCore,
+            }),
+            &Sequence::UnfusedDecode {
+                nb,
+                base_blocks,
+                shrink_blocks,
+                expand_blocks,
+            } => {
+                let base = BaseDecodeArgs {
+                    x: b.x,
+                    w_codes: b.w_codes,
+                    w_scales: b.w_scales,
+                    y: b.y,
+                    batch,
+                    out_features,
+                    in_features,
+                    w_global: g.w_global,
+                };
+                launches.push(plain(
+                    format!("{format}_base_b{nb}"),
+                    KernelModule::Decode,
+                    (blocks_u32(base_blocks)?, 1),
+                    LaunchArgs::BaseDecode(base),
+                ));
+                if g.rank > 0 {
+                    launches.push(plain(
+                        format!("lora_shrink_b{nb}"),
+                        KernelModule::Decode,
+                        (blocks_u32(shrink_blocks)?, 1),
+                        shrink(g.lora_scale),
+                    ));
+                    let expand = LoraExpandArgs {
+                        t: b.t,
+                        lora_b: b.lora_b,
+                        y: b.y,
+                        batch,
+                        out_features,
+                        rank,
+                    };
+                    launches.push(plain(
+                        format!("lora_expand_b{nb}"),
+                        KernelModule::Decode,
+                        (blocks_u32(expand_blocks)?, 1),
+                        LaunchArgs::LoraExpand(expand),
+                    ));
+                }
+            }
+            &Sequence::Prefill { fused } => {
+                let tiles = |columns: usize| -> Result<(u32, u32)> {
+                    Ok((
+                        blocks_u32(columns.div_ceil(PREFILL_TILE))?,
+                        blocks_u32(self.batch.div_ceil(PREFILL_TILE))?,
+                    ))
+                };
+                if g.rank > 0 {
+                    // The tensor-core kernel scales the whole tile by the global scale,
+                    // so the fused pass pre-divides the LoRA intermediate by it.
+                    let t_scale = if fused {
+                        g.lora_scale / g.w_global
+                    } else {
+                        g.lora_scale
+                    };
+                    launches.push(plain(
+                        "lora_tc_shrink".into(),
+                        KernelModule::Prefill,
+                        tiles(g.rank)?,
+                        shrink(t_scale),
+                    ));
+                }
+                // y = W x, plus the LoRA expand B t in the same pass when fused.
+                let (lora_b, lora_rank) = if fused && g.rank > 0 {
+                    (b.lora_b, rank)
+                } else {
+                    (b.placeholder, 0)
+                };
+                let gemm = TcGemmArgs {
+                    x: b.x,
+                    w_codes: b.w_codes,
+                    w_scales: b.w_scales,
+                    t: b.t,
+                    lora_b,
+                    y: b.y,
+                    batch,
+                    in_features,
+                    out_features,
+                    rank: lora_rank,
+                    accumulate: 0,
+                    w_global: g.w_global,
+                };
+                let grid = tiles(g.out_features)?;
+                launches.push(plain(
+                    format!("{format}_tc_gemm"),
+                    KernelModule::Prefill,
+                    grid,
+                    LaunchArgs::TcGemm(gemm),
+                ));
+                if !fused && g.rank > 0 {
+                    // The expand alone: in-features 0 skips the base product, and y
+                    // is accumulated into.
+                    let expand = TcGemmArgs {
+                        w_codes: b.placeholder,
+                        w_scales: b.placeholder,
+                        lora_b: b.lora_b,
+                        in_features: 0,
+                        rank,
+                        accumulate: 1,
+                        w_global: 1.0,
+                        ..gemm
+                    };
+                    launches.push(plain(
+                        "bf16_tc_gemm".into(),
+                        KernelModule::Prefill,
+                        grid,
+                        LaunchArgs::TcGemm(expand),
+                    ));
+                }
+            }
+        }
+        Ok(launches)
+    }
+}
+
 /// The kernels run on the CPU through `host_emulation/` (g++ compiles `kernels/*.cu`
 /// against stand-ins for the CUDA headers; one thread per CUDA thread, real barriers,
 /// warp-collective mma and shuffles), in the launch sequences `cuda.rs` queues, the
@@ -148,11 +651,10 @@ pub(crate) fn tensor_core_plan(
 #[cfg(test)]
 mod host_emulation {
     use super::*;
-    use crate::{LoraAdapter, QuantLoraLinear};
+    use crate::kernel_args::FieldType;
+    use crate::{LoraAdapter, MAX_RANK};
     use half::bf16;
-    use loraq_quant::{
-        Bf16Weight, Fp8Granularity, Fp8Weight, Nvfp4GlobalScale, Nvfp4Weight, QuantizedWeight,
-    };
+    use loraq_quant::{Bf16Weight, Fp8Granularity, Fp8Weight, Nvfp4Weight};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
     use std::path::{Path, PathBuf};
@@ -258,8 +760,8 @@ mod host_emulation {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let base = match format {
             "bf16" => QuantizedWeight::Bf16(Bf16Weight {
-                rows: n,
-                cols: k,
+                out_features: n,
+                in_features: k,
                 data: bf16s(&mut rng, n * k, 0.05),
             }),
             "fp8b128" => {
@@ -271,8 +773,8 @@ mod host_emulation {
                     .map(|_| rng.random_range(1e-3f32..1e-2))
                     .collect();
                 QuantizedWeight::Fp8(Fp8Weight {
-                    rows: n,
-                    cols: k,
+                    out_features: n,
+                    in_features: k,
                     granularity: Fp8Granularity::Block128,
                     codes,
                     scales,
@@ -286,8 +788,8 @@ mod host_emulation {
                     .collect();
                 let global = rng.random_range(1e-3f32..1e-1);
                 QuantizedWeight::Nvfp4(Nvfp4Weight {
-                    rows: n,
-                    cols: k,
+                    out_features: n,
+                    in_features: k,
                     packed,
                     block_scales: scales,
                     global_scale: Nvfp4GlobalScale::Multiplier(global),
@@ -302,20 +804,12 @@ mod host_emulation {
         QuantLoraLinear::new(base, lora).unwrap()
     }
 
-    fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
-        v.iter().flat_map(|b| b.to_bits().to_le_bytes()).collect()
+    fn bf16_bytes(v: &[u16]) -> Vec<u8> {
+        v.iter().flat_map(|b| b.to_le_bytes()).collect()
     }
 
-    /// An argument of an emulated launch.
-    #[derive(Clone, Copy)]
-    enum Arg {
-        Buf(u32),
-        I(usize),
-        F(f32),
-        U(usize),
-    }
-
-    /// Buffers and a sequence of launches for the emulator (its input format).
+    /// Buffers and a sequence of launches for the emulator (its input format); a
+    /// buffer's [`DeviceAddress`] is its index.
     #[derive(Default)]
     struct Job {
         buffers: Vec<Vec<u8>>,
@@ -324,42 +818,50 @@ mod host_emulation {
     }
 
     impl Job {
-        fn buffer(&mut self, bytes: Vec<u8>) -> Arg {
+        fn buffer(&mut self, bytes: Vec<u8>) -> DeviceAddress {
             self.buffers.push(bytes);
-            Arg::Buf(self.buffers.len() as u32 - 1)
+            DeviceAddress(self.buffers.len() as u64 - 1)
         }
 
-        fn zeros(&mut self, bytes: usize) -> Arg {
+        fn zeros(&mut self, bytes: usize) -> DeviceAddress {
             self.buffer(vec![0; bytes])
         }
 
-        fn launch(&mut self, name: &str, grid: (usize, usize), args: &[Arg]) {
+        /// Queues `launch` as `cuda.rs` would: its kernel, grid and argument struct,
+        /// with the offsets of the struct's pointer fields for the emulator to relocate.
+        fn launch(&mut self, launch: &Launch) {
             let l = &mut self.launches;
-            l.extend_from_slice(&(name.len() as u32).to_le_bytes());
-            l.extend_from_slice(name.as_bytes());
-            for v in [grid.0, grid.1, args.len()] {
-                l.extend_from_slice(&u32::try_from(v).unwrap().to_le_bytes());
-            }
-            for arg in args {
-                let (kind, bits) = match *arg {
-                    Arg::Buf(i) => (0u8, i),
-                    Arg::I(v) => (1, i32::try_from(v).unwrap() as u32),
-                    Arg::F(v) => (2, v.to_bits()),
-                    Arg::U(v) => (3, u32::try_from(v).unwrap()),
-                };
-                l.push(kind);
-                l.extend_from_slice(&bits.to_le_bytes());
+            l.extend_from_slice(&(launch.kernel.len() as u32).to_le_bytes());
+            l.extend_from_slice(launch.kernel.as_bytes());
+            l.extend_from_slice(&launch.grid.0.to_le_bytes());
+            l.extend_from_slice(&launch.grid.1.to_le_bytes());
+            let bytes = launch.args.to_bytes();
+            l.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+            l.extend_from_slice(&bytes);
+            let pointers: Vec<u32> = launch
+                .args
+                .fields()
+                .iter()
+                .filter(|f| f.field_type == FieldType::Pointer)
+                .map(|f| f.offset as u32)
+                .collect();
+            l.extend_from_slice(&(pointers.len() as u32).to_le_bytes());
+            for offset in pointers {
+                l.extend_from_slice(&offset.to_le_bytes());
             }
             self.count += 1;
         }
 
         /// Runs the launches; returns buffer `output`. `checks`: buffers whose first
         /// word must then equal the value and every other word 0.
-        fn run(self, exe: &Path, tag: &str, output: Arg, checks: &[(Arg, u32)]) -> Vec<u8> {
-            let index = |a: Arg| match a {
-                Arg::Buf(i) => i,
-                _ => unreachable!("not a buffer"),
-            };
+        fn run(
+            self,
+            exe: &Path,
+            tag: &str,
+            output: DeviceAddress,
+            checks: &[(DeviceAddress, u32)],
+        ) -> Vec<u8> {
+            let index = |a: DeviceAddress| a.0 as u32;
             let mut input = Vec::new();
             input.extend_from_slice(&(self.buffers.len() as u32).to_le_bytes());
             for b in &self.buffers {
@@ -377,7 +879,7 @@ mod host_emulation {
             let dir = exe.parent().unwrap();
             let stem = format!(
                 "{}-{}",
-                tag.replace([' ', '=', '/'], "_"),
+                tag.replace([' ', '=', '/', '(', ')', ',', ':', '{', '}'], "_"),
                 std::process::id()
             );
             let (in_path, out_path) = (
@@ -402,177 +904,66 @@ mod host_emulation {
         }
     }
 
-    /// Which launch sequence to emulate (as `cuda.rs` queues them).
-    #[derive(Clone, Copy, Debug)]
-    enum Sequence {
-        /// One fused decode launch laid out by a plan.
-        Fused(&'static str),
-        /// Decode base, shrink, expand.
-        UnfusedDecode,
-        /// Prefill: tensor-core shrink, then base + expand in one tensor-core pass.
-        FusedPrefill,
-        /// Prefill: base, shrink, expand.
-        UnfusedPrefill,
-    }
-
-    /// Runs `path` for `linear` on `x` (`batch` tokens, bf16 values) in the emulator;
-    /// returns y as f32, or `None` where the path does not apply.
+    /// Runs a forward of `linear` on `x` (`batch` tokens, bf16 values) in `mode` in the
+    /// emulator, through the operands, plan and launches `cuda.rs` uses (on a device of
+    /// [`RESIDENT`] co-resident blocks); returns y as f32 and the kernels launched.
     fn run(
         exe: &Path,
-        format: &str,
-        path: Sequence,
+        mode: GpuMode,
         linear: &QuantLoraLinear,
         x: &[f32],
         batch: usize,
-    ) -> Option<Vec<f32>> {
-        let (n, k) = (linear.out_dim(), linear.in_dim());
-        let (codes, scales, global) = match linear.base() {
-            QuantizedWeight::Bf16(w) => (bf16_bytes(&w.data), Vec::new(), 1.0f32),
-            QuantizedWeight::Fp8(w) => (
-                w.codes.clone(),
-                w.scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
-                1.0,
-            ),
-            QuantizedWeight::Nvfp4(Nvfp4Weight {
-                packed,
-                block_scales,
-                global_scale: Nvfp4GlobalScale::Multiplier(global),
-                ..
-            }) => (packed.clone(), block_scales.clone(), *global),
-            _ => unreachable!("the GPU kernels take bf16, fp8-block128 and NVFP4"),
-        };
-        let (rank, scale, a, b) = match linear.lora() {
-            Some(l) => (l.rank, l.scale, bf16_bytes(&l.a), bf16_bytes(&l.b)),
-            None => (0, 0.0, Vec::new(), Vec::new()),
-        };
+    ) -> (Vec<f32>, Vec<String>) {
+        let operands = HostOperands::new(linear).unwrap();
+        let geometry = operands.geometry;
+        let plan = ForwardPlan::new(geometry, batch, mode, |_| Ok(RESIDENT)).unwrap();
         let mut job = Job::default();
-        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let (xa, codes, scales) = (
-            job.buffer(bf16_bytes(&xb)),
-            job.buffer(codes),
-            job.buffer(scales),
-        );
-        let (la, lb) = (job.buffer(a), job.buffer(b));
-        let t = job.zeros(4 * batch * rank.max(1));
-        let y = job.zeros(2 * batch * n);
-        let (bt, nt, kt, rt) = (Arg::I(batch), Arg::I(n), Arg::I(k), Arg::I(rank));
-        let mut checks = Vec::new();
-        let tag = match path {
-            Sequence::Fused(kind) => {
-                let plan = match kind {
-                    "tcdec_fused" => tensor_core_plan(n, k, batch, rank, RESIDENT)?,
-                    _ => cuda_core_plan(n, batch, rank, RESIDENT),
-                };
-                let counter = job.zeros(4);
-                let part = job.zeros(4 * plan.slices * 16 * rank);
-                let tickets = job.zeros(4 * 32);
-                let name = format!("{format}_{}_b{}", plan.kind.name(), plan.nb);
-                job.launch(
-                    &name,
-                    (plan.shrink_blocks + plan.base_blocks, 1),
-                    &[
-                        xa,
-                        bt,
-                        nt,
-                        kt,
-                        codes,
-                        scales,
-                        Arg::F(global),
-                        la,
-                        lb,
-                        rt,
-                        Arg::F(scale),
-                        t,
-                        counter,
-                        Arg::U(plan.releases),
-                        Arg::I(plan.shrink_blocks),
-                        Arg::I(plan.slice_chunks),
-                        part,
-                        tickets,
-                        y,
-                    ],
-                );
-                checks.push((counter, plan.releases as u32));
-                checks.push((tickets, 0));
-                format!("{format} {n}x{k} r={rank} batch={batch} {plan:?}")
-            }
-            Sequence::UnfusedDecode => {
-                let nb = cuda_core_instance(batch);
-                let base_blocks = cuda_core_plan(n, batch, 0, RESIDENT).base_blocks;
-                let uncapped = cuda_core_plan(n, batch, rank, usize::MAX);
-                let base = [xa, bt, nt, kt, codes, scales, Arg::F(global), y];
-                job.launch(&format!("{format}_base_b{nb}"), (base_blocks, 1), &base);
-                if rank > 0 {
-                    let shrink = [xa, bt, kt, la, rt, Arg::F(scale), t];
-                    job.launch(
-                        &format!("lora_shrink_b{nb}"),
-                        (uncapped.shrink_blocks, 1),
-                        &shrink,
-                    );
-                    let expand = [t, bt, nt, lb, rt, y];
-                    job.launch(
-                        &format!("lora_expand_b{nb}"),
-                        (uncapped.base_blocks, 1),
-                        &expand,
-                    );
-                }
-                format!("{format} {n}x{k} r={rank} batch={batch} unfused decode b{nb}")
-            }
-            Sequence::FusedPrefill | Sequence::UnfusedPrefill => {
-                let fused = matches!(path, Sequence::FusedPrefill);
-                let tiles = |cols: usize| (cols.div_ceil(64), batch.div_ceil(64));
-                if rank > 0 {
-                    // The fused pass scales the whole tile by the global scale.
-                    let t_scale = if fused { scale / global } else { scale };
-                    job.launch(
-                        "lora_tc_shrink",
-                        tiles(rank),
-                        &[xa, bt, kt, la, rt, Arg::F(t_scale), t],
-                    );
-                }
-                let lora_rank = if fused { rank } else { 0 };
-                let gemm = [
-                    xa,
-                    bt,
-                    kt,
-                    codes,
-                    scales,
-                    Arg::F(global),
-                    nt,
-                    t,
-                    lb,
-                    Arg::I(lora_rank),
-                    y,
-                    Arg::I(0),
-                ];
-                job.launch(&format!("{format}_tc_gemm"), tiles(n), &gemm);
-                if !fused && rank > 0 {
-                    let expand = [
-                        xa,
-                        bt,
-                        Arg::I(0),
-                        la,
-                        la,
-                        Arg::F(1.0),
-                        nt,
-                        t,
-                        lb,
-                        rt,
-                        y,
-                        Arg::I(1),
-                    ];
-                    job.launch("bf16_tc_gemm", tiles(n), &expand);
-                }
-                format!("{format} {n}x{k} r={rank} batch={batch} {path:?}")
-            }
+        let x_bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let x = job.buffer(bf16_bytes(&x_bits));
+        let w_codes = job.buffer(operands.codes.into_owned());
+        let w_scales = job.buffer(operands.scales.into_owned());
+        let lora_a = job.buffer(bf16_bytes(&operands.lora_a));
+        let lora_b = job.buffer(bf16_bytes(&operands.lora_b));
+        let t = job.zeros(4 * plan.t_floats());
+        let counter = job.zeros(4);
+        let part = job.zeros(4 * plan.part_floats());
+        let tickets = job.zeros(4 * MAX_RANK.div_ceil(16));
+        let y = job.zeros(2 * batch * geometry.out_features);
+        let placeholder = job.zeros(16);
+        let buffers = ForwardBuffers {
+            x,
+            w_codes,
+            w_scales,
+            lora_a,
+            lora_b,
+            t,
+            counter,
+            part,
+            tickets,
+            y,
+            placeholder,
         };
+        let launches = plan.launches(&buffers, plan.releases()).unwrap();
+        for launch in &launches {
+            job.launch(launch);
+        }
+        let kernels: Vec<String> = launches.iter().map(|l| l.kernel.clone()).collect();
+        let tag = format!(
+            "{} {}x{} r={} batch={batch} {mode:?} {}",
+            geometry.format.kernel_prefix(),
+            geometry.out_features,
+            geometry.in_features,
+            geometry.rank,
+            kernels.join("+")
+        );
+        // The release counter reached its target, the shrink tickets are back at 0.
+        let checks = [(counter, plan.releases()), (tickets, 0)];
         let bytes = job.run(exe, &tag, y, &checks);
-        Some(
-            bytes
-                .chunks_exact(2)
-                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-        )
+        let y = bytes
+            .chunks_exact(2)
+            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect();
+        (y, kernels)
     }
 
     /// Every output within bf16 rounding of |y| plus 2^-8 of the magnitude sum (the
@@ -599,13 +990,29 @@ mod host_emulation {
         })
     }
 
-    fn check(path: Sequence, ranks: &[usize], batches: &[usize], shapes: &[(usize, usize)]) {
-        check_variant(Variant::Default, path, ranks, batches, shapes);
+    /// Which kernels a checked configuration must have launched.
+    #[derive(Clone, Copy, Debug)]
+    enum Expect {
+        /// Whatever the plan chooses.
+        Any,
+        /// The fused decode of this kind, where the plan could choose it.
+        Fused(DecodeKernel),
+    }
+
+    fn check(
+        mode: GpuMode,
+        expect: Expect,
+        ranks: &[usize],
+        batches: &[usize],
+        shapes: &[(usize, usize)],
+    ) {
+        check_variant(Variant::Default, mode, expect, ranks, batches, shapes);
     }
 
     fn check_variant(
         variant: Variant,
-        path: Sequence,
+        mode: GpuMode,
+        expect: Expect,
         ranks: &[usize],
         batches: &[usize],
         shapes: &[(usize, usize)],
@@ -624,12 +1031,23 @@ mod host_emulation {
                         let x: Vec<f32> = (0..batch * k)
                             .map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32())
                             .collect();
-                        let Some(got) = run(exe, format, path, &linear, &x, batch) else {
-                            continue;
-                        };
+                        let (got, kernels) = run(exe, mode, &linear, &x, batch);
+                        let tag = format!(
+                            "{format} {n}x{k} r={rank} batch={batch} {mode:?} {}",
+                            kernels.join("+")
+                        );
+                        if let Expect::Fused(kind) = expect {
+                            let wanted = format!("{format}_{}_b", kind.name());
+                            let applies = kind == DecodeKernel::CudaCore
+                                || tensor_core_plan(n, k, batch, rank, RESIDENT).is_some();
+                            assert_eq!(
+                                kernels.len() == 1 && kernels[0].starts_with(&wanted),
+                                applies,
+                                "{tag}: expected {wanted}*"
+                            );
+                        }
                         let (want, magnitude) =
                             linear.forward_reference_with_magnitude(&x, batch).unwrap();
-                        let tag = format!("{format} {n}x{k} r={rank} batch={batch} {path:?}");
                         failures.extend(compare(&tag, &got, &want, &magnitude));
                         checked += 1;
                     }
@@ -637,7 +1055,7 @@ mod host_emulation {
             }
         }
         eprintln!(
-            "{checked} emulated runs of {path:?}, {} failed",
+            "{checked} emulated runs of {mode:?}, {} failed",
             failures.len()
         );
         assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -650,7 +1068,8 @@ mod host_emulation {
         // a partial 16-row tile; in-dims 272 and 1040 a partial 128-wide chunk.
         let shapes = [(200, 272), (129, 1040)];
         check(
-            Sequence::Fused("tcdec_fused"),
+            GpuMode::FusedTensorCoreDecode,
+            Expect::Fused(DecodeKernel::TensorCore),
             &[0, 48, 256],
             &[1, 6, 9, 16],
             &shapes,
@@ -660,16 +1079,29 @@ mod host_emulation {
     #[test]
     fn cuda_core_decode_matches_reference() {
         check(
-            Sequence::Fused("fused"),
+            GpuMode::Fused,
+            Expect::Fused(DecodeKernel::CudaCore),
             &[0, 37, 256],
             &[1, 3, 16],
             &[(200, 272)],
         );
-        check(Sequence::UnfusedDecode, &[0, 37], &[1, 16], &[(129, 1040)]);
+        check(
+            GpuMode::Unfused,
+            Expect::Any,
+            &[0, 37],
+            &[1, 16],
+            &[(129, 1040)],
+        );
         // In-dim 2112 (K % 64 == 0, three 1024-wide NVFP4 steps, the last partial):
         // NVFP4's 16-byte copies and block-scale words through the ring, which the
         // in-dims above (K % 64 == 16) do not take.
-        check(Sequence::Fused("fused"), &[0, 256], &[1, 16], &[(72, 2112)]);
+        check(
+            GpuMode::Fused,
+            Expect::Fused(DecodeKernel::CudaCore),
+            &[0, 256],
+            &[1, 16],
+            &[(72, 2112)],
+        );
     }
 
     /// The lane-step variants of the CUDA-core decode (fp8 in 32-byte steps, NVFP4 in
@@ -678,14 +1110,16 @@ mod host_emulation {
     fn alternate_lane_steps_match_reference() {
         check_variant(
             Variant::AlternateLaneSteps,
-            Sequence::Fused("fused"),
+            GpuMode::Fused,
+            Expect::Fused(DecodeKernel::CudaCore),
             &[0, 37],
             &[1, 16],
             &[(200, 272), (72, 2112)],
         );
         check_variant(
             Variant::AlternateLaneSteps,
-            Sequence::UnfusedDecode,
+            GpuMode::Unfused,
+            Expect::Any,
             &[0],
             &[1],
             &[(129, 1040)],
@@ -694,9 +1128,53 @@ mod host_emulation {
 
     #[test]
     fn prefill_matches_reference() {
-        for path in [Sequence::FusedPrefill, Sequence::UnfusedPrefill] {
-            check(path, &[0, 37, 256], &[17, 100], &[(200, 272)]);
+        for mode in [GpuMode::Fused, GpuMode::Unfused] {
+            check(mode, Expect::Any, &[0, 37, 256], &[17, 100], &[(200, 272)]);
         }
+    }
+
+    /// The mode `CudaLinear` runs (what `loraq run --device cuda` launches), from one
+    /// token to a prefill, with and without LoRA, including the NVFP4 global scale as a
+    /// compressed-tensors divisor (which the launcher turns into a multiplier).
+    #[test]
+    fn cuda_linear_mode_matches_reference() {
+        check(
+            CUDA_LINEAR_MODE,
+            Expect::Any,
+            &[0, 16],
+            &[1, 5, 16, 40],
+            &[(96, 160)],
+        );
+        let Some(exe) = emulator(Variant::Default) else {
+            return;
+        };
+        let mut linear = random_linear("nvfp4", 64, 128, 16, 3);
+        if let QuantizedWeight::Nvfp4(w) = linear.base() {
+            let mut w = w.clone();
+            w.global_scale = Nvfp4GlobalScale::Divisor(64.0);
+            let lora = linear.lora().cloned();
+            linear = QuantLoraLinear::new(QuantizedWeight::Nvfp4(w), lora).unwrap();
+        }
+        let x: Vec<f32> = (0..2 * 128)
+            .map(|i| bf16::from_f32((i as f32 * 0.37).sin()).to_f32())
+            .collect();
+        let (got, kernels) = run(exe, CUDA_LINEAR_MODE, &linear, &x, 2);
+        let (want, magnitude) = linear.forward_reference_with_magnitude(&x, 2).unwrap();
+        assert_eq!(kernels, ["nvfp4_fused_b4"]);
+        assert_eq!(compare("divisor", &got, &want, &magnitude), None);
+    }
+
+    /// What the GPU kernels cannot run is refused when the operands are built, before
+    /// anything is uploaded or launched.
+    #[test]
+    fn operands_refuse_what_the_kernels_cannot_run() {
+        let ragged = random_linear("bf16", 8, 40, 0, 1);
+        let message = HostOperands::new(&ragged).err().unwrap().to_string();
+        assert!(message.contains("in-dim 40"), "{message}");
+        let quantized = random_linear("bf16", 8, 64, 0, 1)
+            .with_activation_quant(loraq_quant::ActivationQuant::Fp8PerToken);
+        let message = HostOperands::new(&quantized).err().unwrap().to_string();
+        assert!(message.contains("activation fake-quant"), "{message}");
     }
 
     #[test]

@@ -9,13 +9,15 @@
 //! - [`QuantLoraLinear::forward`]: the fast CPU path (rayon + AVX-512/AVX2/scalar chosen at
 //!   run time), dequantizing in registers, LoRA shrink and expand fused (see [`cpu`]).
 //! - [`nvrtc`]: the CUDA kernels in `kernels/*.cu` and a dynamically loaded NVRTC to
-//!   compile them (no CUDA needed to build); `cuda` (feature `cuda`) runs them.
+//!   compile them (no CUDA needed to build); `cuda` (feature `cuda`) runs them, each
+//!   kernel given one argument struct of [`kernel_args`].
 
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod kernel_args;
 #[cfg(any(feature = "cuda", test))]
 mod launch_plan;
 pub mod linear;

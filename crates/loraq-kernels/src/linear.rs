@@ -28,23 +28,23 @@ impl QuantLoraLinear {
     /// shape is not the base's.
     pub fn new(base: QuantizedWeight, lora: Option<LoraAdapter>) -> Result<Self> {
         crate::weight::check_runnable(&base)?;
-        let (out_dim, in_dim) = base.shape();
+        let (out_features, in_features) = base.shape();
         if let Some(l) = &lora {
-            if l.in_dim != in_dim {
+            if l.in_features != in_features {
                 return Err(KernelError::LoraShape {
                     factor: "A",
                     rows: l.rank,
-                    cols: l.in_dim,
+                    cols: l.in_features,
                     expected_rows: l.rank,
-                    expected_cols: in_dim,
+                    expected_cols: in_features,
                 });
             }
-            if l.out_dim != out_dim {
+            if l.out_features != out_features {
                 return Err(KernelError::LoraShape {
                     factor: "B",
-                    rows: l.out_dim,
+                    rows: l.out_features,
                     cols: l.rank,
-                    expected_rows: out_dim,
+                    expected_rows: out_features,
                     expected_cols: l.rank,
                 });
             }
@@ -89,12 +89,12 @@ impl QuantLoraLinear {
     }
 
     /// Input features.
-    pub fn in_dim(&self) -> usize {
+    pub fn in_features(&self) -> usize {
         self.base.shape().1
     }
 
     /// Output features.
-    pub fn out_dim(&self) -> usize {
+    pub fn out_features(&self) -> usize {
         self.base.shape().0
     }
 
@@ -106,11 +106,11 @@ impl QuantLoraLinear {
 
     /// Multiply-adds of one token (base plus both LoRA products).
     pub fn macs_per_token(&self) -> usize {
-        let base = self.out_dim() * self.in_dim();
+        let base = self.out_features() * self.in_features();
         base + self
             .lora
             .as_ref()
-            .map_or(0, |l| l.rank * (self.in_dim() + self.out_dim()))
+            .map_or(0, |l| l.rank * (self.in_features() + self.out_features()))
     }
 
     pub(crate) fn scale_table(&self) -> &[f32; 256] {
@@ -122,25 +122,25 @@ impl QuantLoraLinear {
     }
 
     fn check_io(&self, x: &[f32], batch: usize, y: &[f32]) -> Result<()> {
-        let (in_dim, out_dim) = (self.in_dim(), self.out_dim());
-        if batch.checked_mul(in_dim) != Some(x.len()) {
+        let (in_features, out_features) = (self.in_features(), self.out_features());
+        if batch.checked_mul(in_features) != Some(x.len()) {
             return Err(KernelError::InputShape {
                 batch,
-                in_dim,
+                in_features,
                 actual: x.len(),
             });
         }
-        if batch.checked_mul(out_dim) != Some(y.len()) {
+        if batch.checked_mul(out_features) != Some(y.len()) {
             return Err(KernelError::OutputShape {
                 batch,
-                out_dim,
+                out_features,
                 actual: y.len(),
             });
         }
         Ok(())
     }
 
-    /// Fast CPU forward: `x` is `[batch, in_dim]`, `y` (`[batch, out_dim]`) is
+    /// Fast CPU forward: `x` is `[batch, in_features]`, `y` (`[batch, out_features]`) is
     /// overwritten.
     pub fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) -> Result<()> {
         self.check_io(x, batch, y)?;
@@ -170,11 +170,11 @@ impl QuantLoraLinear {
 
     /// The f64-accumulating reference (see [`crate::reference`]).
     pub fn forward_reference(&self, x: &[f32], batch: usize) -> Result<Vec<f32>> {
-        let in_dim = self.in_dim();
-        if batch.checked_mul(in_dim) != Some(x.len()) {
+        let in_features = self.in_features();
+        if batch.checked_mul(in_features) != Some(x.len()) {
             return Err(KernelError::InputShape {
                 batch,
-                in_dim,
+                in_features,
                 actual: x.len(),
             });
         }
@@ -204,7 +204,7 @@ impl QuantLoraLinear {
         )
     }
 
-    /// Dequantizes the whole base weight to f32, row-major `[out_dim, in_dim]`.
+    /// Dequantizes the whole base weight to f32, row-major `[out_features, in_features]`.
     /// This is what the fused path avoids; it exists for the baseline and debugging.
     pub fn dequantize_base(&self, opts: CpuOptions) -> Vec<f32> {
         cpu::dequantize_base(self, opts)
@@ -221,7 +221,7 @@ impl QuantLoraLinear {
         opts: CpuOptions,
     ) -> Result<()> {
         self.check_io(x, batch, y)?;
-        let expected = self.out_dim() * self.in_dim();
+        let expected = self.out_features() * self.in_features();
         if dense.len() != expected {
             return Err(KernelError::ShapeMismatch {
                 what: "dense baseline weight",

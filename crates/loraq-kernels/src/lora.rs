@@ -7,25 +7,25 @@ use half::bf16;
 /// Largest LoRA rank the kernels accept (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;
 
-/// A LoRA adapter for one linear: `delta_y = scale * B (A x)` with `A` `[rank, in_dim]`
-/// and `B` `[out_dim, rank]`, both bf16 as PEFT stores them.
+/// A LoRA adapter for one linear: `delta_y = scale * B (A x)` with `A` `[rank, in_features]`
+/// and `B` `[out_features, rank]`, both bf16 as PEFT stores them.
 #[derive(Clone, Debug)]
 pub struct LoraAdapter {
     pub(crate) rank: usize,
-    pub(crate) in_dim: usize,
-    pub(crate) out_dim: usize,
+    pub(crate) in_features: usize,
+    pub(crate) out_features: usize,
     pub(crate) a: Vec<bf16>,
     pub(crate) b: Vec<bf16>,
     pub(crate) scale: f32,
 }
 
 impl LoraAdapter {
-    /// Wraps `A` (`[rank, in_dim]`) and `B` (`[out_dim, rank]`), row-major, and the
+    /// Wraps `A` (`[rank, in_features]`) and `B` (`[out_features, rank]`), row-major, and the
     /// module's scale (`lora_alpha / r`, or the rank/alpha pattern's value).
     pub fn new(
         rank: usize,
-        in_dim: usize,
-        out_dim: usize,
+        in_features: usize,
+        out_features: usize,
         a: Vec<bf16>,
         b: Vec<bf16>,
         scale: f32,
@@ -36,17 +36,17 @@ impl LoraAdapter {
                 max: MAX_RANK,
             });
         }
-        if checked_area("lora_A", rank, in_dim)? != a.len() {
+        if checked_area("lora_A", rank, in_features)? != a.len() {
             return Err(KernelError::ShapeMismatch {
                 what: "lora_A",
-                expected: rank * in_dim,
+                expected: rank * in_features,
                 actual: a.len(),
             });
         }
-        if checked_area("lora_B", out_dim, rank)? != b.len() {
+        if checked_area("lora_B", out_features, rank)? != b.len() {
             return Err(KernelError::ShapeMismatch {
                 what: "lora_B",
-                expected: out_dim * rank,
+                expected: out_features * rank,
                 actual: b.len(),
             });
         }
@@ -59,8 +59,8 @@ impl LoraAdapter {
         }
         Ok(Self {
             rank,
-            in_dim,
-            out_dim,
+            in_features,
+            out_features,
             a,
             b,
             scale,
@@ -77,12 +77,12 @@ impl LoraAdapter {
         self.scale
     }
 
-    /// `A`, row-major `[rank, in_dim]`.
+    /// `A`, row-major `[rank, in_features]`.
     pub fn a(&self) -> &[bf16] {
         &self.a
     }
 
-    /// `B`, row-major `[out_dim, rank]`.
+    /// `B`, row-major `[out_features, rank]`.
     pub fn b(&self) -> &[bf16] {
         &self.b
     }

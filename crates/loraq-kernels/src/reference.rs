@@ -25,9 +25,9 @@ fn nibble(packed: &[u8], row_bytes: usize, row: usize, k: usize) -> u8 {
 /// kernel, but its element is defined all the same).
 pub fn weight_element(base: &QuantizedWeight, row: usize, k: usize) -> f64 {
     match base {
-        QuantizedWeight::Bf16(w) => f64::from(w.data[row * w.cols + k].to_f32()),
+        QuantizedWeight::Bf16(w) => f64::from(w.data[row * w.in_features + k].to_f32()),
         QuantizedWeight::Fp8(w) => {
-            let q = f64::from(e4m3_decode(w.codes[row * w.cols + k]));
+            let q = f64::from(e4m3_decode(w.codes[row * w.in_features + k]));
             let [_, scale_cols] = w.scale_shape();
             let s = match w.granularity {
                 loraq_quant::Fp8Granularity::Tensor => w.scales[0],
@@ -39,8 +39,8 @@ pub fn weight_element(base: &QuantizedWeight, row: usize, k: usize) -> f64 {
             q * f64::from(s)
         }
         QuantizedWeight::Nvfp4(w) => {
-            let q = f64::from(e2m1_decode(nibble(&w.packed, w.cols / 2, row, k)));
-            let code = w.block_scales[row * (w.cols / NVFP4_BLOCK) + k / NVFP4_BLOCK];
+            let q = f64::from(e2m1_decode(nibble(&w.packed, w.in_features / 2, row, k)));
+            let code = w.block_scales[row * (w.in_features / NVFP4_BLOCK) + k / NVFP4_BLOCK];
             let block_scale = f64::from(e4m3_decode(code));
             match w.global_scale {
                 Nvfp4GlobalScale::Multiplier(g) => q * block_scale * f64::from(g),
@@ -48,12 +48,12 @@ pub fn weight_element(base: &QuantizedWeight, row: usize, k: usize) -> f64 {
             }
         }
         QuantizedWeight::Mxfp4(w) => {
-            let q = f64::from(e2m1_decode(nibble(&w.packed, w.cols / 2, row, k)));
-            let e = w.scales[row * (w.cols / MXFP4_BLOCK) + k / MXFP4_BLOCK];
+            let q = f64::from(e2m1_decode(nibble(&w.packed, w.in_features / 2, row, k)));
+            let e = w.scales[row * (w.in_features / MXFP4_BLOCK) + k / MXFP4_BLOCK];
             q * f64::from(e8m0_decode(e))
         }
         QuantizedWeight::Int4(w) => {
-            let q = f64::from(nibble(&w.packed, w.cols.div_ceil(2), row, k));
+            let q = f64::from(nibble(&w.packed, w.in_features.div_ceil(2), row, k));
             let g = row * w.groups() + k / INT4_GROUP;
             (q - f64::from(w.zeros[g])) * f64::from(w.scales[g])
         }
@@ -62,7 +62,7 @@ pub fn weight_element(base: &QuantizedWeight, row: usize, k: usize) -> f64 {
 }
 
 /// `y = W act(x) + scale * B (A x)` for `batch` tokens, f64 accumulation, rounded to
-/// f32 at the end. `x` is `[batch, in_dim]`, the result `[batch, out_dim]`; the
+/// f32 at the end. `x` is `[batch, in_features]`, the result `[batch, out_features]`; the
 /// caller checks the shapes (as [`crate::QuantLoraLinear::forward_reference`] does).
 pub fn forward_reference(
     base: &QuantizedWeight,
@@ -84,27 +84,27 @@ pub fn forward_reference_with_magnitude(
     x: &[f32],
     batch: usize,
 ) -> Result<(Vec<f32>, Vec<f64>)> {
-    let (out_dim, in_dim) = base.shape();
-    let mut y = vec![0f32; batch * out_dim];
-    let mut magnitude = vec![0f64; batch * out_dim];
-    let mut xq = vec![0f32; in_dim];
+    let (out_features, in_features) = base.shape();
+    let mut y = vec![0f32; batch * out_features];
+    let mut magnitude = vec![0f64; batch * out_features];
+    let mut xq = vec![0f32; in_features];
     for t in 0..batch {
-        let xt = &x[t * in_dim..(t + 1) * in_dim];
+        let xt = &x[t * in_features..(t + 1) * in_features];
         xq.copy_from_slice(xt);
-        activation_quant.apply("activation", &mut xq, in_dim)?;
+        activation_quant.apply("activation", &mut xq, in_features)?;
         // (A x)_j and sum_k |A_jk x_k| per rank component.
         let shrunk: Vec<(f64, f64)> = match lora {
             Some(l) => (0..l.rank)
                 .map(|j| {
-                    (0..in_dim).fold((0.0, 0.0), |(s, m), k| {
-                        let p = f64::from(l.a[j * in_dim + k].to_f32()) * f64::from(xt[k]);
+                    (0..in_features).fold((0.0, 0.0), |(s, m), k| {
+                        let p = f64::from(l.a[j * in_features + k].to_f32()) * f64::from(xt[k]);
                         (s + p, m + p.abs())
                     })
                 })
                 .collect(),
             None => Vec::new(),
         };
-        for o in 0..out_dim {
+        for o in 0..out_features {
             let mut acc = 0f64;
             let mut mag = 0f64;
             for (k, &xk) in xq.iter().enumerate() {
@@ -123,8 +123,8 @@ pub fn forward_reference_with_magnitude(
                 acc += f64::from(l.scale) * lora;
                 mag += f64::from(l.scale).abs() * lora_mag;
             }
-            y[t * out_dim + o] = acc as f32;
-            magnitude[t * out_dim + o] = mag;
+            y[t * out_features + o] = acc as f32;
+            magnitude[t * out_features + o] = mag;
         }
     }
     Ok((y, magnitude))

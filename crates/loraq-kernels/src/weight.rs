@@ -2,8 +2,8 @@
 //!
 //! The weight itself is `loraq_quant`'s [`QuantizedWeight`], codes and scales as the
 //! checkpoint stores them (docs/quantization.md, "Checkpoint layouts"); nothing here
-//! copies or dequantizes it. Shapes follow PyTorch's `nn.Linear`: `[rows = out_dim,
-//! cols = in_dim]`, row `o` holds the weights of output `o`. Every length is checked
+//! copies or dequantizes it. Shapes follow PyTorch's `nn.Linear`: `[rows = out_features,
+//! cols = in_features]`, row `o` holds the weights of output `o`. Every length is checked
 //! with checked arithmetic (the sizes may come from a file) and every code the
 //! kernels would read as NaN is refused, so the fast paths index without checks.
 
@@ -57,26 +57,30 @@ fn check_codes(what: &'static str, codes: &[u8], bad: impl Fn(u8) -> bool) -> Re
 /// dimension the format's blocks divide, every buffer of the length its shape implies,
 /// finite scales, and no code that decodes to NaN (a quantizer never writes one).
 pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
-    let (out_dim, in_dim) = weight.shape();
-    if out_dim == 0 {
-        return Err(KernelError::ZeroDimension { what: "out_dim" });
+    let (out_features, in_features) = weight.shape();
+    if out_features == 0 {
+        return Err(KernelError::ZeroDimension {
+            what: "out_features",
+        });
     }
-    if in_dim == 0 {
-        return Err(KernelError::ZeroDimension { what: "in_dim" });
+    if in_features == 0 {
+        return Err(KernelError::ZeroDimension {
+            what: "in_features",
+        });
     }
     let format = weight.format();
-    let block = format.in_dim_multiple();
-    if !in_dim.is_multiple_of(block) {
+    let block = format.in_features_multiple();
+    if !in_features.is_multiple_of(block) {
         return Err(KernelError::InDimNotBlockAligned {
             format: format.name(),
             block,
-            in_dim,
+            in_features,
         });
     }
     match weight {
         QuantizedWeight::Bf16(w) => check_len(
             "bf16 weight",
-            checked_area("bf16 weight", out_dim, in_dim)?,
+            checked_area("bf16 weight", out_features, in_features)?,
             w.data.len(),
         ),
         QuantizedWeight::Fp8(w) => {
@@ -87,13 +91,13 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
             }
             check_len(
                 "fp8-block128 weight codes",
-                checked_area("fp8-block128 weight codes", out_dim, in_dim)?,
+                checked_area("fp8-block128 weight codes", out_features, in_features)?,
                 w.codes.len(),
             )?;
             let tiles = checked_area(
                 "fp8-block128 weight scales",
-                out_dim.div_ceil(FP8_BLOCK),
-                in_dim.div_ceil(FP8_BLOCK),
+                out_features.div_ceil(FP8_BLOCK),
+                in_features.div_ceil(FP8_BLOCK),
             )?;
             check_len("fp8-block128 weight scales", tiles, w.scales.len())?;
             check_finite("fp8-block128 weight_scale_inv", &w.scales)?;
@@ -104,12 +108,12 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
         QuantizedWeight::Nvfp4(w) => {
             check_len(
                 "nvfp4 packed weight",
-                checked_area("nvfp4 packed weight", out_dim, in_dim / 2)?,
+                checked_area("nvfp4 packed weight", out_features, in_features / 2)?,
                 w.packed.len(),
             )?;
             check_len(
                 "nvfp4 weight_scale",
-                checked_area("nvfp4 weight_scale", out_dim, in_dim / block)?,
+                checked_area("nvfp4 weight_scale", out_features, in_features / block)?,
                 w.block_scales.len(),
             )?;
             let (what, stored) = match w.global_scale {
@@ -130,12 +134,12 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
         QuantizedWeight::Mxfp4(w) => {
             check_len(
                 "mxfp4 packed weight",
-                checked_area("mxfp4 packed weight", out_dim, in_dim / 2)?,
+                checked_area("mxfp4 packed weight", out_features, in_features / 2)?,
                 w.packed.len(),
             )?;
             check_len(
                 "mxfp4 scales",
-                checked_area("mxfp4 scales", out_dim, in_dim / block)?,
+                checked_area("mxfp4 scales", out_features, in_features / block)?,
                 w.scales.len(),
             )?;
             check_codes("mxfp4 scale (E8M0 NaN)", &w.scales, |c| c == 0xFF)
@@ -143,7 +147,7 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
         QuantizedWeight::Ggml(w) => {
             let expected = w
                 .ggml_type
-                .matrix_bytes("ggml weight", out_dim, in_dim)
+                .matrix_bytes("ggml weight", out_features, in_features)
                 .map_err(KernelError::Quant)?;
             check_len("ggml weight blocks", expected, w.data.len())?;
             // A NaN or infinite f16 scale makes its whole block NaN / infinite.
@@ -166,10 +170,18 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
         QuantizedWeight::Int4(w) => {
             check_len(
                 "int4-g128 packed weight",
-                checked_area("int4-g128 packed weight", out_dim, in_dim.div_ceil(2))?,
+                checked_area(
+                    "int4-g128 packed weight",
+                    out_features,
+                    in_features.div_ceil(2),
+                )?,
                 w.packed.len(),
             )?;
-            let groups = checked_area("int4-g128 scales", out_dim, in_dim.div_ceil(INT4_GROUP))?;
+            let groups = checked_area(
+                "int4-g128 scales",
+                out_features,
+                in_features.div_ceil(INT4_GROUP),
+            )?;
             check_len("int4-g128 scales", groups, w.scales.len())?;
             check_len("int4-g128 zero points", groups, w.zeros.len())?;
             check_finite("int4-g128 scale", &w.scales)?;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{FORMATS, Format, assert_close, legal_in_dim, random_activations, random_linear};
+use common::{FORMATS, Format, assert_close, legal_in_features, random_activations, random_linear};
 use loraq_kernels::{
     ActivationQuant, CpuOptions, Fp8Weight, Isa, Mxfp4Weight, Nvfp4Weight, Parallelism,
     QuantLoraLinear, QuantizedWeight,
@@ -20,16 +20,17 @@ const REL_TOL: f64 = 1.0 / 4096.0;
 
 fn check(
     format: Format,
-    out_dim: usize,
-    in_dim: usize,
+    out_features: usize,
+    in_features: usize,
     rank: usize,
     batch: usize,
     act: ActivationQuant,
     seed: u64,
 ) {
-    let in_dim = legal_in_dim(format, in_dim);
-    let linear = random_linear(format, out_dim, in_dim, rank, seed).with_activation_quant(act);
-    let x = random_activations(batch * in_dim, seed);
+    let in_features = legal_in_features(format, in_features);
+    let linear =
+        random_linear(format, out_features, in_features, rank, seed).with_activation_quant(act);
+    let x = random_activations(batch * in_features, seed);
     let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
     for isa in Isa::available() {
         for parallelism in [Parallelism::Rayon, Parallelism::Sequential] {
@@ -37,10 +38,10 @@ fn check(
                 isa: Some(isa),
                 parallelism,
             };
-            let mut y = vec![f32::NAN; batch * out_dim];
+            let mut y = vec![f32::NAN; batch * out_features];
             linear.forward(&x, batch, &mut y, opts).unwrap();
             let context = format!(
-                "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {act:?} {} {parallelism:?}",
+                "{format:?} {out_features}x{in_features} r={rank} batch={batch} {act:?} {} {parallelism:?}",
                 isa.name()
             );
             assert_close(&y, &want, &magnitude, REL_TOL, &context);
@@ -58,32 +59,32 @@ proptest! {
     #[test]
     fn fast_path_matches_reference(
         format in format_strategy(),
-        out_dim in 1usize..72,
-        in_dim in 1usize..300,
+        out_features in 1usize..72,
+        in_features in 1usize..300,
         rank in prop_oneof![Just(0usize), 1usize..48, Just(512usize), 48usize..512],
         batch in prop_oneof![1usize..=8, 9usize..30],
         seed in any::<u64>(),
     ) {
-        check(format, out_dim, in_dim, rank, batch, ActivationQuant::None, seed);
+        check(format, out_features, in_features, rank, batch, ActivationQuant::None, seed);
     }
 
     #[test]
     fn fast_path_matches_reference_with_quantized_activations(
         format in format_strategy(),
-        out_dim in 1usize..40,
-        in_dim in 1usize..300,
+        out_features in 1usize..40,
+        in_features in 1usize..300,
         rank in 0usize..64,
         batch in 1usize..20,
         act_kind in 0u8..3,
         seed in any::<u64>(),
     ) {
-        let (act, in_dim) = match act_kind {
-            0 => (ActivationQuant::Fp8PerToken, in_dim),
-            1 => (ActivationQuant::Fp8PerGroup128, in_dim),
+        let (act, in_features) = match act_kind {
+            0 => (ActivationQuant::Fp8PerToken, in_features),
+            1 => (ActivationQuant::Fp8PerGroup128, in_features),
             // W4A4: the activation's NVFP4 blocks need in-dim % 16 == 0.
-            _ => (ActivationQuant::Nvfp4 { input_scale: loraq_quant::Nvfp4GlobalScale::Multiplier(2.0 / 2688.0) }, in_dim.div_ceil(32) * 32),
+            _ => (ActivationQuant::Nvfp4 { input_scale: loraq_quant::Nvfp4GlobalScale::Multiplier(2.0 / 2688.0) }, in_features.div_ceil(32) * 32),
         };
-        check(format, out_dim, in_dim, rank, batch, act, seed);
+        check(format, out_features, in_features, rank, batch, act, seed);
     }
 }
 
@@ -91,7 +92,7 @@ proptest! {
 /// both directions, SIMD widths 8/16 plus tails, the GEMM's KC = 128 slices.
 #[test]
 fn fp8_block_edges() {
-    for (out_dim, in_dim) in [
+    for (out_features, in_features) in [
         (1, 1),
         (129, 127),
         (130, 129),
@@ -102,8 +103,8 @@ fn fp8_block_edges() {
         for batch in [1, 3, 8, 9, 17] {
             check(
                 Format::Fp8Block128,
-                out_dim,
-                in_dim,
+                out_features,
+                in_features,
                 5,
                 batch,
                 ActivationQuant::None,
@@ -118,12 +119,12 @@ fn fp8_block_edges() {
 #[test]
 fn ggml_block_types() {
     for ggml_type in loraq_quant::ggml::GgmlType::QUANTIZABLE {
-        let in_dim = legal_in_dim(Format::Ggml(ggml_type), 300);
+        let in_features = legal_in_features(Format::Ggml(ggml_type), 300);
         for batch in [1, 5, 9, 17] {
             check(
                 Format::Ggml(ggml_type),
                 33,
-                in_dim,
+                in_features,
                 6,
                 batch,
                 ActivationQuant::None,
@@ -147,9 +148,9 @@ fn rank_512() {
 fn dense_baseline_matches_reference() {
     for format in FORMATS {
         for batch in [1, 5, 13] {
-            let in_dim = legal_in_dim(format, 160);
-            let linear = random_linear(format, 50, in_dim, 24, 3);
-            let x = random_activations(batch * in_dim, 3);
+            let in_features = legal_in_features(format, 160);
+            let linear = random_linear(format, 50, in_features, 24, 3);
+            let x = random_activations(batch * in_features, 3);
             let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
             let opts = CpuOptions::default();
             let dense = linear.dequantize_base(opts);
@@ -174,9 +175,9 @@ fn dense_baseline_matches_reference() {
 fn lora_phased_schedule_gives_the_same_bits() {
     for format in FORMATS {
         for batch in [1, 3, 8, 20] {
-            let in_dim = legal_in_dim(format, 272);
-            let linear = random_linear(format, 300, in_dim, 37, 5);
-            let x = random_activations(batch * in_dim, 5);
+            let in_features = legal_in_features(format, 272);
+            let linear = random_linear(format, 300, in_features, 37, 5);
+            let x = random_activations(batch * in_features, 5);
             for isa in Isa::available() {
                 let opts = CpuOptions {
                     isa: Some(isa),
@@ -207,7 +208,7 @@ fn check_linear(linear: &QuantLoraLinear, batch: usize, x: &[f32], context: &str
             isa: Some(isa),
             parallelism: Parallelism::Rayon,
         };
-        let mut y = vec![f32::NAN; batch * linear.out_dim()];
+        let mut y = vec![f32::NAN; batch * linear.out_features()];
         linear.forward(x, batch, &mut y, opts).unwrap();
         assert_close(
             &y,
@@ -223,9 +224,9 @@ fn check_linear(linear: &QuantLoraLinear, batch: usize, x: &[f32], context: &str
 /// activation by `s * 2^(120 - e)` and must pick `e > 0` to stay finite.
 #[test]
 fn fp8_large_scales_and_activations_stay_finite() {
-    let (out_dim, in_dim) = (260, 300);
+    let (out_features, in_features) = (260, 300);
     let mut rng = ChaCha8Rng::seed_from_u64(17);
-    let codes = (0..out_dim * in_dim)
+    let codes = (0..out_features * in_features)
         .map(|_| {
             loop {
                 let c: u8 = rng.random();
@@ -236,10 +237,15 @@ fn fp8_large_scales_and_activations_stay_finite() {
         })
         .collect();
     let scales = (0..3 * 3).map(|i| [300.0f32, 1e-3, 7.0e4][i % 3]).collect();
-    let base = QuantizedWeight::Fp8(Fp8Weight::block128(out_dim, in_dim, codes, scales));
+    let base = QuantizedWeight::Fp8(Fp8Weight::block128(
+        out_features,
+        in_features,
+        codes,
+        scales,
+    ));
     let linear = QuantLoraLinear::new(base, None).unwrap();
     for (batch, amplitude) in [(1, 1e20f32), (2, 1e-20), (5, 3.0)] {
-        let x: Vec<f32> = (0..batch * in_dim)
+        let x: Vec<f32> = (0..batch * in_features)
             .map(|_| rng.random_range(-1.0f32..1.0) * amplitude)
             .collect();
         check_linear(&linear, batch, &x, &format!("fp8 amplitude {amplitude:e}"));
@@ -250,32 +256,34 @@ fn fp8_large_scales_and_activations_stay_finite() {
 /// decoder; in-dims of 16 mod 32 and scale groups past 16 blocks take the tails.
 #[test]
 fn nvfp4_tails_and_large_global_scale() {
-    for (in_dim, global) in [(16, 1e-3f32), (48, 2.0), (272, 5e-3), (528, 1e3)] {
-        let mut rng = ChaCha8Rng::seed_from_u64(in_dim as u64);
-        let out_dim = 37;
-        let packed = (0..out_dim * in_dim / 2).map(|_| rng.random()).collect();
-        let scales = (0..out_dim * in_dim / 16)
+    for (in_features, global) in [(16, 1e-3f32), (48, 2.0), (272, 5e-3), (528, 1e3)] {
+        let mut rng = ChaCha8Rng::seed_from_u64(in_features as u64);
+        let out_features = 37;
+        let packed = (0..out_features * in_features / 2)
+            .map(|_| rng.random())
+            .collect();
+        let scales = (0..out_features * in_features / 16)
             .map(|_| rng.random_range(0u8..0x30))
             .collect();
         let base = QuantizedWeight::Nvfp4(Nvfp4Weight::new(
-            out_dim,
-            in_dim,
+            out_features,
+            in_features,
             packed,
             scales,
             Nvfp4GlobalScale::Multiplier(global),
         ));
         let linear = QuantLoraLinear::new(
             base,
-            Some(common::random_lora(9, out_dim, in_dim, &mut rng)),
+            Some(common::random_lora(9, out_features, in_features, &mut rng)),
         )
         .unwrap();
         for batch in [1, 2, 4, 7] {
-            let x = random_activations(batch * in_dim, in_dim as u64);
+            let x = random_activations(batch * in_features, in_features as u64);
             check_linear(
                 &linear,
                 batch,
                 &x,
-                &format!("nvfp4 in {in_dim} global {global:e} batch {batch}"),
+                &format!("nvfp4 in {in_features} global {global:e} batch {batch}"),
             );
         }
     }
@@ -287,22 +295,24 @@ fn nvfp4_tails_and_large_global_scale() {
 /// f32 far above the comparison's absolute floor.
 #[test]
 fn mxfp4_extreme_block_scales_match_reference() {
-    let (out_dim, in_dim) = (37, 224);
+    let (out_features, in_features) = (37, 224);
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for (code, x_scale) in [(0u8, 1e30f32), (1, 1e30), (127, 1.0), (200, 1e-20)] {
-        let packed: Vec<u8> = (0..out_dim * in_dim / 2).map(|_| rng.random()).collect();
-        let scales = vec![code; out_dim * in_dim / 32];
-        let base = Mxfp4Weight::new(out_dim, in_dim, packed, scales);
+        let packed: Vec<u8> = (0..out_features * in_features / 2)
+            .map(|_| rng.random())
+            .collect();
+        let scales = vec![code; out_features * in_features / 32];
+        let base = Mxfp4Weight::new(out_features, in_features, packed, scales);
         let linear = QuantLoraLinear::new(QuantizedWeight::Mxfp4(base), None).unwrap();
         for batch in [1usize, 3] {
-            let x: Vec<f32> = random_activations(batch * in_dim, u64::from(code))
+            let x: Vec<f32> = random_activations(batch * in_features, u64::from(code))
                 .iter()
                 .map(|v| v * x_scale)
                 .collect();
             let (want, magnitude) = linear.forward_reference_with_magnitude(&x, batch).unwrap();
             assert!(want.iter().all(|v| v.is_normal() || *v == 0.0));
             for isa in Isa::available() {
-                let mut y = vec![f32::NAN; batch * out_dim];
+                let mut y = vec![f32::NAN; batch * out_features];
                 let opts = CpuOptions {
                     isa: Some(isa),
                     parallelism: Parallelism::Sequential,

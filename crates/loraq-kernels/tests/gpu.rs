@@ -45,17 +45,18 @@ fn check_against_reference(
         // In-dims 272 and 1040 (K % 64 == 16: a half-valid last NVFP4 lane step, block
         // scales read at consumption) and 2112 (K % 64 == 0: NVFP4's 16-byte copies and
         // scale words through the ring, the layout of every Qwen3.8-27B projection).
-        for (out_dim, in_dim) in [(200, 272), (129, 1040), (72, 2112)] {
+        for (out_features, in_features) in [(200, 272), (129, 1040), (72, 2112)] {
             for &rank in ranks {
-                let linear = random_linear(format, out_dim, in_dim, rank, 42 + rank as u64);
+                let linear =
+                    random_linear(format, out_features, in_features, rank, 42 + rank as u64);
                 let mut gpu = backend.upload(&linear).unwrap();
                 for &batch in batches {
-                    let x = round_bf16(&random_activations(batch * in_dim, batch as u64));
+                    let x = round_bf16(&random_activations(batch * in_features, batch as u64));
                     let (want, magnitude) =
                         linear.forward_reference_with_magnitude(&x, batch).unwrap();
                     for &mode in modes {
                         let config = format!(
-                            "{format:?} {out_dim}x{in_dim} r={rank} batch={batch} {mode:?}"
+                            "{format:?} {out_features}x{in_features} r={rank} batch={batch} {mode:?}"
                         );
                         eprintln!("{config}");
                         let got = match gpu.forward_host(backend, &x, batch, mode) {

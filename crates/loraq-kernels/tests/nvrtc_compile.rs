@@ -1,9 +1,11 @@
-//! Every CUDA kernel compiles with NVRTC to a cubin for every target architecture.
+//! Every CUDA kernel compiles with NVRTC to a cubin for every target architecture, and
+//! the kernels' launch-argument structs have the layout of their Rust twins.
 //!
 //! Runs wherever `LORAQ_CUDA_WHEELS` names the `site-packages/nvidia` directory of the
 //! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` wheels (`.ci/run` sets it);
 //! skipped, with the reason printed, only where the variable is unset. No GPU needed.
 
+use loraq_kernels::kernel_args::{FusedDecodeArgs, KernelArgs, layout_assertions};
 use loraq_kernels::nvrtc::{
     CUDA_WHEELS_ENV, KERNELS, KernelSource, Nvrtc, NvrtcLocation, TARGET_ARCHS,
 };
@@ -79,4 +81,84 @@ fn a_kernel_with_an_error_is_rejected_with_its_log() {
     let message = err.to_string();
     assert!(message.contains("broken.cu"), "{message}");
     assert!(message.contains("undefined_name"), "{message}");
+}
+
+/// The layout check's designated initializers (member order) need C++20.
+fn cxx20() -> Vec<String> {
+    vec!["--std=c++20".to_string()]
+}
+
+/// The launch-argument structs of `kernels/loraq_common.cuh` have the layout of their
+/// Rust twins (`loraq_kernels::kernel_args`) as NVRTC compiles the header: size,
+/// alignment, every field's offset, size and type.
+#[test]
+fn launch_argument_structs_match_their_rust_layout() {
+    let Some(nvrtc) = nvrtc_or_skip() else { return };
+    let source: &'static str = Box::leak(layout_assertions().into_boxed_str());
+    let check = KernelSource {
+        file: "launch_args_layout.cu",
+        source,
+        entry_points: &[],
+    };
+    for arch in TARGET_ARCHS {
+        nvrtc
+            .compile_with_options(&check, arch, &cxx20())
+            .unwrap_or_else(|e| panic!("launch argument layouts differ: {e}"));
+    }
+}
+
+/// The layout check is not vacuous: a struct whose field sits elsewhere than Rust
+/// says fails to compile, naming the field; so does one whose members are out of
+/// Rust's order.
+#[test]
+fn a_layout_mismatch_fails_the_layout_check() {
+    let Some(nvrtc) = nvrtc_or_skip() else { return };
+    let fields = FusedDecodeArgs::fields();
+    let target = fields.iter().find(|f| f.name == "target").unwrap();
+    let correct = format!(
+        "LORAQ_OFFSETOF(FusedDecodeArgs, target) == {}",
+        target.offset
+    );
+    let wrong = format!(
+        "LORAQ_OFFSETOF(FusedDecodeArgs, target) == {}",
+        target.offset + 4
+    );
+    let assertions = layout_assertions();
+    assert!(assertions.contains(&correct), "{assertions}");
+    let source: &'static str = Box::leak(assertions.replace(&correct, &wrong).into_boxed_str());
+    let check = KernelSource {
+        file: "launch_args_mismatch.cu",
+        source,
+        entry_points: &[],
+    };
+    let message = nvrtc
+        .compile_with_options(&check, TARGET_ARCHS[0], &cxx20())
+        .expect_err("a wrong offset must not compile")
+        .to_string();
+    assert!(message.contains("FusedDecodeArgs::target"), "{message}");
+    // Two members swapped in the header: the designated initializers refuse the order.
+    let swapped_header = loraq_kernels::nvrtc::COMMON_HEADER.1.replacen(
+        "    int shrink_blocks;\n    int slice_chunks;",
+        "    int slice_chunks;\n    int shrink_blocks;",
+        1,
+    );
+    assert_ne!(swapped_header, loraq_kernels::nvrtc::COMMON_HEADER.1);
+    let source: &'static str = Box::leak(
+        layout_assertions()
+            .replace("#include \"loraq_common.cuh\"", &swapped_header)
+            .into_boxed_str(),
+    );
+    let check = KernelSource {
+        file: "launch_args_swapped.cu",
+        source,
+        entry_points: &[],
+    };
+    let message = nvrtc
+        .compile_with_options(&check, TARGET_ARCHS[0], &cxx20())
+        .expect_err("members out of order must not compile")
+        .to_string();
+    assert!(
+        message.contains("loraq_layout_order_FusedDecodeArgs"),
+        "{message}"
+    );
 }

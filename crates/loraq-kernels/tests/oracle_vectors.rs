@@ -39,33 +39,33 @@ fn usize_of(v: &Value, key: &str) -> usize {
 }
 
 fn build(case: &Value) -> QuantLoraLinear {
-    let (out_dim, in_dim, rank) = (
+    let (out_features, in_features, rank) = (
         usize_of(case, "out_dim"),
         usize_of(case, "in_dim"),
         usize_of(case, "rank"),
     );
     let base = match case["format"].as_str().unwrap() {
         "bf16" => QuantizedWeight::Bf16(Bf16Weight::new(
-            out_dim,
-            in_dim,
+            out_features,
+            in_features,
             bf16s(&case["weight_bits"]),
         )),
         "fp8-block128" => QuantizedWeight::Fp8(Fp8Weight::block128(
-            out_dim,
-            in_dim,
+            out_features,
+            in_features,
             u8s(&case["codes"]),
             f32s(&case["scales"]),
         )),
         "nvfp4" => QuantizedWeight::Nvfp4(Nvfp4Weight::new(
-            out_dim,
-            in_dim,
+            out_features,
+            in_features,
             u8s(&case["packed"]),
             u8s(&case["block_scales"]),
             Nvfp4GlobalScale::Multiplier(case["global_scale"].as_f64().unwrap() as f32),
         )),
         "mxfp4" => QuantizedWeight::Mxfp4(Mxfp4Weight::new(
-            out_dim,
-            in_dim,
+            out_features,
+            in_features,
             u8s(&case["packed"]),
             u8s(&case["block_scales"]),
         )),
@@ -73,8 +73,8 @@ fn build(case: &Value) -> QuantLoraLinear {
     };
     let lora = LoraAdapter::new(
         rank,
-        in_dim,
-        out_dim,
+        in_features,
+        out_features,
         bf16s(&case["lora_a_bits"]),
         bf16s(&case["lora_b_bits"]),
         case["lora_scale"].as_f64().unwrap() as f32,

@@ -27,7 +27,7 @@ fn nvfp4_in_dim_not_divisible_by_16_is_refused() {
         KernelError::InDimNotBlockAligned {
             format: "nvfp4",
             block: 16,
-            in_dim: 24
+            in_features: 24
         }
     ));
     let message = err.to_string();
@@ -114,7 +114,7 @@ fn io_shapes_are_checked() {
             err,
             KernelError::InputShape {
                 batch: 2,
-                in_dim: 4,
+                in_features: 4,
                 actual: 7
             }
         ),
@@ -128,7 +128,7 @@ fn io_shapes_are_checked() {
             err,
             KernelError::OutputShape {
                 batch: 2,
-                out_dim: 3,
+                out_features: 3,
                 actual: 5
             }
         ),

@@ -9,7 +9,7 @@
 //! - [`score_records`]: records in, answers out (the formats of docs/model.md and docs/evaluation.md).
 //! - [`Model::input_stats`]: with [`LoadOptions::collect_input_stats`], the mean
 //!   square of every linear's input per feature (calibration for
-//!   quantization-aware extraction; written by [`loraq_io::write_calibration`]).
+//!   quantization-aware extraction; written by [`loraq_io::write_activation_stats`]).
 //!
 //! The math follows transformers' `modeling_qwen3_5.py` exactly: `(1 + w)` RMSNorms,
 //! the gated RMSNorm `w * norm(x) * silu(z)` of linear attention, the causal

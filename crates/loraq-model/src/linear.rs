@@ -46,7 +46,7 @@ impl InputSqSum {
         let width = self.sum_sq.len();
         for row in x.chunks_exact(width) {
             for (s, &v) in self.sum_sq.iter_mut().zip(row) {
-                // A NaN input makes the maximum NaN too, so write_calibration
+                // A NaN input makes the maximum NaN too, so write_activation_stats
                 // refuses it instead of calibrating a scale around it.
                 let magnitude = v.abs();
                 if magnitude > self.abs_max || magnitude.is_nan() {
@@ -273,21 +273,21 @@ impl LinearLayer for KernelLinear {
         let ctx = self.name.as_str();
         let (tokens, _) = x.dims2().ctx(ctx)?;
         let input: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
-        let mut out = vec![0f32; tokens * self.inner.out_dim()];
+        let mut out = vec![0f32; tokens * self.inner.out_features()];
         self.inner
             .forward(&input, tokens, &mut out)
             .map_err(|source| ModelError::Kernel {
                 module: self.name.clone(),
                 source,
             })?;
-        Tensor::from_vec(out, (tokens, self.inner.out_dim()), x.device()).ctx(ctx)
+        Tensor::from_vec(out, (tokens, self.inner.out_features()), x.device()).ctx(ctx)
     }
 
     fn in_features(&self) -> usize {
-        self.inner.in_dim()
+        self.inner.in_features()
     }
 
     fn out_features(&self) -> usize {
-        self.inner.out_dim()
+        self.inner.out_features()
     }
 }

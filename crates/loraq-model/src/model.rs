@@ -189,11 +189,11 @@ impl Loader<'_> {
             source,
         };
         let stored = self.base.weight(&weight_name).map_err(quant_err)?;
-        if (stored.rows, stored.cols) != (out, inp) {
+        if (stored.out_features, stored.in_features) != (out, inp) {
             return Err(ModelError::Shape {
                 root: self.root(),
                 tensor: weight_name,
-                found: vec![stored.rows, stored.cols],
+                found: vec![stored.out_features, stored.in_features],
                 expected: vec![out, inp],
             });
         }
@@ -204,7 +204,7 @@ impl Loader<'_> {
             None => false,
             Some(backend) => {
                 let format_runs = format.is_some_and(loraq_kernels::has_kernel);
-                let factors_run = adapter.as_ref().is_none_or(|a| a.bf16);
+                let factors_run = adapter.as_ref().is_none_or(AdapterFactors::is_bf16);
                 match self.backend {
                     LinearBackend::Auto => format_runs && factors_run,
                     _ if !format_runs => {
@@ -235,7 +235,7 @@ impl Loader<'_> {
         };
         if let Some(adapter) = &adapter {
             self.used_adapter_modules.insert(module_path.to_string());
-            debug_assert_eq!(adapter.a.len(), adapter.rank * inp);
+            debug_assert_eq!(adapter.a_len(), adapter.rank * inp);
         }
         if runs_on_kernels {
             let backend = self.kernels.clone().expect("checked above");
@@ -243,42 +243,18 @@ impl Loader<'_> {
                 module: module_path.to_string(),
                 source,
             };
-            // The stored values (and their scales) must be finite: a NaN weight makes
-            // every logit NaN. Checked on the stored bytes, before anything is built.
-            let ckpt = self.checkpoint;
-            match &stored.stored {
-                StoredWeight::Float { .. } => ckpt.ensure_stored_finite(&weight_name)?,
-                StoredWeight::Fp8 { scale, .. } => {
-                    ckpt.ensure_stored_finite(&weight_name)?;
-                    ckpt.read_f32_finite(scale)?;
-                }
-                StoredWeight::Nvfp4ModelOpt {
-                    block_scale,
-                    global_scale,
-                }
-                | StoredWeight::Nvfp4CompressedTensors {
-                    block_scale,
-                    global_scale,
-                    ..
-                } => {
-                    ckpt.ensure_stored_finite(block_scale)?;
-                    ckpt.read_f32_finite(global_scale)?;
-                }
-            }
+            // Read once, in the stored format; the read refuses a NaN or infinite value
+            // (a NaN weight makes every logit NaN) by file, tensor and element.
             let weight = self.base.quantized_weight(module_path).map_err(quant_err)?;
-            use half::bf16;
             let lora = adapter
-                .map(|f| {
-                    // bf16 -> f32 -> bf16 is exact.
-                    let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect();
-                    loraq_kernels::LoraAdapter::new(
-                        f.rank,
-                        inp,
-                        out,
-                        to_bf16(f.a),
-                        to_bf16(f.b),
-                        f.scale as f32,
-                    )
+                .map(|f| match f.values {
+                    // The factors as stored: the kernels take bf16.
+                    FactorValues::Bf16 { a, b } => {
+                        loraq_kernels::LoraAdapter::new(f.rank, inp, out, a, b, f.scale as f32)
+                    }
+                    FactorValues::F32 { .. } => {
+                        unreachable!("runs_on_kernels requires bf16 factors")
+                    }
                 })
                 .transpose()
                 .map_err(kernel_err)?;
@@ -294,9 +270,10 @@ impl Loader<'_> {
         let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
         let lora = adapter
             .map(|f| -> Result<LoraFactorsF32> {
+                let (a, b) = f.values.into_f32();
                 Ok(LoraFactorsF32 {
-                    a: Tensor::from_vec(f.a, (f.rank, inp), self.device).ctx(module_path)?,
-                    b: Tensor::from_vec(f.b, (out, f.rank), self.device).ctx(module_path)?,
+                    a: Tensor::from_vec(a, (f.rank, inp), self.device).ctx(module_path)?,
+                    b: Tensor::from_vec(b, (out, f.rank), self.device).ctx(module_path)?,
                     scale: f.scale,
                 })
             })
@@ -349,9 +326,9 @@ impl Loader<'_> {
         Ok(ActivationQuant::Nvfp4 { input_scale })
     }
 
-    /// The adapter's factors for `module_path` read once (as f32), with whether they
-    /// are stored in bf16; `None` when the adapter has no such module (or there is no
-    /// adapter). Refuses factors whose shape is not the weight's.
+    /// The adapter's factors for `module_path` read once, as stored (bf16 when both
+    /// are bf16, else as f32); `None` when the adapter has no such module (or there is
+    /// no adapter). Refuses factors whose shape is not the weight's.
     fn adapter_factors(
         &self,
         module_path: &str,
@@ -373,12 +350,22 @@ impl Loader<'_> {
                 ),
             });
         }
+        let bf16 = loraq_io::DType::BF16;
+        let values = if adapter.factor_dtypes(module_path)? == (bf16, bf16) {
+            FactorValues::Bf16 {
+                a: adapter.read_a_bf16(module_path)?,
+                b: adapter.read_b_bf16(module_path)?,
+            }
+        } else {
+            FactorValues::F32 {
+                a: adapter.read_a_f32(module_path)?,
+                b: adapter.read_b_f32(module_path)?,
+            }
+        };
         Ok(Some(AdapterFactors {
             rank: info.rank,
-            a: adapter.read_a_f32(module_path)?,
-            b: adapter.read_b_f32(module_path)?,
+            values,
             scale: info.scale,
-            bf16: adapter.factor_dtype(module_path)? == loraq_io::DType::BF16,
         }))
     }
 }
@@ -386,14 +373,51 @@ impl Loader<'_> {
 /// One module's LoRA factors, read once whichever backend runs the module.
 struct AdapterFactors {
     rank: usize,
-    /// `lora_A`, `[rank, in]`.
-    a: Vec<f32>,
-    /// `lora_B`, `[out, rank]`.
-    b: Vec<f32>,
+    /// `lora_A` (`[rank, in]`) and `lora_B` (`[out, rank]`).
+    values: FactorValues,
     /// `alpha / rank` of the module.
     scale: f64,
-    /// Whether the factors are stored in bf16 (what the kernels take).
-    bf16: bool,
+}
+
+/// LoRA factors as read: bf16 as stored (what the kernels take), or converted to f32
+/// when stored in another dtype.
+enum FactorValues {
+    Bf16 {
+        a: Vec<half::bf16>,
+        b: Vec<half::bf16>,
+    },
+    F32 {
+        a: Vec<f32>,
+        b: Vec<f32>,
+    },
+}
+
+impl FactorValues {
+    /// Both factors as f32 (bf16 converts exactly).
+    fn into_f32(self) -> (Vec<f32>, Vec<f32>) {
+        match self {
+            Self::Bf16 { a, b } => {
+                let widen = |v: Vec<half::bf16>| v.into_iter().map(half::bf16::to_f32).collect();
+                (widen(a), widen(b))
+            }
+            Self::F32 { a, b } => (a, b),
+        }
+    }
+}
+
+impl AdapterFactors {
+    /// Whether the factors are bf16 as stored (what the kernels take).
+    fn is_bf16(&self) -> bool {
+        matches!(self.values, FactorValues::Bf16 { .. })
+    }
+
+    /// Elements of `lora_A`.
+    fn a_len(&self) -> usize {
+        match &self.values {
+            FactorValues::Bf16 { a, .. } => a.len(),
+            FactorValues::F32 { a, .. } => a.len(),
+        }
+    }
 }
 
 /// The tensor-name prefix of the text backbone: `model.language_model.` or `model.`
@@ -711,7 +735,7 @@ impl Model {
     /// `E[x_k^2]` per input feature, accumulated in f64 and rounded to f32 last,
     /// and the largest `|x|` the linear saw (the amax of a static activation scale).
     /// `None` unless the model was loaded with [`LoadOptions::collect_input_stats`].
-    pub fn input_stats(&self) -> Option<loraq_io::CalibrationStats> {
+    pub fn input_stats(&self) -> Option<loraq_io::ActivationStats> {
         let registry = self.input_stats.as_ref()?;
         let mut input_sq_mean = std::collections::BTreeMap::new();
         let mut input_abs_max = std::collections::BTreeMap::new();
@@ -723,7 +747,7 @@ impl Model {
             );
             input_abs_max.insert(name.clone(), sums.abs_max);
         }
-        Some(loraq_io::CalibrationStats {
+        Some(loraq_io::ActivationStats {
             tokens: registry.tokens.load(Ordering::Relaxed),
             records: registry.prompts.load(Ordering::Relaxed),
             input_sq_mean,

@@ -10,7 +10,7 @@
 //! rounded to f32 at the end (6e-8). We allow 1e-4 relative to the module's largest
 //! mean square, the parity tests' bound.
 
-use loraq_io::{Checkpoint, read_calibration, write_calibration};
+use loraq_io::{Checkpoint, read_activation_stats, write_activation_stats};
 use loraq_model::{LinearBackend, LoadOptions, Model, ScoreOptions, read_records, score_records};
 use loraq_quant::ActivationQuantKind;
 use std::collections::BTreeMap;
@@ -61,7 +61,7 @@ fn collect(
     adapter: Option<&str>,
     backend: LinearBackend,
     act_quant: ActivationQuantKind,
-) -> loraq_io::CalibrationStats {
+) -> loraq_io::ActivationStats {
     let dir = data();
     let adapter_dir = adapter.map(|a| dir.join(a));
     let model = Model::load(
@@ -172,8 +172,8 @@ fn collected_stats_round_trip_through_the_calibration_file() {
     let stats = collect(None, LinearBackend::Kernels, ActivationQuantKind::None);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calibration.safetensors");
-    write_calibration(&path, &stats).unwrap();
-    assert_eq!(read_calibration(&path).unwrap(), stats);
+    write_activation_stats(&path, &stats).unwrap();
+    assert_eq!(read_activation_stats(&path).unwrap(), stats);
 }
 
 /// A model loaded without statistics has none to give.

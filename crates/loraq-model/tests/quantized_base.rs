@@ -9,7 +9,7 @@ use loraq_quant::layout::{
     DEFAULT_SKIP, Layout, QuantizeOptions, compile_skip, plan_quantization, write_quantized,
 };
 use loraq_synth::{Preset, SynthOptions, write_synth};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 fn records() -> Vec<Record> {
     (0..6u32)
@@ -59,10 +59,9 @@ fn quantize(input: &Path, out: &Path, scheme: &str) {
     write_quantized(&checkpoint, &plan, &options, out, &mut |_| {}).unwrap();
 }
 
-#[test]
-fn fp8_and_nvfp4_bases_run_on_both_backends() {
-    let dir = tempfile::tempdir().unwrap();
-    let synth = dir.path().join("synth");
+/// The tiny synthetic pair (seed 3) written under `dir`; returns its directory.
+fn tiny_synth(dir: &Path) -> PathBuf {
+    let synth = dir.join("synth");
     let options = SynthOptions {
         preset: Preset::Tiny,
         seed: 3,
@@ -70,6 +69,13 @@ fn fp8_and_nvfp4_bases_run_on_both_backends() {
         lora_layers: None,
     };
     write_synth(&synth, &options, false, &mut |_, _, _| {}).unwrap();
+    synth
+}
+
+#[test]
+fn fp8_and_nvfp4_bases_run_on_both_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = tiny_synth(dir.path());
     let adapter = synth.join("true-adapter");
     let reference = logits(&synth.join("base"), &adapter, LinearBackend::Dense);
     for scheme in ["fp8-block128", "nvfp4"] {
@@ -106,14 +112,7 @@ fn fp8_and_nvfp4_bases_run_on_both_backends() {
 #[test]
 fn backends_refuse_what_they_cannot_run_and_auto_counts_where_each_linear_went() {
     let dir = tempfile::tempdir().unwrap();
-    let synth = dir.path().join("synth");
-    let options = SynthOptions {
-        preset: Preset::Tiny,
-        seed: 3,
-        rank: None,
-        lora_layers: None,
-    };
-    write_synth(&synth, &options, false, &mut |_, _, _| {}).unwrap();
+    let synth = tiny_synth(dir.path());
     let adapter = synth.join("true-adapter");
     let per_tensor = dir.path().join("fp8-tensor");
     quantize(&synth.join("base"), &per_tensor, "fp8-tensor");

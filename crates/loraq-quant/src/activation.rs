@@ -20,7 +20,8 @@ pub enum ActivationQuant {
     /// Unquantized (weight-only quantization).
     #[default]
     None,
-    /// FP8 E4M3, one dynamic scale per token (`max(amax, 2^-9) / 448`, vLLM's floor):
+    /// FP8 E4M3, one dynamic scale per token ($\max(a, 2^{-9}) / 448$ for the token's
+    /// largest magnitude $a$, vLLM's floor):
     /// [`fp8_per_token`].
     Fp8PerToken,
     /// FP8 E4M3, one dynamic scale per 1x128 group of a token (block-FP8 serving):
@@ -174,8 +175,8 @@ impl FromStr for ActivationQuantKind {
     }
 }
 
-/// vLLM's smallest dynamic per-token FP8 scale is `1 / (448 * 512)`; taking
-/// `max(amax, 2^-9) / 448` gives the same scale bit for bit.
+/// vLLM's smallest dynamic per-token FP8 scale is $1 / (448 \cdot 512)$; taking
+/// $\max(a, 2^{-9}) / 448$ gives the same scale bit for bit.
 pub const PER_TOKEN_EPS: f32 = 1.0 / 512.0;
 /// vLLM's `per_token_group_quant_fp8` floors the group amax at `1e-10`.
 pub const PER_GROUP_EPS: f32 = 1e-10;
@@ -186,8 +187,8 @@ fn check_width(name: &str, values: &[f32], hidden: usize) -> Result<()> {
     if hidden == 0 || values.len() % hidden != 0 {
         return Err(QuantError::ShapeMismatch {
             tensor: name.to_string(),
-            rows: values.len().checked_div(hidden).unwrap_or(0),
-            cols: hidden,
+            out_features: values.len().checked_div(hidden).unwrap_or(0),
+            in_features: hidden,
             len: values.len(),
         });
     }
@@ -246,8 +247,10 @@ pub fn fp8_static(name: &str, values: &mut [f32], scale: f32) -> Result<()> {
 
 /// NVFP4 activation fake-quant as W4A4 serving does it: a static global scale `g`
 /// (dequantization direction, e.g. ModelOpt `input_scale`) and a dynamic E4M3 scale
-/// per 16 inputs, with the weight formula: `s_b = e4m3(clamp(amax_b / (6 g), 2^-9,
-/// 448))` (1 for an all-zero block), `x <- (e2m1(x / (s_b g)) * s_b) * g`.
+/// per 16 inputs, with the weight formula:
+/// $s_b = \mathrm{e4m3}(\mathrm{clamp}(a_b / (6 g), 2^{-9}, 448))$ for the block's largest
+/// magnitude $a_b$ (1 for an all-zero block), and
+/// $x \leftarrow (\mathrm{e2m1}(x / (s_b g)) \cdot s_b) \cdot g$.
 /// `hidden` must be a multiple of 16.
 pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32) -> Result<()> {
     check_width(name, values, hidden)?;
@@ -256,7 +259,7 @@ pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32)
             tensor: name.to_string(),
             scheme: "nvfp4",
             multiple: NVFP4_BLOCK,
-            cols: hidden,
+            in_features: hidden,
         });
     }
     if !(global.is_finite() && global > 0.0) {
@@ -285,11 +288,12 @@ pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32)
 /// (`1 / input_scale`, or the divisor as stored) and `m` the dequantization one
 /// (`input_scale`, or `1 / divisor`), per token and 16 inputs:
 ///
-/// * `s_b = e4m3(q * (amax_b * f32(1/6)))`, saturating, with no lower clamp: a block
-///   whose scale rounds to 0 quantizes to 0 (unlike the weight formula's `2^-9` floor);
-/// * `x_q = e2m1(x * (1 / (s_b * (1 / q))))` (0 where `s_b = 0`), round to nearest
-///   even, saturating at 6;
-/// * `x <- (x_q * s_b) * m`.
+/// * $s_b = \mathrm{e4m3}(q \cdot (a_b \cdot \mathrm{f32}(1/6)))$ for the block's largest
+///   magnitude $a_b$, saturating, with no lower clamp: a block whose scale rounds to 0
+///   quantizes to 0 (unlike the weight formula's $2^{-9}$ floor);
+/// * $x_q = \mathrm{e2m1}(x \cdot (1 / (s_b \cdot (1 / q))))$ (0 where $s_b = 0$), round
+///   to nearest even, saturating at 6;
+/// * $x \leftarrow (x_q \cdot s_b) \cdot m$.
 ///
 /// vLLM's CUDA kernel takes the reciprocals with `rcp.approx.ftz.f32`; this
 /// computes them correctly rounded, as vLLM's torch reference does
@@ -306,7 +310,7 @@ pub fn nvfp4_static_vllm(
             tensor: name.to_string(),
             scheme: "nvfp4",
             multiple: NVFP4_BLOCK,
-            cols: hidden,
+            in_features: hidden,
         });
     }
     let stored = match input_scale {
@@ -410,7 +414,7 @@ fn check_ggml_width(name: &str, values: &[f32], hidden: usize, block: usize) -> 
                 "ggml q8_K activations"
             },
             multiple: block,
-            cols: hidden,
+            in_features: hidden,
         });
     }
     Ok(())

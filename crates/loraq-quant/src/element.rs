@@ -23,7 +23,7 @@ pub const E4M3_MAX: f32 = 448.0;
 pub const E5M2_MAX: f32 = 57344.0;
 /// Largest E2M1 value.
 pub const E2M1_MAX: f32 = 6.0;
-/// Smallest positive E4M3 value (subnormal), `2^-9`: the floor of NVFP4 block scales.
+/// Smallest positive E4M3 value (subnormal), $2^{-9}$: the floor of NVFP4 block scales.
 pub const E4M3_MIN_SUBNORMAL: f32 = 1.0 / 512.0;
 
 /// The element formats of this crate.
@@ -170,15 +170,16 @@ pub fn e2m1_encode(x: f32) -> u8 {
     if x.is_nan() { 0 } else { sign | code }
 }
 
-/// E8M0 code of `x`: the nearest power of two `2^(code - 127)`, ties (mantissa
+/// E8M0 code of `x`: the nearest power of two $2^{c - 127}$ (code $c$), ties (mantissa
 /// exactly 1.5) rounding up, as `ml_dtypes` does (with no mantissa bit there is no
 /// "even" to tie to).
 ///
-/// Positive values below `2^-127` give code 0 (`2^-127`, the smallest value, since
-/// E8M0 has no zero); values that round past `2^127`, and +Inf, saturate to code 254
+/// Positive values below $2^{-127}$ give code 0 ($2^{-127}$, the smallest value, since
+/// E8M0 has no zero); values that round past $2^{127}$, and +Inf, saturate to code 254
 /// (`ml_dtypes`: NaN). Zero, negative values and NaN give `0xFF` (NaN), as in
 /// `ml_dtypes`. `f32` subnormals round by value (`ml_dtypes` rounds
-/// `[1.5 * 2^-127, 2^-126)` correctly but also sends `(2^-127, 1.5 * 2^-127)` up).
+/// $[1.5 \cdot 2^{-127}, 2^{-126})$ correctly but also sends $(2^{-127}, 1.5 \cdot 2^{-127})$
+/// up).
 #[inline(always)]
 pub fn e8m0_encode(x: f32) -> u8 {
     if x.is_nan() || x <= 0.0 {

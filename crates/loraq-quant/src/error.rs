@@ -30,15 +30,15 @@ pub enum QuantError {
         /// The layout.
         layout: &'static str,
     },
-    /// The data length does not match `rows * cols` (or the product overflows).
-    #[error("tensor {tensor}: {len} values do not form a {rows}x{cols} matrix")]
+    /// The data length does not match `out_features * in_features` (or the product overflows).
+    #[error("tensor {tensor}: {len} values do not form a {out_features}x{in_features} matrix")]
     ShapeMismatch {
         /// Tensor name.
         tensor: String,
         /// Rows (output features).
-        rows: usize,
+        out_features: usize,
         /// Columns (input features).
-        cols: usize,
+        in_features: usize,
         /// Number of values given.
         len: usize,
     },
@@ -56,7 +56,7 @@ pub enum QuantError {
     },
     /// The input dimension is not a multiple of what the scheme needs.
     #[error(
-        "tensor {tensor}: scheme {scheme} needs the input dimension to be a multiple of {multiple}, got {cols}"
+        "tensor {tensor}: scheme {scheme} needs the input dimension to be a multiple of {multiple}, got {in_features}"
     )]
     InputDimNotDivisible {
         /// Tensor name.
@@ -66,7 +66,7 @@ pub enum QuantError {
         /// Required multiple.
         multiple: usize,
         /// The input dimension given.
-        cols: usize,
+        in_features: usize,
     },
     /// A global or static scale that is zero, negative or not finite.
     #[error("tensor {tensor}: scale {value} is not a positive finite number")]
@@ -184,13 +184,50 @@ pub enum QuantError {
     /// A calibration file cannot give a module the static activation scale the
     /// quantized checkpoint needs.
     #[error("{path}: {module}: {reason}")]
-    Calibration {
+    ActivationStats {
         /// The calibration file.
         path: PathBuf,
         /// The module path (no `.weight`).
         module: String,
         /// What is wrong.
         reason: String,
+    },
+    /// Something went wrong while working on a checkpoint; `context` names it (the
+    /// checkpoint, the option that named the file).
+    #[error("{context}")]
+    Context {
+        /// What was being done, with the path concerned.
+        context: String,
+        /// The cause.
+        #[source]
+        source: Box<QuantError>,
+    },
+    /// Every 2-D float `.weight` of a checkpoint is skipped: nothing to quantize or
+    /// measure.
+    #[error("{path}: no {what}")]
+    NothingToDo {
+        /// The checkpoint.
+        path: PathBuf,
+        /// What was looked for.
+        what: &'static str,
+    },
+    /// An adapter module's shape is not the base weight's.
+    #[error(
+        "adapter module {module} is {adapter_out_features}x{adapter_in_features}, base weight {tensor} is {out_features}x{in_features}"
+    )]
+    AdapterShape {
+        /// The adapter's module path.
+        module: String,
+        /// The adapter's output features.
+        adapter_out_features: usize,
+        /// The adapter's input features.
+        adapter_in_features: usize,
+        /// The base weight.
+        tensor: String,
+        /// The base weight's output features.
+        out_features: usize,
+        /// The base weight's input features.
+        in_features: usize,
     },
     /// A regular expression given to the skip list does not compile.
     #[error("bad --skip pattern {pattern:?}: {reason}")]
@@ -200,6 +237,16 @@ pub enum QuantError {
         /// Why it does not compile.
         reason: String,
     },
+}
+
+impl QuantError {
+    /// This error with `context` (what was being done, naming the path) above it.
+    pub fn context(self, context: impl Into<String>) -> QuantError {
+        QuantError::Context {
+            context: context.into(),
+            source: Box::new(self),
+        }
+    }
 }
 
 /// Shorthand for results of this crate.

@@ -30,7 +30,7 @@ pub enum WeightFormat {
 /// The region one scale covers: `out` rows by `in` inputs, `None` for the whole
 /// dimension. Partial blocks at the edges have their own scale where the format
 /// allows them (fp8 tiles, INT4 groups); NVFP4 and MXFP4 have none
-/// ([`WeightFormat::in_dim_multiple`]).
+/// ([`WeightFormat::in_features_multiple`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ScaleBlock {
     /// Output rows per scale (`None`: every row).
@@ -84,7 +84,7 @@ impl WeightFormat {
     /// Multiple the input dimension must have: the scale block of NVFP4 (16) and
     /// MXFP4 (32), the block of a ggml type (32 or 256), whose layouts have no
     /// partial block; 1 for the others.
-    pub fn in_dim_multiple(self) -> usize {
+    pub fn in_features_multiple(self) -> usize {
         match self {
             Self::Nvfp4 => NVFP4_BLOCK,
             Self::Mxfp4 => MXFP4_BLOCK,
@@ -143,7 +143,7 @@ pub fn blocks(len: usize, block: usize) -> usize {
     len.div_ceil(block)
 }
 
-/// The FP8 scale of a group with largest magnitude `amax`: `amax / 448`, or 1 for an
+/// The FP8 scale of a group with largest magnitude $a$ (`amax`): $a / 448$, or 1 for an
 /// all-zero group.
 #[inline(always)]
 pub fn fp8_scale(amax: f32) -> f32 {
@@ -151,11 +151,18 @@ pub fn fp8_scale(amax: f32) -> f32 {
 }
 
 /// Scale-tensor shape of an FP8 weight of the given granularity.
-pub fn fp8_scale_shape(granularity: Fp8Granularity, rows: usize, cols: usize) -> [usize; 2] {
+pub fn fp8_scale_shape(
+    granularity: Fp8Granularity,
+    out_features: usize,
+    in_features: usize,
+) -> [usize; 2] {
     match granularity {
         Fp8Granularity::Tensor => [1, 1],
-        Fp8Granularity::Channel => [rows, 1],
-        Fp8Granularity::Block128 => [blocks(rows, FP8_BLOCK), blocks(cols, FP8_BLOCK)],
+        Fp8Granularity::Channel => [out_features, 1],
+        Fp8Granularity::Block128 => [
+            blocks(out_features, FP8_BLOCK),
+            blocks(in_features, FP8_BLOCK),
+        ],
     }
 }
 
@@ -185,7 +192,8 @@ impl Nvfp4GlobalScale {
 }
 
 /// The canonical NVFP4 global scale in the dequantization direction,
-/// `g = amax / (6 * 448)`, or 1 for an all-zero tensor.
+/// $g = a / (6 \cdot 448)$ for the tensor's largest magnitude $a$, or 1 for an all-zero
+/// tensor.
 #[inline(always)]
 pub fn nvfp4_global_scale(amax: f32) -> f32 {
     if amax == 0.0 {
@@ -196,8 +204,8 @@ pub fn nvfp4_global_scale(amax: f32) -> f32 {
 }
 
 /// The E4M3 code of the NVFP4 scale of a 16-block with largest magnitude `amax_block`
-/// under global scale `g`: `e4m3(clamp(amax_block / (6 g), 2^-9, 448))`, or the code of
-/// 1.0 when the block is all zero.
+/// $a_b$ under global scale $g$: $\mathrm{e4m3}(\mathrm{clamp}(a_b / (6 g), 2^{-9}, 448))$, or
+/// the code of 1.0 when the block is all zero.
 #[inline(always)]
 pub fn nvfp4_block_scale_code(amax_block: f32, global: f32) -> u8 {
     if amax_block == 0.0 {

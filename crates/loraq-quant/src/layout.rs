@@ -101,9 +101,9 @@ pub struct LinearWeight {
     /// Logical name, `<module path>.weight`, whatever the layout calls the codes.
     pub name: String,
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features.
-    pub cols: usize,
+    pub in_features: usize,
     /// How it is stored.
     pub stored: StoredWeight,
 }
@@ -240,32 +240,31 @@ impl QuantizedBase {
             })
     }
 
-    /// The weight decoded exactly to `f32`, `[rows * cols]` row-major.
+    /// The weight decoded exactly to `f32`, `[out_features * in_features]` row-major.
     pub fn read_weight_f32(&self, name: &str) -> Result<Vec<f32>> {
         let weight = self.weight(name)?;
-        let len =
-            weight
-                .rows
-                .checked_mul(weight.cols)
-                .ok_or_else(|| QuantError::ShapeMismatch {
-                    tensor: name.to_string(),
-                    rows: weight.rows,
-                    cols: weight.cols,
-                    len: usize::MAX,
-                })?;
+        let len = weight
+            .out_features
+            .checked_mul(weight.in_features)
+            .ok_or_else(|| QuantError::ShapeMismatch {
+                tensor: name.to_string(),
+                out_features: weight.out_features,
+                in_features: weight.in_features,
+                len: usize::MAX,
+            })?;
         let mut out = vec![0.0f32; len];
         self.read_weight_f32_into(name, &mut out)?;
         Ok(out)
     }
 
-    /// Decodes the weight into `out` (`rows * cols` values).
+    /// Decodes the weight into `out` (`out_features * in_features` values).
     pub fn read_weight_f32_into(&self, name: &str, out: &mut [f32]) -> Result<()> {
         let weight = self.weight(name)?;
-        if out.len() != weight.rows * weight.cols {
+        if out.len() != weight.out_features * weight.in_features {
             return Err(QuantError::ShapeMismatch {
                 tensor: name.to_string(),
-                rows: weight.rows,
-                cols: weight.cols,
+                out_features: weight.out_features,
+                in_features: weight.in_features,
                 len: out.len(),
             });
         }
@@ -274,7 +273,13 @@ impl QuantizedBase {
             StoredWeight::Float { .. } => ckpt.read_f32_into(name, out)?,
             StoredWeight::Fp8 { granularity, scale } => {
                 let scales = ckpt.read_f32(scale)?;
-                dequantize_fp8_into(ckpt.bytes(name)?, &scales, *granularity, weight.cols, out);
+                dequantize_fp8_into(
+                    ckpt.bytes(name)?,
+                    &scales,
+                    *granularity,
+                    weight.in_features,
+                    out,
+                );
             }
             StoredWeight::Nvfp4ModelOpt {
                 block_scale,
@@ -297,57 +302,89 @@ impl QuantizedBase {
 
     /// The weight of module `module` (its path, without `.weight`) in its stored
     /// format, codes and scales copied as the checkpoint holds them (compressed-tensors
-    /// NVFP4 keeps its divisor global scale). A plain f16 / f32 / f64 matrix has no
-    /// stored-format weight: [`QuantError::UnsupportedFormat`].
+    /// NVFP4 keeps its divisor global scale), read once. A NaN or infinite value (a
+    /// bf16 value, an E4M3 code or scale, a global scale) is refused naming the file,
+    /// the tensor and the element. A plain f16 / f32 / f64 matrix has no stored-format
+    /// weight: [`QuantError::UnsupportedFormat`].
     pub fn quantized_weight(&self, module: &str) -> Result<QuantizedWeight> {
         let name = format!("{module}.weight");
         let weight = self.weight(&name)?;
         let ckpt = &self.checkpoint;
-        let (rows, cols) = (weight.rows, weight.cols);
+        let (out_features, in_features) = (weight.out_features, weight.in_features);
+        let finite = |tensor: &str, values: &mut dyn Iterator<Item = f32>| -> Result<()> {
+            match values.enumerate().find(|(_, v)| !v.is_finite()) {
+                None => Ok(()),
+                Some((index, value)) => Err(ckpt.non_finite_error(tensor, index, value).into()),
+            }
+        };
+        fn e4m3(codes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+            codes.iter().map(|&c| crate::element::e4m3_decode(c))
+        }
+        // NVFP4: the global scale keeps the direction its layout stores it in.
+        let nvfp4 = |packed: &str,
+                     block_scale: &str,
+                     global_scale: &str,
+                     direction: fn(f32) -> Nvfp4GlobalScale|
+         -> Result<QuantizedWeight> {
+            let block_scales = ckpt.bytes(block_scale)?.to_vec();
+            finite(block_scale, &mut e4m3(&block_scales))?;
+            let global = ckpt.read_f32(global_scale)?[0];
+            finite(global_scale, &mut std::iter::once(global))?;
+            Ok(QuantizedWeight::Nvfp4(Nvfp4Weight {
+                out_features,
+                in_features,
+                packed: ckpt.bytes(packed)?.to_vec(),
+                block_scales,
+                global_scale: direction(global),
+            }))
+        };
         Ok(match &weight.stored {
-            StoredWeight::Float { dtype: DType::BF16 } => QuantizedWeight::Bf16(Bf16Weight {
-                rows,
-                cols,
-                data: ckpt
+            StoredWeight::Float { dtype: DType::BF16 } => {
+                let data: Vec<half::bf16> = ckpt
                     .bytes(&name)?
                     .chunks_exact(2)
                     .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])))
-                    .collect(),
-            }),
+                    .collect();
+                finite(&name, &mut data.iter().map(|v| v.to_f32()))?;
+                QuantizedWeight::Bf16(Bf16Weight {
+                    out_features,
+                    in_features,
+                    data,
+                })
+            }
             StoredWeight::Float { .. } => {
                 return Err(QuantError::UnsupportedFormat {
                     tensor: name,
                     format: weight.stored.format_name(),
                 });
             }
-            StoredWeight::Fp8 { granularity, scale } => QuantizedWeight::Fp8(Fp8Weight {
-                rows,
-                cols,
-                granularity: *granularity,
-                codes: ckpt.bytes(&name)?.to_vec(),
-                scales: ckpt.read_f32(scale)?,
-            }),
+            StoredWeight::Fp8 { granularity, scale } => {
+                let codes = ckpt.bytes(&name)?.to_vec();
+                finite(&name, &mut e4m3(&codes))?;
+                let scales = ckpt.read_f32(scale)?;
+                finite(scale, &mut scales.iter().copied())?;
+                QuantizedWeight::Fp8(Fp8Weight {
+                    out_features,
+                    in_features,
+                    granularity: *granularity,
+                    codes,
+                    scales,
+                })
+            }
             StoredWeight::Nvfp4ModelOpt {
                 block_scale,
                 global_scale,
-            } => QuantizedWeight::Nvfp4(Nvfp4Weight {
-                rows,
-                cols,
-                packed: ckpt.bytes(&name)?.to_vec(),
-                block_scales: ckpt.bytes(block_scale)?.to_vec(),
-                global_scale: Nvfp4GlobalScale::Multiplier(ckpt.read_f32(global_scale)?[0]),
-            }),
+            } => nvfp4(
+                &name,
+                block_scale,
+                global_scale,
+                Nvfp4GlobalScale::Multiplier,
+            )?,
             StoredWeight::Nvfp4CompressedTensors {
                 packed,
                 block_scale,
                 global_scale,
-            } => QuantizedWeight::Nvfp4(Nvfp4Weight {
-                rows,
-                cols,
-                packed: ckpt.bytes(packed)?.to_vec(),
-                block_scales: ckpt.bytes(block_scale)?.to_vec(),
-                global_scale: Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]),
-            }),
+            } => nvfp4(packed, block_scale, global_scale, Nvfp4GlobalScale::Divisor)?,
         })
     }
 }
@@ -359,19 +396,19 @@ fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> 
     if let Some(module) = name.strip_suffix(".weight_packed") {
         // compressed-tensors NVFP4.
         require_dtype(info, &[DType::U8])?;
-        let (rows, half_cols) = matrix(info)?;
-        let cols = half_cols * 2;
+        let (out_features, half_cols) = matrix(info)?;
+        let in_features = half_cols * 2;
         let block_scale = format!("{module}.weight_scale");
         let global_scale = format!("{module}.weight_global_scale");
         let scale_info = needed(ckpt, &block_scale, "nvfp4 compressed-tensors")?;
         require_dtype(scale_info, &[DType::F8E4M3])?;
-        require_shape(scale_info, &[rows, cols / NVFP4_BLOCK])?;
-        require_block_multiple(info, cols)?;
+        require_shape(scale_info, &[out_features, in_features / NVFP4_BLOCK])?;
+        require_block_multiple(info, in_features)?;
         require_scalar(needed(ckpt, &global_scale, "nvfp4 compressed-tensors")?)?;
         return Ok(Some(LinearWeight {
             name: format!("{module}.weight"),
-            rows,
-            cols,
+            out_features,
+            in_features,
             stored: StoredWeight::Nvfp4CompressedTensors {
                 packed: name.to_string(),
                 block_scale,
@@ -385,7 +422,7 @@ fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> 
     if info.shape.len() != 2 {
         return Ok(None);
     }
-    let (rows, stored_cols) = matrix(info)?;
+    let (out_features, stored_cols) = matrix(info)?;
     let stored = match info.dtype {
         DType::F8E4M3 => {
             let scale_inv = format!("{module}.weight_scale_inv");
@@ -394,7 +431,7 @@ fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> 
                 require_dtype(scale_info, &SCALE_DTYPES)?;
                 require_shape(
                     scale_info,
-                    &fp8_scale_shape(Fp8Granularity::Block128, rows, stored_cols),
+                    &fp8_scale_shape(Fp8Granularity::Block128, out_features, stored_cols),
                 )?;
                 StoredWeight::Fp8 {
                     granularity: Fp8Granularity::Block128,
@@ -405,12 +442,12 @@ fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> 
                 require_dtype(scale_info, &SCALE_DTYPES)?;
                 let granularity = match scale_info.shape.as_slice() {
                     [] | [1] | [1, 1] => Fp8Granularity::Tensor,
-                    [n] | [n, 1] if *n == rows => Fp8Granularity::Channel,
+                    [n] | [n, 1] if *n == out_features => Fp8Granularity::Channel,
                     _ => {
                         return Err(QuantError::TensorShape {
                             tensor: scale.clone(),
                             actual: scale_info.shape.clone(),
-                            expected: vec![rows, 1],
+                            expected: vec![out_features, 1],
                         });
                     }
                 };
@@ -419,18 +456,18 @@ fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> 
         }
         DType::U8 => {
             // ModelOpt NVFP4: two codes per byte.
-            let cols = stored_cols * 2;
+            let in_features = stored_cols * 2;
             let block_scale = format!("{module}.weight_scale");
             let global_scale = format!("{module}.weight_scale_2");
             let scale_info = needed(ckpt, &block_scale, "nvfp4 modelopt")?;
             require_dtype(scale_info, &[DType::F8E4M3])?;
-            require_block_multiple(info, cols)?;
-            require_shape(scale_info, &[rows, cols / NVFP4_BLOCK])?;
+            require_block_multiple(info, in_features)?;
+            require_shape(scale_info, &[out_features, in_features / NVFP4_BLOCK])?;
             require_scalar(needed(ckpt, &global_scale, "nvfp4 modelopt")?)?;
             return Ok(Some(LinearWeight {
                 name: name.to_string(),
-                rows,
-                cols,
+                out_features,
+                in_features,
                 stored: StoredWeight::Nvfp4ModelOpt {
                     block_scale,
                     global_scale,
@@ -442,8 +479,8 @@ fn detect(ckpt: &Checkpoint, info: &TensorInfo) -> Result<Option<LinearWeight>> 
     };
     Ok(Some(LinearWeight {
         name: name.to_string(),
-        rows,
-        cols: stored_cols,
+        out_features,
+        in_features: stored_cols,
         stored,
     }))
 }
@@ -456,13 +493,13 @@ fn matrix(info: &TensorInfo) -> Result<(usize, usize)> {
     })
 }
 
-fn require_block_multiple(info: &TensorInfo, cols: usize) -> Result<()> {
-    if cols % NVFP4_BLOCK != 0 {
+fn require_block_multiple(info: &TensorInfo, in_features: usize) -> Result<()> {
+    if in_features % NVFP4_BLOCK != 0 {
         return Err(QuantError::InputDimNotDivisible {
             tensor: info.name.clone(),
             scheme: "nvfp4",
             multiple: NVFP4_BLOCK,
-            cols,
+            in_features,
         });
     }
     Ok(())
@@ -618,7 +655,7 @@ pub struct QuantizeOptions {
 /// Per-module input absolute maxima from a calibration file (`loraq run
 /// --collect-stats`), which NVFP4 layouts turn into static activation scales.
 #[derive(Clone, Debug, PartialEq)]
-pub struct InputCalibration {
+pub struct InputActivationStats {
     /// The calibration file, for error messages.
     pub source: PathBuf,
     /// Module path (no `.weight`) -> largest `|x|` at the module's input.
@@ -626,7 +663,8 @@ pub struct InputCalibration {
 }
 
 /// ModelOpt's static NVFP4 activation scale (`input_scale`, dequantization
-/// direction): `amax / (6 * 448)` in f32, as `NVFP4QTensor.get_activation_scaling_factor`
+/// direction): $a / (6 \cdot 448)$ in f32 for the input's largest magnitude $a$, as
+/// `NVFP4QTensor.get_activation_scaling_factor`
 /// computes it.
 pub fn nvfp4_input_scale(amax: f32) -> f32 {
     amax / NVFP4_GLOBAL_DENOMINATOR
@@ -648,9 +686,9 @@ pub enum TensorAction {
     /// Quantized (a 2-D float `.weight` not skipped).
     Quantize {
         /// Output features.
-        rows: usize,
+        out_features: usize,
         /// Input features.
-        cols: usize,
+        in_features: usize,
     },
 }
 
@@ -706,7 +744,7 @@ pub fn plan_quantization(input: &Checkpoint, options: &QuantizeOptions) -> Resul
 pub fn plan_quantization_calibrated(
     input: &Checkpoint,
     options: &QuantizeOptions,
-    calibration: Option<&InputCalibration>,
+    activation_stats: Option<&InputActivationStats>,
 ) -> Result<QuantizePlan> {
     let scheme = options.scheme;
     if !options.layout.accepts(scheme) {
@@ -715,11 +753,11 @@ pub fn plan_quantization_calibrated(
             layout: options.layout.name(),
         });
     }
-    if let Some(calibration) = calibration
+    if let Some(stats) = activation_stats
         && !options.layout.is_nvfp4()
     {
-        return Err(QuantError::Calibration {
-            path: calibration.source.clone(),
+        return Err(QuantError::ActivationStats {
+            path: stats.source.clone(),
             module: "(all)".to_string(),
             reason: format!(
                 "static activation scales are written for nvfp4 layouts only, not {}",
@@ -747,30 +785,33 @@ pub fn plan_quantization_calibrated(
             specs.push(TensorSpec::new(&info.name, info.dtype, info.shape.clone()));
             continue;
         }
-        let (rows, cols) = (info.shape[0], info.shape[1]);
+        let (out_features, in_features) = (info.shape[0], info.shape[1]);
         let multiple = scheme.input_multiple();
-        if cols % multiple != 0 {
+        if in_features % multiple != 0 {
             return Err(QuantError::InputDimNotDivisible {
                 tensor: info.name.clone(),
                 scheme: scheme.name(),
                 multiple,
-                cols,
+                in_features,
             });
         }
         let module = info.name.trim_end_matches(".weight");
-        if let Some(calibration) = calibration {
-            let amax = calibration.abs_max.get(module).copied().ok_or_else(|| {
-                QuantError::Calibration {
-                    path: calibration.source.clone(),
-                    module: module.to_string(),
-                    reason: "no input absolute maximum (collect the statistics with \
+        if let Some(stats) = activation_stats {
+            let amax =
+                stats
+                    .abs_max
+                    .get(module)
+                    .copied()
+                    .ok_or_else(|| QuantError::ActivationStats {
+                        path: stats.source.clone(),
+                        module: module.to_string(),
+                        reason: "no input absolute maximum (collect the statistics with \
                              `loraq run --collect-stats` on this model)"
-                        .to_string(),
-                }
-            })?;
+                            .to_string(),
+                    })?;
             if !(amax.is_finite() && amax > 0.0) {
-                return Err(QuantError::Calibration {
-                    path: calibration.source.clone(),
+                return Err(QuantError::ActivationStats {
+                    path: stats.source.clone(),
                     module: module.to_string(),
                     reason: format!(
                         "input absolute maximum {amax} gives no static activation scale"
@@ -779,21 +820,36 @@ pub fn plan_quantization_calibrated(
             }
             input_abs_max.insert(module.to_string(), amax);
         }
-        let calibrated = calibration.is_some();
+        let calibrated = activation_stats.is_some();
         match options.layout {
             Layout::Bf16Emulated => {
-                specs.push(TensorSpec::new(&info.name, DType::BF16, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    &info.name,
+                    DType::BF16,
+                    vec![out_features, in_features],
+                ));
             }
             Layout::Fp8Block128 => {
-                specs.push(TensorSpec::new(&info.name, DType::F8E4M3, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    &info.name,
+                    DType::F8E4M3,
+                    vec![out_features, in_features],
+                ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_scale_inv"),
                     DType::F32,
-                    vec![blocks(rows, FP8_BLOCK), blocks(cols, FP8_BLOCK)],
+                    vec![
+                        blocks(out_features, FP8_BLOCK),
+                        blocks(in_features, FP8_BLOCK),
+                    ],
                 ));
             }
             Layout::Fp8Tensor => {
-                specs.push(TensorSpec::new(&info.name, DType::F8E4M3, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    &info.name,
+                    DType::F8E4M3,
+                    vec![out_features, in_features],
+                ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_scale"),
                     DType::F32,
@@ -801,19 +857,27 @@ pub fn plan_quantization_calibrated(
                 ));
             }
             Layout::Fp8ChannelCompressedTensors => {
-                specs.push(TensorSpec::new(&info.name, DType::F8E4M3, vec![rows, cols]));
+                specs.push(TensorSpec::new(
+                    &info.name,
+                    DType::F8E4M3,
+                    vec![out_features, in_features],
+                ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_scale"),
                     DType::F32,
-                    vec![rows, 1],
+                    vec![out_features, 1],
                 ));
             }
             Layout::Nvfp4ModelOpt => {
-                specs.push(TensorSpec::new(&info.name, DType::U8, vec![rows, cols / 2]));
+                specs.push(TensorSpec::new(
+                    &info.name,
+                    DType::U8,
+                    vec![out_features, in_features / 2],
+                ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_scale"),
                     DType::F8E4M3,
-                    vec![rows, cols / NVFP4_BLOCK],
+                    vec![out_features, in_features / NVFP4_BLOCK],
                 ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_scale_2"),
@@ -832,12 +896,12 @@ pub fn plan_quantization_calibrated(
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_packed"),
                     DType::U8,
-                    vec![rows, cols / 2],
+                    vec![out_features, in_features / 2],
                 ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_scale"),
                     DType::F8E4M3,
-                    vec![rows, cols / NVFP4_BLOCK],
+                    vec![out_features, in_features / NVFP4_BLOCK],
                 ));
                 specs.push(TensorSpec::new(
                     format!("{module}.weight_global_scale"),
@@ -853,9 +917,15 @@ pub fn plan_quantization_calibrated(
                 }
             }
         }
-        actions.push((info.name.clone(), TensorAction::Quantize { rows, cols }));
+        actions.push((
+            info.name.clone(),
+            TensorAction::Quantize {
+                out_features,
+                in_features,
+            },
+        ));
     }
-    let calibrated = calibration.is_some();
+    let calibrated = activation_stats.is_some();
     let quantization_config = match options.layout {
         Layout::Bf16Emulated => None,
         Layout::Fp8Block128 => Some(json!({
@@ -1013,10 +1083,13 @@ pub fn write_quantized(
     for (name, action) in &plan.actions {
         match action {
             TensorAction::Copy => writer.write_tensor(name, input.bytes(name)?)?,
-            TensorAction::Quantize { rows, cols } => {
+            TensorAction::Quantize {
+                out_features,
+                in_features,
+            } => {
                 // Refused by file and tensor before the scheme sees a NaN.
                 let values = input.read_f32_finite(name)?;
-                let view = WeightView::new(name, *rows, *cols, &values)?;
+                let view = WeightView::new(name, *out_features, *in_features, &values)?;
                 let module = name.trim_end_matches(".weight");
                 if options.layout == Layout::Bf16Emulated {
                     let dequantized = options.scheme.fake_quant(view)?;

@@ -34,6 +34,7 @@ pub mod format;
 pub mod ggml;
 pub mod layout;
 mod multiversion;
+pub mod quantize_dir;
 pub mod report;
 mod runs;
 pub mod scheme;
@@ -48,6 +49,8 @@ pub use format::{
 };
 pub use ggml::{GgmlType, GgmlWeight};
 pub use layout::{Layout, LinearWeight, QuantizedBase, StoredWeight};
+pub use quantize_dir::{QuantizeProgress, QuantizeRequest, QuantizeSummary, quantize_to_dir};
+pub use report::{MeasureProgress, QuantErrorRequest};
 pub use scheme::{Scheme, WeightView};
 pub use weight::{
     Bf16Weight, Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight,

@@ -4,21 +4,25 @@
 //! All norms are Frobenius norms accumulated in f64.
 
 use crate::error::{QuantError, Result};
+use crate::layout::{DEFAULT_SKIP, QuantizedBase, compile_skip};
 use crate::scheme::{Scheme, WeightView};
+use loraq_io::LoraAdapter;
 use rayon::prelude::*;
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::Path;
 
 /// Relative error of the fake-quantized weight.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WeightQuantError {
-    /// `||W||`.
+    /// $\lVert W \rVert$.
     pub weight_norm: f64,
-    /// `||dequant(Q(W)) - W||`.
+    /// $\lVert \mathrm{dequant}(Q(W)) - W \rVert$.
     pub error_norm: f64,
 }
 
 impl WeightQuantError {
-    /// `||dequant(Q(W)) - W|| / ||W||` (0 for an all-zero weight).
+    /// $\lVert \mathrm{dequant}(Q(W)) - W \rVert / \lVert W \rVert$ (0 for an all-zero weight).
     pub fn relative(&self) -> f64 {
         ratio(self.error_norm, self.weight_norm)
     }
@@ -28,18 +32,19 @@ impl WeightQuantError {
 /// weight's bf16 rounding floor beside them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MergedQuantError {
-    /// `||M||`.
+    /// $\lVert M \rVert$.
     pub merged_norm: f64,
-    /// `||W + s B A - M||`: the adapter on the unquantized base.
+    /// $\lVert W + s B A - M \rVert$: the adapter on the unquantized base.
     pub exact_error_norm: f64,
-    /// `||dequant(Q(W)) + s B A - M||`: the adapter on the quantized base.
+    /// $\lVert \mathrm{dequant}(Q(W)) + s B A - M \rVert$: the adapter on the quantized base.
     pub quantized_error_norm: f64,
-    /// bf16 rounding floor of M, `sqrt(sum ulp(m)^2 / 12)` (docs/extraction.md).
+    /// bf16 rounding floor of $M$, $\sqrt{\sum_{ij} \mathrm{ulp}(m_{ij})^2 / 12}$
+    /// (docs/extraction.md).
     pub floor: f64,
 }
 
 impl MergedQuantError {
-    /// The four figures relative to `||M||`: exact, quantized, floor.
+    /// The figures relative to $\lVert M \rVert$: exact, quantized, floor.
     pub fn relative(&self) -> (f64, f64, f64) {
         (
             ratio(self.exact_error_norm, self.merged_norm),
@@ -104,22 +109,22 @@ pub fn merged_quant_error(
     update: LoraUpdate<'_>,
     merged: &[f32],
 ) -> Result<MergedQuantError> {
-    let (rows, cols, rank) = (base.rows, base.cols, update.rank);
+    let (out_features, in_features, rank) = (base.out_features, base.in_features, update.rank);
     let shape_error = |len| QuantError::ShapeMismatch {
         tensor: base.name.to_string(),
-        rows,
-        cols,
+        out_features,
+        in_features,
         len,
     };
     if merged.len() != base.data.len() || quantized.len() != base.data.len() {
         return Err(shape_error(merged.len()));
     }
-    if rows.checked_mul(rank) != Some(update.b.len())
-        || rank.checked_mul(cols) != Some(update.a.len())
+    if out_features.checked_mul(rank) != Some(update.b.len())
+        || rank.checked_mul(in_features) != Some(update.a.len())
     {
         return Err(shape_error(update.b.len() + update.a.len()));
     }
-    if cols == 0 {
+    if in_features == 0 {
         return Ok(MergedQuantError {
             merged_norm: 0.0,
             exact_error_norm: 0.0,
@@ -127,20 +132,23 @@ pub fn merged_quant_error(
             floor: 0.0,
         });
     }
-    let sums = (0..rows)
+    let sums = (0..out_features)
         .into_par_iter()
         .map(|row| {
             // delta = scale * B[row, :] A, accumulated as axpys over A's rows.
-            let mut delta = vec![0.0f32; cols];
+            let mut delta = vec![0.0f32; in_features];
             for k in 0..rank {
                 let coefficient = update.scale * update.b[row * rank + k];
                 if coefficient != 0.0 {
-                    for (d, &a) in delta.iter_mut().zip(&update.a[k * cols..(k + 1) * cols]) {
+                    for (d, &a) in delta
+                        .iter_mut()
+                        .zip(&update.a[k * in_features..(k + 1) * in_features])
+                    {
                         *d += coefficient * a;
                     }
                 }
             }
-            let range = row * cols..(row + 1) * cols;
+            let range = row * in_features..(row + 1) * in_features;
             let mut acc = [0.0f64; 4];
             for (((&d, &w), &q), &m) in delta
                 .iter()
@@ -177,9 +185,9 @@ pub struct ModuleReport {
     /// Weight tensor name.
     pub name: String,
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features.
-    pub cols: usize,
+    pub in_features: usize,
     /// The weight's own quantization error.
     pub weight: WeightQuantError,
     /// With an adapter and a merged checkpoint, the errors against the merged weight.
@@ -191,7 +199,7 @@ impl ModuleReport {
     pub fn to_json(&self) -> Value {
         let mut value = json!({
             "name": self.name,
-            "shape": [self.rows, self.cols],
+            "shape": [self.out_features, self.in_features],
             "weight_norm": self.weight.weight_norm,
             "quant_error": self.weight.error_norm,
             "quant_rel_error": self.weight.relative(),
@@ -211,7 +219,8 @@ impl ModuleReport {
     }
 }
 
-/// Totals over the adapted modules, each `sqrt(sum error^2) / sqrt(sum ||M||^2)`.
+/// Totals over the adapted modules, each
+/// $\sqrt{\sum e^2} / \sqrt{\sum \lVert M \rVert^2}$ over the modules' errors $e$.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdapterTotals {
     /// Modules with an adapter.
@@ -224,7 +233,8 @@ pub struct AdapterTotals {
     pub bf16_floor_rel: f64,
 }
 
-/// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure (the
+/// Totals over modules: $\sqrt{\sum e^2} / \sqrt{\sum n^2}$ of the errors $e$ and norms $n$
+/// for each figure (the
 /// `totals` object of `loraq quant-error --json`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QuantErrorTotals {
@@ -236,7 +246,8 @@ pub struct QuantErrorTotals {
     pub quant_rel_error: f64,
 }
 
-/// Totals over modules: `sqrt(sum error^2) / sqrt(sum norm^2)` for each figure.
+/// Totals over modules: $\sqrt{\sum e^2} / \sqrt{\sum n^2}$ of the errors $e$ and norms $n$
+/// for each figure.
 pub fn totals(reports: &[ModuleReport]) -> QuantErrorTotals {
     let sum = |f: &dyn Fn(&ModuleReport) -> Option<f64>| -> f64 {
         reports
@@ -299,4 +310,134 @@ pub fn totals_json(reports: &[ModuleReport]) -> Value {
         });
     }
     value
+}
+
+/// A measurement of a scheme on a base checkpoint, alone and with an adapter against a
+/// merge: what `loraq quant-error` does.
+#[derive(Clone, Debug)]
+pub struct QuantErrorRequest<'a> {
+    /// Base checkpoint (plain or already quantized: decoded exactly first).
+    pub base: &'a Path,
+    /// Scheme applied to it.
+    pub scheme: Scheme,
+    /// Adapter directory (with `merged`).
+    pub adapter: Option<&'a Path>,
+    /// Merged checkpoint (with `adapter`).
+    pub merged: Option<&'a Path>,
+    /// Extra regexes of weights to leave out (added to [`DEFAULT_SKIP`]).
+    pub skip: &'a [String],
+}
+
+/// What [`measure`] reports while it works.
+#[derive(Clone, Copy, Debug)]
+pub enum MeasureProgress<'a> {
+    /// The weights to measure are known: this many.
+    Planned {
+        /// Weights to measure.
+        weights: usize,
+    },
+    /// Starting on one weight.
+    Measuring(&'a str),
+    /// One weight measured.
+    Measured,
+}
+
+/// Per weight of `request.base` (skipped ones left out unless the adapter has them),
+/// the scheme's error alone and, with an adapter and a merged checkpoint, under the
+/// adapter against the merged weight. A NaN or infinite weight is refused by file and
+/// tensor.
+pub fn measure(
+    request: &QuantErrorRequest<'_>,
+    progress: &mut dyn FnMut(MeasureProgress<'_>),
+) -> Result<Vec<ModuleReport>> {
+    let base = QuantizedBase::open(request.base)
+        .map_err(|e| e.context(format!("cannot open base {}", request.base.display())))?;
+    let mut patterns: Vec<String> = DEFAULT_SKIP.iter().map(|s| s.to_string()).collect();
+    patterns.extend(request.skip.iter().cloned());
+    let skip = compile_skip(&patterns)?;
+    let adapter = match request.adapter {
+        // Module paths in the base's naming, whichever naming the adapter uses; a
+        // module the base does not have is refused by name.
+        Some(dir) => Some(LoraAdapter::open_for(dir, base.checkpoint()).map_err(|e| {
+            QuantError::from(e).context(format!("cannot open adapter {}", dir.display()))
+        })?),
+        None => None,
+    };
+    let merged = match request.merged {
+        Some(dir) => Some(
+            QuantizedBase::open(dir)
+                .map_err(|e| e.context(format!("cannot open merged {}", dir.display())))?,
+        ),
+        None => None,
+    };
+    let adapted: BTreeMap<String, &loraq_io::LoraModuleInfo> = adapter
+        .iter()
+        .flat_map(|a| a.modules.iter())
+        .map(|m| (format!("{}.weight", m.module_path), m))
+        .collect();
+    let names: Vec<String> = base
+        .weights()
+        .filter(|w| !skip.iter().any(|re| re.is_match(&w.name)) || adapted.contains_key(&w.name))
+        .map(|w| w.name.clone())
+        .collect();
+    if names.is_empty() {
+        return Err(QuantError::NothingToDo {
+            path: request.base.to_path_buf(),
+            what: "linear weight to measure",
+        });
+    }
+    progress(MeasureProgress::Planned {
+        weights: names.len(),
+    });
+    let mut reports = Vec::with_capacity(names.len());
+    for name in &names {
+        progress(MeasureProgress::Measuring(name));
+        let weight = base.weight(name)?;
+        let (out_features, in_features) = (weight.out_features, weight.in_features);
+        let values = base.read_weight_f32(name)?;
+        // A NaN weight gives a NaN error figure; refuse it by file and tensor.
+        base.checkpoint().ensure_finite(name, &values)?;
+        let view = WeightView::new(name, out_features, in_features, &values)?;
+        let (quantized, weight_error) = weight_quant_error(request.scheme, view)?;
+        let merged_error = match (adapted.get(name), &adapter, &merged) {
+            (Some(module), Some(adapter), Some(merged)) => {
+                if (module.out_features, module.in_features) != (out_features, in_features) {
+                    return Err(QuantError::AdapterShape {
+                        module: module.module_path.clone(),
+                        adapter_out_features: module.out_features,
+                        adapter_in_features: module.in_features,
+                        tensor: name.clone(),
+                        out_features,
+                        in_features,
+                    });
+                }
+                let merged_values = merged
+                    .read_weight_f32(name)
+                    .map_err(|e| e.context(format!("merged checkpoint lacks {name}")))?;
+                merged.checkpoint().ensure_finite(name, &merged_values)?;
+                let b = adapter.read_b_f32(&module.module_path)?;
+                let a = adapter.read_a_f32(&module.module_path)?;
+                let update = LoraUpdate {
+                    b: &b,
+                    a: &a,
+                    rank: module.rank,
+                    scale: module.scale as f32,
+                };
+                Some((
+                    module.rank,
+                    merged_quant_error(view, &quantized, update, &merged_values)?,
+                ))
+            }
+            _ => None,
+        };
+        reports.push(ModuleReport {
+            name: name.clone(),
+            out_features,
+            in_features,
+            weight: weight_error,
+            merged: merged_error,
+        });
+        progress(MeasureProgress::Measured);
+    }
+    Ok(reports)
 }

@@ -73,8 +73,9 @@ fn pack_pairs(codes: &[u8], packed: &mut [u8]) {
 
 multiversion! {
     /// NVFP4-quantizes whole 16-blocks under global scale `global` (dequantization
-    /// direction): per block `s_b = e4m3(clamp(amax_b / (6 g), 2^-9, 448))` (1 for
-    /// an all-zero block) and `q = e2m1(x / (f32(s_b) g))`, packed two per byte.
+    /// direction): per block of largest magnitude $a_b$,
+    /// $s_b = \mathrm{e4m3}(\mathrm{clamp}(a_b / (6 g), 2^{-9}, 448))$ (1 for an all-zero block)
+    /// and $q = \mathrm{e2m1}(x / (\mathrm{f32}(s_b) g))$, packed two per byte.
     pub fn nvfp4_quantize_run(values: &[f32], global: f32, packed: &mut [u8], scale_codes: &mut [u8]) {
         for ((block, p), s) in values
             .chunks_exact(NVFP4_BLOCK)

@@ -23,7 +23,7 @@ use std::str::FromStr;
 /// A weight quantization scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scheme {
-    /// FP8 E4M3 with one scale `amax / 448` for the whole tensor.
+    /// FP8 E4M3 with one scale $a / 448$ for the whole tensor (largest magnitude $a$).
     Fp8Tensor,
     /// FP8 E4M3 with one scale per output row.
     Fp8Channel,
@@ -66,7 +66,7 @@ impl Scheme {
 
     /// Multiple the input dimension must have (1 if any).
     pub fn input_multiple(self) -> usize {
-        self.format().in_dim_multiple()
+        self.format().in_features_multiple()
     }
 
     /// The stored format the scheme quantizes to.
@@ -105,7 +105,7 @@ impl Scheme {
         Ok(out)
     }
 
-    /// Fake-quant into `out` (`rows * cols` values), bit-identical to
+    /// Fake-quant into `out` (`out_features * in_features` values), bit-identical to
     /// `quantize(weight)?.dequantize()`; FP8 and NVFP4 run fused, without storing codes.
     ///
     /// # Panics
@@ -161,34 +161,39 @@ impl FromStr for Scheme {
     }
 }
 
-/// A named, row-major `f32` weight matrix `[rows = out features, cols = in features]`.
+/// A named, row-major `f32` weight matrix `[out_features = out features, in_features = in features]`.
 #[derive(Clone, Copy, Debug)]
 pub struct WeightView<'a> {
     /// Tensor name, used in error messages.
     pub name: &'a str,
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features.
-    pub cols: usize,
-    /// `rows * cols` values.
+    pub in_features: usize,
+    /// `out_features * in_features` values.
     pub data: &'a [f32],
 }
 
 impl<'a> WeightView<'a> {
-    /// A view after checking that `data` holds exactly `rows * cols` values.
-    pub fn new(name: &'a str, rows: usize, cols: usize, data: &'a [f32]) -> Result<Self> {
-        if rows.checked_mul(cols) != Some(data.len()) {
+    /// A view after checking that `data` holds exactly `out_features * in_features` values.
+    pub fn new(
+        name: &'a str,
+        out_features: usize,
+        in_features: usize,
+        data: &'a [f32],
+    ) -> Result<Self> {
+        if out_features.checked_mul(in_features) != Some(data.len()) {
             return Err(QuantError::ShapeMismatch {
                 tensor: name.to_string(),
-                rows,
-                cols,
+                out_features,
+                in_features,
                 len: data.len(),
             });
         }
         Ok(Self {
             name,
-            rows,
-            cols,
+            out_features,
+            in_features,
             data,
         })
     }
@@ -209,8 +214,8 @@ impl<'a> WeightView<'a> {
                 .expect("a non-finite entry exists");
             return Err(QuantError::NonFinite {
                 tensor: self.name.to_string(),
-                row: index / self.cols.max(1),
-                col: index % self.cols.max(1),
+                row: index / self.in_features.max(1),
+                col: index % self.in_features.max(1),
                 value: self.data[index],
             });
         }
@@ -219,31 +224,31 @@ impl<'a> WeightView<'a> {
 
     fn require_multiple(&self, scheme: Scheme) -> Result<()> {
         let multiple = scheme.input_multiple();
-        if self.cols % multiple != 0 {
+        if self.in_features % multiple != 0 {
             return Err(QuantError::InputDimNotDivisible {
                 tensor: self.name.to_string(),
                 scheme: scheme.name(),
                 multiple,
-                cols: self.cols,
+                in_features: self.in_features,
             });
         }
         Ok(())
     }
 }
 
-/// Quantizes to FP8 E4M3 with `s = amax / 448` per group (1 for all-zero groups) and
-/// `q = e4m3(clamp(x / s, -448, 448))`.
+/// Quantizes to FP8 E4M3 with $s = a / 448$ per group of largest magnitude $a$ (1 for
+/// all-zero groups) and $q = \mathrm{e4m3}(\mathrm{clamp}(x / s, -448, 448))$.
 pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Result<Fp8Weight> {
     let amax = weight.finite_abs_max()?;
-    let (rows, cols) = (weight.rows, weight.cols);
+    let (out_features, in_features) = (weight.out_features, weight.in_features);
     let mut codes = vec![0u8; weight.data.len()];
-    let [scale_rows, scale_cols] = fp8_scale_shape(granularity, rows, cols);
+    let [scale_rows, scale_cols] = fp8_scale_shape(granularity, out_features, in_features);
     let mut scales = vec![0.0f32; scale_rows * scale_cols];
-    if cols == 0 || rows == 0 {
+    if in_features == 0 || out_features == 0 {
         scales.fill(1.0);
         return Ok(Fp8Weight {
-            rows,
-            cols,
+            out_features,
+            in_features,
             granularity,
             codes,
             scales,
@@ -254,14 +259,14 @@ pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Resu
             let scale = fp8_scale(amax);
             scales[0] = scale;
             codes
-                .par_chunks_mut(cols)
-                .zip(weight.data.par_chunks(cols))
+                .par_chunks_mut(in_features)
+                .zip(weight.data.par_chunks(in_features))
                 .for_each(|(c, x)| runs::encode_fp8_run(x, scale, c));
         }
         Fp8Granularity::Channel => {
             codes
-                .par_chunks_mut(cols)
-                .zip(weight.data.par_chunks(cols))
+                .par_chunks_mut(in_features)
+                .zip(weight.data.par_chunks(in_features))
                 .zip(scales.par_iter_mut())
                 .for_each(|((c, x), s)| {
                     *s = fp8_scale(f32::from_bits(abs_max_bits(x)));
@@ -270,12 +275,12 @@ pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Resu
         }
         Fp8Granularity::Block128 => {
             codes
-                .par_chunks_mut(FP8_BLOCK * cols)
-                .zip(weight.data.par_chunks(FP8_BLOCK * cols))
+                .par_chunks_mut(FP8_BLOCK * in_features)
+                .zip(weight.data.par_chunks(FP8_BLOCK * in_features))
                 .zip(scales.par_chunks_mut(scale_cols))
                 .for_each(|((c, x), s)| {
-                    s.copy_from_slice(&fp8_tile_scales(x, cols, scale_cols));
-                    for (code_row, row) in c.chunks_mut(cols).zip(x.chunks(cols)) {
+                    s.copy_from_slice(&fp8_tile_scales(x, in_features, scale_cols));
+                    for (code_row, row) in c.chunks_mut(in_features).zip(x.chunks(in_features)) {
                         for ((code_run, run), &scale) in code_row
                             .chunks_mut(FP8_BLOCK)
                             .zip(row.chunks(FP8_BLOCK))
@@ -288,8 +293,8 @@ pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Resu
         }
     }
     Ok(Fp8Weight {
-        rows,
-        cols,
+        out_features,
+        in_features,
         granularity,
         codes,
         scales,
@@ -304,32 +309,32 @@ fn fake_quant_fp8(
     out: &mut [f32],
 ) -> Result<()> {
     let amax = weight.finite_abs_max()?;
-    let cols = weight.cols;
-    if cols == 0 || weight.rows == 0 {
+    let in_features = weight.in_features;
+    if in_features == 0 || weight.out_features == 0 {
         return Ok(());
     }
     match granularity {
         Fp8Granularity::Tensor => {
             let scale = fp8_scale(amax);
-            out.par_chunks_mut(cols)
-                .zip(weight.data.par_chunks(cols))
+            out.par_chunks_mut(in_features)
+                .zip(weight.data.par_chunks(in_features))
                 .for_each(|(o, x)| runs::fake_quant_fp8_run(x, scale, o));
         }
         Fp8Granularity::Channel => {
-            out.par_chunks_mut(cols)
-                .zip(weight.data.par_chunks(cols))
+            out.par_chunks_mut(in_features)
+                .zip(weight.data.par_chunks(in_features))
                 .for_each(|(o, x)| {
                     let scale = fp8_scale(f32::from_bits(abs_max_bits(x)));
                     runs::fake_quant_fp8_run(x, scale, o);
                 });
         }
         Fp8Granularity::Block128 => {
-            let scale_cols = blocks(cols, FP8_BLOCK);
-            out.par_chunks_mut(FP8_BLOCK * cols)
-                .zip(weight.data.par_chunks(FP8_BLOCK * cols))
+            let scale_cols = blocks(in_features, FP8_BLOCK);
+            out.par_chunks_mut(FP8_BLOCK * in_features)
+                .zip(weight.data.par_chunks(FP8_BLOCK * in_features))
                 .for_each(|(o, x)| {
-                    let scales = fp8_tile_scales(x, cols, scale_cols);
-                    for (out_row, row) in o.chunks_mut(cols).zip(x.chunks(cols)) {
+                    let scales = fp8_tile_scales(x, in_features, scale_cols);
+                    for (out_row, row) in o.chunks_mut(in_features).zip(x.chunks(in_features)) {
                         for ((out_run, run), &scale) in out_row
                             .chunks_mut(FP8_BLOCK)
                             .zip(row.chunks(FP8_BLOCK))
@@ -345,9 +350,9 @@ fn fake_quant_fp8(
 }
 
 /// Scales of the 128x128 tiles of one band of up to 128 rows.
-fn fp8_tile_scales(band: &[f32], cols: usize, scale_cols: usize) -> Vec<f32> {
+fn fp8_tile_scales(band: &[f32], in_features: usize, scale_cols: usize) -> Vec<f32> {
     let mut amax_bits = vec![0u32; scale_cols];
-    for row in band.chunks(cols) {
+    for row in band.chunks(in_features) {
         for (m, run) in amax_bits.iter_mut().zip(row.chunks(FP8_BLOCK)) {
             *m = (*m).max(abs_max_bits(run));
         }
@@ -371,7 +376,7 @@ pub fn quantize_nvfp4(weight: WeightView<'_>) -> Result<Nvfp4Weight> {
 /// NVFP4 quantization under a given global scale (dequantization direction); the
 /// weight must already be checked (finite, input dimension a multiple of 16).
 pub(crate) fn quantize_nvfp4_with_global(weight: WeightView<'_>, global: f32) -> Nvfp4Weight {
-    let (rows, cols) = (weight.rows, weight.cols);
+    let (out_features, in_features) = (weight.out_features, weight.in_features);
     let mut packed = vec![0u8; weight.data.len() / 2];
     let mut block_scales = vec![0u8; weight.data.len() / NVFP4_BLOCK];
     packed
@@ -380,8 +385,8 @@ pub(crate) fn quantize_nvfp4_with_global(weight: WeightView<'_>, global: f32) ->
         .zip(weight.data.par_chunks(NVFP4_RUN))
         .for_each(|((p, s), x)| runs::nvfp4_quantize_run(x, global, p, s));
     Nvfp4Weight {
-        rows,
-        cols,
+        out_features,
+        in_features,
         packed,
         block_scales,
         global_scale: Nvfp4GlobalScale::Multiplier(global),
@@ -401,16 +406,17 @@ pub fn quantize_mxfp4(weight: WeightView<'_>) -> Result<Mxfp4Weight> {
         .zip(weight.data.par_chunks(MXFP4_RUN))
         .for_each(|((p, s), x)| runs::mxfp4_quantize_run(x, p, s));
     Ok(Mxfp4Weight {
-        rows: weight.rows,
-        cols: weight.cols,
+        out_features: weight.out_features,
+        in_features: weight.in_features,
         packed,
         scales,
     })
 }
 
 /// Scale and zero point of one INT4 group (GPTQ's `find_params`):
-/// symmetric `s = 2 amax / 15`, `z = 8`; asymmetric over `[min(x, 0), max(x, 0)]`,
-/// `s = (max - min) / 15`, `z = round(-min / s)`. An all-zero group gets `s = 1, z = 8`.
+/// symmetric $s = 2 a / 15$, $z = 8$ (largest magnitude $a$); asymmetric over
+/// $[\min(x, 0), \max(x, 0)]$, $s = (\max - \min) / 15$, $z = \mathrm{round}(-\min / s)$.
+/// An all-zero group gets $s = 1$, $z = 8$.
 #[inline(always)]
 pub fn int4_group_params(values: &[f32], symmetric: bool) -> (f32, u8) {
     if symmetric {
@@ -436,15 +442,15 @@ pub fn int4_group_params(values: &[f32], symmetric: bool) -> (f32, u8) {
 /// `q = clamp(round_half_even(x / s) + z, 0, 15)`.
 pub fn quantize_int4(weight: WeightView<'_>, symmetric: bool) -> Result<Int4Weight> {
     weight.finite_abs_max()?;
-    let (rows, cols) = (weight.rows, weight.cols);
-    let groups = blocks(cols, INT4_GROUP);
+    let (out_features, in_features) = (weight.out_features, weight.in_features);
+    let groups = blocks(in_features, INT4_GROUP);
     let mut codes = vec![0u8; weight.data.len()];
-    let mut scales = vec![1.0f32; rows * groups];
-    let mut zeros = vec![8u8; rows * groups];
-    if cols > 0 {
+    let mut scales = vec![1.0f32; out_features * groups];
+    let mut zeros = vec![8u8; out_features * groups];
+    if in_features > 0 {
         codes
-            .par_chunks_mut(cols)
-            .zip(weight.data.par_chunks(cols))
+            .par_chunks_mut(in_features)
+            .zip(weight.data.par_chunks(in_features))
             .zip(
                 scales
                     .par_chunks_mut(groups)
@@ -462,10 +468,10 @@ pub fn quantize_int4(weight: WeightView<'_>, symmetric: bool) -> Result<Int4Weig
                 }
             });
     }
-    let packed = pack_int4_rows(rows, cols, &codes);
+    let packed = pack_int4_rows(out_features, in_features, &codes);
     Ok(Int4Weight {
-        rows,
-        cols,
+        out_features,
+        in_features,
         symmetric,
         packed,
         scales,

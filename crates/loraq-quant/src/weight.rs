@@ -47,7 +47,7 @@ impl QuantizedWeight {
         }
     }
 
-    /// The dequantized matrix, `[rows * cols]`.
+    /// The dequantized matrix, `[out_features * in_features]`.
     pub fn dequantize(&self) -> Vec<f32> {
         match self {
             Self::Bf16(w) => w.data.iter().map(|v| v.to_f32()).collect(),
@@ -59,14 +59,14 @@ impl QuantizedWeight {
         }
     }
 
-    /// `(rows, cols)` = (output features, input features) of the matrix.
+    /// `(out_features, in_features)` = (output features, input features) of the matrix.
     pub fn shape(&self) -> (usize, usize) {
         match self {
-            Self::Bf16(w) => (w.rows, w.cols),
-            Self::Fp8(w) => (w.rows, w.cols),
-            Self::Nvfp4(w) => (w.rows, w.cols),
-            Self::Mxfp4(w) => (w.rows, w.cols),
-            Self::Int4(w) => (w.rows, w.cols),
+            Self::Bf16(w) => (w.out_features, w.in_features),
+            Self::Fp8(w) => (w.out_features, w.in_features),
+            Self::Nvfp4(w) => (w.out_features, w.in_features),
+            Self::Mxfp4(w) => (w.out_features, w.in_features),
+            Self::Int4(w) => (w.out_features, w.in_features),
             Self::Ggml(w) => (w.out_features, w.in_features),
         }
     }
@@ -84,21 +84,25 @@ impl QuantizedWeight {
     }
 }
 
-/// An unquantized bf16 weight, row-major `[rows, cols]`.
+/// An unquantized bf16 weight, row-major `[out_features, in_features]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Bf16Weight {
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features.
-    pub cols: usize,
-    /// `rows * cols` values.
+    pub in_features: usize,
+    /// `out_features * in_features` values.
     pub data: Vec<bf16>,
 }
 
 impl Bf16Weight {
-    /// Wraps row-major bf16 values `[rows, cols]`.
-    pub fn new(rows: usize, cols: usize, data: Vec<bf16>) -> Self {
-        Self { rows, cols, data }
+    /// Wraps row-major bf16 values `[out_features, in_features]`.
+    pub fn new(out_features: usize, in_features: usize, data: Vec<bf16>) -> Self {
+        Self {
+            out_features,
+            in_features,
+            data,
+        }
     }
 }
 
@@ -108,35 +112,40 @@ impl Bf16Weight {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp8Weight {
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features.
-    pub cols: usize,
+    pub in_features: usize,
     /// Which scale applies where.
     pub granularity: Fp8Granularity,
-    /// E4M3 codes, row-major `[rows, cols]`.
+    /// E4M3 codes, row-major `[out_features, in_features]`.
     pub codes: Vec<u8>,
     /// Scales, row-major in [`Fp8Weight::scale_shape`].
     pub scales: Vec<f32>,
 }
 
 impl Fp8Weight {
-    /// Wraps E4M3 codes `[rows, cols]` and 128x128 tile multipliers
-    /// `[ceil(rows / 128), ceil(cols / 128)]` (the Qwen / DeepSeek `weight` +
+    /// Wraps E4M3 codes `[out_features, in_features]` and 128x128 tile multipliers
+    /// `[ceil(out_features / 128), ceil(in_features / 128)]` (the Qwen / DeepSeek `weight` +
     /// `weight_scale_inv` layout).
-    pub fn block128(rows: usize, cols: usize, codes: Vec<u8>, scales: Vec<f32>) -> Self {
+    pub fn block128(
+        out_features: usize,
+        in_features: usize,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> Self {
         Self {
-            rows,
-            cols,
+            out_features,
+            in_features,
             granularity: Fp8Granularity::Block128,
             codes,
             scales,
         }
     }
 
-    /// Shape of the scale tensor: `[1]`-like `[1, 1]`, `[rows, 1]` or
-    /// `[ceil(rows/128), ceil(cols/128)]`.
+    /// Shape of the scale tensor: `[1]`-like `[1, 1]`, `[out_features, 1]` or
+    /// `[ceil(out_features/128), ceil(in_features/128)]`.
     pub fn scale_shape(&self) -> [usize; 2] {
-        fp8_scale_shape(self.granularity, self.rows, self.cols)
+        fp8_scale_shape(self.granularity, self.out_features, self.in_features)
     }
 
     /// The dequantized matrix.
@@ -146,12 +155,18 @@ impl Fp8Weight {
         out
     }
 
-    /// Dequantizes into `out` (`rows * cols` values).
+    /// Dequantizes into `out` (`out_features * in_features` values).
     ///
     /// # Panics
     /// If `out` has the wrong length.
     pub fn dequantize_into(&self, out: &mut [f32]) {
-        dequantize_fp8_into(&self.codes, &self.scales, self.granularity, self.cols, out);
+        dequantize_fp8_into(
+            &self.codes,
+            &self.scales,
+            self.granularity,
+            self.in_features,
+            out,
+        );
     }
 }
 
@@ -164,13 +179,13 @@ impl Fp8Weight {
 /// `weight_scale`.
 ///
 /// # Panics
-/// If `codes` and `out` differ in length, `cols` does not divide it, or `scales` is
+/// If `codes` and `out` differ in length, `in_features` does not divide it, or `scales` is
 /// shorter than the granularity needs.
 pub fn dequantize_fp8_into(
     codes: &[u8],
     scales: &[f32],
     granularity: Fp8Granularity,
-    cols: usize,
+    in_features: usize,
     out: &mut [f32],
 ) {
     assert_eq!(
@@ -178,18 +193,22 @@ pub fn dequantize_fp8_into(
         codes.len(),
         "dequantize_fp8_into: length mismatch"
     );
-    if cols == 0 || codes.is_empty() {
+    if in_features == 0 || codes.is_empty() {
         return;
     }
-    assert_eq!(codes.len() % cols, 0, "dequantize_fp8_into: ragged rows");
-    let rows = codes.len() / cols;
-    let [scale_rows, scale_cols] = fp8_scale_shape(granularity, rows, cols);
+    assert_eq!(
+        codes.len() % in_features,
+        0,
+        "dequantize_fp8_into: ragged rows"
+    );
+    let out_features = codes.len() / in_features;
+    let [scale_rows, scale_cols] = fp8_scale_shape(granularity, out_features, in_features);
     assert!(
         scales.len() >= scale_rows * scale_cols,
         "dequantize_fp8_into: too few scales"
     );
-    out.par_chunks_mut(cols)
-        .zip(codes.par_chunks(cols))
+    out.par_chunks_mut(in_features)
+        .zip(codes.par_chunks(in_features))
         .enumerate()
         .for_each(|(row, (out_row, code_row))| {
             for (block, (out_block, code_block)) in out_row
@@ -212,30 +231,30 @@ pub fn dequantize_fp8_into(
 #[derive(Clone, Debug, PartialEq)]
 pub struct Nvfp4Weight {
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features (a multiple of 16).
-    pub cols: usize,
-    /// E2M1 codes, two per byte, even element in the low nibble, `[rows, cols / 2]`.
+    pub in_features: usize,
+    /// E2M1 codes, two per byte, even element in the low nibble, `[out_features, in_features / 2]`.
     pub packed: Vec<u8>,
-    /// E4M3 block-scale codes, `[rows, cols / 16]`.
+    /// E4M3 block-scale codes, `[out_features, in_features / 16]`.
     pub block_scales: Vec<u8>,
     /// Per-tensor scale.
     pub global_scale: Nvfp4GlobalScale,
 }
 
 impl Nvfp4Weight {
-    /// Wraps packed E2M1 codes `[rows, cols / 2]`, E4M3 block scales
-    /// `[rows, cols / 16]` and the global scale.
+    /// Wraps packed E2M1 codes `[out_features, in_features / 2]`, E4M3 block scales
+    /// `[out_features, in_features / 16]` and the global scale.
     pub fn new(
-        rows: usize,
-        cols: usize,
+        out_features: usize,
+        in_features: usize,
         packed: Vec<u8>,
         block_scales: Vec<u8>,
         global_scale: Nvfp4GlobalScale,
     ) -> Self {
         Self {
-            rows,
-            cols,
+            out_features,
+            in_features,
             packed,
             block_scales,
             global_scale,
@@ -249,7 +268,7 @@ impl Nvfp4Weight {
         out
     }
 
-    /// Dequantizes into `out` (`rows * cols` values).
+    /// Dequantizes into `out` (`out_features * in_features` values).
     ///
     /// # Panics
     /// If `out` has the wrong length.
@@ -292,21 +311,21 @@ pub fn dequantize_nvfp4_into(
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mxfp4Weight {
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features (a multiple of 32).
-    pub cols: usize,
-    /// E2M1 codes, two per byte, even element in the low nibble, `[rows, cols / 2]`.
+    pub in_features: usize,
+    /// E2M1 codes, two per byte, even element in the low nibble, `[out_features, in_features / 2]`.
     pub packed: Vec<u8>,
-    /// E8M0 scale codes, `[rows, cols / 32]`.
+    /// E8M0 scale codes, `[out_features, in_features / 32]`.
     pub scales: Vec<u8>,
 }
 
 impl Mxfp4Weight {
-    /// Wraps packed E2M1 codes `[rows, cols / 2]` and E8M0 scales `[rows, cols / 32]`.
-    pub fn new(rows: usize, cols: usize, packed: Vec<u8>, scales: Vec<u8>) -> Self {
+    /// Wraps packed E2M1 codes `[out_features, in_features / 2]` and E8M0 scales `[out_features, in_features / 32]`.
+    pub fn new(out_features: usize, in_features: usize, packed: Vec<u8>, scales: Vec<u8>) -> Self {
         Self {
-            rows,
-            cols,
+            out_features,
+            in_features,
             packed,
             scales,
         }
@@ -326,30 +345,30 @@ impl Mxfp4Weight {
 /// A 4-bit integer weight, group 128 along the input dimension:
 /// `w[r, c] = (q[r, c] - zero[r, g]) * scale[r, g]` with `g = c / 128`. Codes are
 /// packed two per byte, the even element in the low nibble, each row padded to whole
-/// bytes (`ceil(cols / 2)` bytes per row), as the kernels stream them.
+/// bytes (`ceil(in_features / 2)` bytes per row), as the kernels stream them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Int4Weight {
     /// Output features.
-    pub rows: usize,
+    pub out_features: usize,
     /// Input features (the last group may be partial).
-    pub cols: usize,
+    pub in_features: usize,
     /// Whether the zero point is fixed at 8 (symmetric).
     pub symmetric: bool,
-    /// Packed codes `0..=15`, `[rows, ceil(cols / 2)]`.
+    /// Packed codes `0..=15`, `[out_features, ceil(in_features / 2)]`.
     pub packed: Vec<u8>,
-    /// Scales, `[rows, ceil(cols / 128)]`.
+    /// Scales, `[out_features, ceil(in_features / 128)]`.
     pub scales: Vec<f32>,
-    /// Zero points `0..=15`, `[rows, ceil(cols / 128)]`.
+    /// Zero points `0..=15`, `[out_features, ceil(in_features / 128)]`.
     pub zeros: Vec<u8>,
 }
 
-/// Packs INT4 codes (one per byte, `[rows, cols]`) two per byte, each row padded to
+/// Packs INT4 codes (one per byte, `[out_features, in_features]`) two per byte, each row padded to
 /// whole bytes.
-pub(crate) fn pack_int4_rows(rows: usize, cols: usize, codes: &[u8]) -> Vec<u8> {
-    let row_bytes = cols.div_ceil(2);
-    let mut packed = vec![0u8; rows * row_bytes];
-    if cols > 0 {
-        for (dst, src) in packed.chunks_mut(row_bytes).zip(codes.chunks(cols)) {
+pub(crate) fn pack_int4_rows(out_features: usize, in_features: usize, codes: &[u8]) -> Vec<u8> {
+    let row_bytes = in_features.div_ceil(2);
+    let mut packed = vec![0u8; out_features * row_bytes];
+    if in_features > 0 {
+        for (dst, src) in packed.chunks_mut(row_bytes).zip(codes.chunks(in_features)) {
             pack_int4_row(src, dst);
         }
     }
@@ -373,19 +392,19 @@ fn unpack_int4_row(packed: &[u8], codes: &mut [u8]) {
 }
 
 impl Int4Weight {
-    /// Wraps packed codes `[rows, ceil(cols / 2)]` (even element in the low nibble),
-    /// scales and zero points `[rows, ceil(cols / 128)]`; symmetric when every zero
+    /// Wraps packed codes `[out_features, ceil(in_features / 2)]` (even element in the low nibble),
+    /// scales and zero points `[out_features, ceil(in_features / 128)]`; symmetric when every zero
     /// point is 8.
     pub fn from_packed(
-        rows: usize,
-        cols: usize,
+        out_features: usize,
+        in_features: usize,
         packed: Vec<u8>,
         scales: Vec<f32>,
         zeros: Vec<u8>,
     ) -> Self {
         Self {
-            rows,
-            cols,
+            out_features,
+            in_features,
             symmetric: zeros.iter().all(|&z| z == 8),
             packed,
             scales,
@@ -393,21 +412,21 @@ impl Int4Weight {
         }
     }
 
-    /// Packs codes stored one per byte (`[rows, cols]`) and takes the group scales
-    /// and zero points (`[rows, ceil(cols / 128)]`); symmetric when every zero point
+    /// Packs codes stored one per byte (`[out_features, in_features]`) and takes the group scales
+    /// and zero points (`[out_features, ceil(in_features / 128)]`); symmetric when every zero point
     /// is 8. Refuses a code above 15 (the lengths are checked by whoever runs it).
     pub fn from_codes(
-        rows: usize,
-        cols: usize,
+        out_features: usize,
+        in_features: usize,
         codes: &[u8],
         scales: Vec<f32>,
         zeros: Vec<u8>,
     ) -> Result<Self> {
-        if rows.checked_mul(cols) != Some(codes.len()) {
+        if out_features.checked_mul(in_features) != Some(codes.len()) {
             return Err(QuantError::ShapeMismatch {
                 tensor: "int4-g128 codes".to_string(),
-                rows,
-                cols,
+                out_features,
+                in_features,
                 len: codes.len(),
             });
         }
@@ -418,10 +437,10 @@ impl Int4Weight {
                 code: codes[index],
             });
         }
-        let packed = pack_int4_rows(rows, cols, codes);
+        let packed = pack_int4_rows(out_features, in_features, codes);
         Ok(Self {
-            rows,
-            cols,
+            out_features,
+            in_features,
             symmetric: zeros.iter().all(|&z| z == 8),
             packed,
             scales,
@@ -429,13 +448,13 @@ impl Int4Weight {
         })
     }
 
-    /// The codes one per byte, `[rows, cols]`.
+    /// The codes one per byte, `[out_features, in_features]`.
     pub fn codes(&self) -> Vec<u8> {
-        let mut codes = vec![0u8; self.rows * self.cols];
-        if self.cols > 0 {
+        let mut codes = vec![0u8; self.out_features * self.in_features];
+        if self.in_features > 0 {
             for (dst, src) in codes
-                .chunks_mut(self.cols)
-                .zip(self.packed.chunks(self.cols.div_ceil(2)))
+                .chunks_mut(self.in_features)
+                .zip(self.packed.chunks(self.in_features.div_ceil(2)))
             {
                 unpack_int4_row(src, dst);
             }
@@ -445,18 +464,18 @@ impl Int4Weight {
 
     /// Groups per row.
     pub fn groups(&self) -> usize {
-        blocks(self.cols, INT4_GROUP)
+        blocks(self.in_features, INT4_GROUP)
     }
 
     /// The dequantized matrix.
     pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.rows * self.cols];
-        if self.cols == 0 {
+        let mut out = vec![0.0f32; self.out_features * self.in_features];
+        if self.in_features == 0 {
             return out;
         }
         let groups = self.groups();
-        out.par_chunks_mut(self.cols)
-            .zip(self.packed.par_chunks(self.cols.div_ceil(2)))
+        out.par_chunks_mut(self.in_features)
+            .zip(self.packed.par_chunks(self.in_features.div_ceil(2)))
             .zip(
                 self.scales
                     .par_chunks(groups)

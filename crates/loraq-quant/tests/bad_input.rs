@@ -15,7 +15,7 @@ fn nvfp4_refuses_input_dim_not_divisible_by_16() {
         err,
         QuantError::InputDimNotDivisible {
             multiple: 16,
-            cols: 24,
+            in_features: 24,
             ..
         }
     ));
@@ -36,7 +36,7 @@ fn mxfp4_refuses_input_dim_not_divisible_by_32() {
         err,
         QuantError::InputDimNotDivisible {
             multiple: 32,
-            cols: 48,
+            in_features: 48,
             ..
         }
     ));
@@ -89,8 +89,8 @@ fn shape_mismatch_is_refused() {
     assert!(matches!(
         err,
         QuantError::ShapeMismatch {
-            rows: 3,
-            cols: 4,
+            out_features: 3,
+            in_features: 4,
             len: 10,
             ..
         }

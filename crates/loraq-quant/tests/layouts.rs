@@ -69,7 +69,7 @@ fn modelopt_nvfp4_hand_checked_bytes() {
     );
     let base = QuantizedBase::open(dir.path()).unwrap();
     let weight = base.weight("m.weight").unwrap();
-    assert_eq!((weight.rows, weight.cols), (1, 16));
+    assert_eq!((weight.out_features, weight.in_features), (1, 16));
     assert!(matches!(weight.stored, StoredWeight::Nvfp4ModelOpt { .. }));
     assert_bits(
         &base.read_weight_f32("m.weight").unwrap(),

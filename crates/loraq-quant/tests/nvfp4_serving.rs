@@ -6,7 +6,7 @@
 
 use loraq_io::{Checkpoint, DType, TensorSpec, write_safetensors_file};
 use loraq_quant::layout::{
-    DEFAULT_SKIP, InputCalibration, Layout, QuantizeOptions, TensorAction, compile_skip,
+    DEFAULT_SKIP, InputActivationStats, Layout, QuantizeOptions, TensorAction, compile_skip,
     plan_quantization, plan_quantization_calibrated, write_quantized,
 };
 use loraq_quant::{QuantError, QuantizedBase, Scheme, StoredWeight};
@@ -77,8 +77,8 @@ fn options(scheme: Scheme, layout: Layout) -> QuantizeOptions {
     }
 }
 
-fn calibration(modules: &[(&str, f32)]) -> InputCalibration {
-    InputCalibration {
+fn calibration(modules: &[(&str, f32)]) -> InputActivationStats {
+    InputActivationStats {
         source: PathBuf::from("stats.safetensors"),
         abs_max: modules.iter().map(|(m, a)| (m.to_string(), *a)).collect(),
     }
@@ -90,7 +90,7 @@ fn write(
     src: &Path,
     scheme: Scheme,
     layout: Layout,
-    calibration: Option<&InputCalibration>,
+    calibration: Option<&InputActivationStats>,
 ) -> PathBuf {
     let input = Checkpoint::open(src).unwrap();
     let options = options(scheme, layout);
@@ -270,7 +270,7 @@ fn nvfp4_compressed_tensors_layout_matches_modelopt_codes_with_divisor_scales() 
         2688.0 / amax
     );
     let weight = base.weight(&format!("{UP}.weight")).unwrap();
-    assert_eq!((weight.rows, weight.cols), (32, 128));
+    assert_eq!((weight.out_features, weight.in_features), (32, 128));
     assert!(matches!(
         weight.stored,
         StoredWeight::Nvfp4CompressedTensors { .. }
@@ -318,7 +318,7 @@ fn bad_calibration_is_refused_naming_file_and_module() {
         calibration(&[(UP, f32::NAN)]),
     ] {
         let err = plan_quantization_calibrated(&input, &nvfp4, Some(&cal)).unwrap_err();
-        assert!(matches!(err, QuantError::Calibration { .. }), "{err}");
+        assert!(matches!(err, QuantError::ActivationStats { .. }), "{err}");
         let text = err.to_string();
         assert!(
             text.contains("stats.safetensors") && text.contains(UP),

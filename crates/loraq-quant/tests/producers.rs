@@ -22,7 +22,11 @@ fn compressed_tensors_nvfp4_decodes_like_compressed_tensors() {
     ] {
         let name = format!("{module}.weight");
         let weight = base.weight(&name).unwrap();
-        assert_eq!((weight.rows, weight.cols), (rows, cols), "{name}");
+        assert_eq!(
+            (weight.out_features, weight.in_features),
+            (rows, cols),
+            "{name}"
+        );
         assert!(matches!(
             weight.stored,
             StoredWeight::Nvfp4CompressedTensors { .. }

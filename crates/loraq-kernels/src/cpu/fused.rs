@@ -156,7 +156,7 @@ pub(crate) struct LoraPass<'a> {
     pub a: Bf16Rows<'a>,
     pub b: Bf16Rows<'a>,
     pub scale: f32,
-    /// Unquantized activation, `[T, in_dim]`, rows `x_stride` apart.
+    /// Unquantized activation, `[T, in_features]`, rows `x_stride` apart.
     pub x: &'a [f32],
     pub x_stride: usize,
 }

@@ -175,17 +175,17 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
                 codes: &w.codes,
                 scales: &w.scales,
                 rebiased,
-                rows: w.rows,
-                cols: w.cols,
-                scale_cols: w.cols.div_ceil(FP8_BLOCK),
+                rows: w.out_features,
+                cols: w.in_features,
+                scale_cols: w.in_features.div_ceil(FP8_BLOCK),
             }),
             None => v.visit(&Fp8Block128Rows::<true> {
                 codes: &w.codes,
                 scales: &w.scales,
                 rebiased: &[],
-                rows: w.rows,
-                cols: w.cols,
-                scale_cols: w.cols.div_ceil(FP8_BLOCK),
+                rows: w.out_features,
+                cols: w.in_features,
+                scale_cols: w.in_features.div_ceil(FP8_BLOCK),
             }),
         },
         QuantizedWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
@@ -198,8 +198,8 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
 fn bf16_rows(w: &Bf16Weight) -> Bf16Rows<'_> {
     Bf16Rows {
         data: &w.data,
-        rows: w.rows,
-        cols: w.cols,
+        rows: w.out_features,
+        cols: w.in_features,
     }
 }
 
@@ -208,8 +208,8 @@ fn nvfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a Nvfp4Weight) -> Nvfp4Rows<
         packed: &w.packed,
         block_scales: &w.block_scales,
         scale_table: linear.scale_table(),
-        rows: w.rows,
-        cols: w.cols,
+        rows: w.out_features,
+        cols: w.in_features,
     }
 }
 
@@ -218,8 +218,8 @@ fn mxfp4_rows<'a>(linear: &'a QuantLoraLinear, w: &'a Mxfp4Weight) -> Mxfp4Rows<
         packed: &w.packed,
         block_scales: &w.scales,
         scale_table: linear.scale_table(),
-        rows: w.rows,
-        cols: w.cols,
+        rows: w.out_features,
+        cols: w.in_features,
     }
 }
 
@@ -228,8 +228,8 @@ fn int4_rows(w: &Int4Weight) -> Int4Rows<'_> {
         packed: &w.packed,
         scales: &w.scales,
         zeros: &w.zeros,
-        rows: w.rows,
-        cols: w.cols,
+        rows: w.out_features,
+        cols: w.in_features,
     }
 }
 
@@ -312,7 +312,7 @@ fn gemv_t<D: RowDecode, const T: usize>(
     });
 }
 
-/// Copies `x` into a zero-padded `[padded, in_dim]` buffer and applies the activation
+/// Copies `x` into a zero-padded `[padded, in_features]` buffer and applies the activation
 /// fake-quant to the `batch` real tokens.
 fn quantize_activations(
     linear: &QuantLoraLinear,
@@ -320,12 +320,12 @@ fn quantize_activations(
     batch: usize,
     padded: usize,
 ) -> Result<Vec<f32>> {
-    let in_dim = linear.in_dim();
-    let mut xq = vec![0f32; padded * in_dim];
-    xq[..batch * in_dim].copy_from_slice(x);
+    let in_features = linear.in_features();
+    let mut xq = vec![0f32; padded * in_features];
+    xq[..batch * in_features].copy_from_slice(x);
     linear
         .activation_quant()
-        .apply("activation", &mut xq[..batch * in_dim], in_dim)?;
+        .apply("activation", &mut xq[..batch * in_features], in_features)?;
     Ok(xq)
 }
 
@@ -362,11 +362,11 @@ fn lora_views(linear: &QuantLoraLinear) -> Option<(Bf16Rows<'_>, Bf16Rows<'_>, f
             Bf16Rows {
                 data: &l.a,
                 rows: l.rank,
-                cols: l.in_dim,
+                cols: l.in_features,
             },
             Bf16Rows {
                 data: &l.b,
-                rows: l.out_dim,
+                rows: l.out_features,
                 cols: l.rank,
             },
             l.scale,
@@ -380,7 +380,7 @@ struct GenericDecode<'a, const T: usize> {
     par: Parallelism,
     schedule: Schedule,
     xq: &'a [f32],
-    in_dim: usize,
+    in_features: usize,
     lora: Option<&'a fused::LoraPass<'a>>,
     out: &'a mut [f32],
 }
@@ -392,7 +392,7 @@ impl<const T: usize> DecoderVisitor for GenericDecode<'_, T> {
             isa: self.isa,
             weight: d,
             x: self.xq,
-            x_stride: self.in_dim,
+            x_stride: self.in_features,
         };
         fused::decode::<_, T>(
             self.isa,
@@ -418,22 +418,22 @@ fn decode_base<const T: usize>(
     lora: Option<&fused::LoraPass<'_>>,
     out: &mut [f32],
 ) {
-    let in_dim = linear.in_dim();
+    let in_features = linear.in_features();
     #[cfg(target_arch = "x86_64")]
     if let (Isa::Avx512 | Isa::Avx2, QuantizedWeight::Fp8(w)) = (isa, linear.base()) {
-        let tile_amax = gemv_fp8::tile_amax(xq, T, in_dim, in_dim);
+        let tile_amax = gemv_fp8::tile_amax(xq, T, in_features, in_features);
         let kernel = fused::Fp8Kernel {
             wide: isa == Isa::Avx512,
             weight: gemv_fp8::Fp8BandedRows {
                 codes: &w.codes,
                 scales: &w.scales,
-                rows: w.rows,
-                cols: w.cols,
-                scale_cols: w.cols.div_ceil(FP8_BLOCK),
+                rows: w.out_features,
+                cols: w.in_features,
+                scale_cols: w.in_features.div_ceil(FP8_BLOCK),
                 tile_amax: &tile_amax,
             },
             x: xq,
-            x_stride: in_dim,
+            x_stride: in_features,
         };
         return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
     }
@@ -449,7 +449,7 @@ fn decode_base<const T: usize>(
             },
             _ => None,
         };
-        let x_paired = || gemv_fp4::reorder_activation(isa, xq, T, in_dim, in_dim);
+        let x_paired = || gemv_fp4::reorder_activation(isa, xq, T, in_features, in_features);
         match (linear.base(), nvfp4_multiplier) {
             (QuantizedWeight::Nvfp4(w), Some(scale_multiplier)) => {
                 let kernel = fused::PairedKernel {
@@ -491,7 +491,7 @@ fn decode_base<const T: usize>(
             par,
             schedule,
             xq,
-            in_dim,
+            in_features,
             lora,
             out,
         },
@@ -507,7 +507,7 @@ fn forward_gemv(
     par: Parallelism,
     schedule: Schedule,
 ) -> Result<()> {
-    let (out_dim, in_dim) = (linear.out_dim(), linear.in_dim());
+    let (out_features, in_features) = (linear.out_features(), linear.in_features());
     let quantized;
     let xq: &[f32] = if linear.activation_quant().is_identity() {
         x
@@ -520,15 +520,15 @@ fn forward_gemv(
         b,
         scale,
         x,
-        x_stride: in_dim,
+        x_stride: in_features,
     });
     if batch == 1 {
         // [out, 1] is already y's layout.
         decode_base::<1>(linear, isa, par, schedule, xq, lora.as_ref(), y);
     } else {
-        let mut y_t = vec![0f32; out_dim * batch];
+        let mut y_t = vec![0f32; out_features * batch];
         with_const_batch!(batch, T => decode_base::<T>(linear, isa, par, schedule, xq, lora.as_ref(), &mut y_t));
-        transpose_into(&y_t, out_dim, batch, y, 1.0);
+        transpose_into(&y_t, out_features, batch, y, 1.0);
     }
     Ok(())
 }
@@ -570,7 +570,7 @@ struct GemmVisitor<'a> {
     par: Parallelism,
     n_padded: usize,
     xq: &'a [f32],
-    in_dim: usize,
+    in_features: usize,
     second: Option<gemm::Segment<'a, Bf16Rows<'a>>>,
 }
 
@@ -580,7 +580,7 @@ impl DecoderVisitor for GemmVisitor<'_> {
         let first = gemm::Segment {
             weight: d,
             x: self.xq,
-            x_stride: self.in_dim,
+            x_stride: self.in_features,
         };
         gemm_all(
             self.isa,
@@ -600,7 +600,7 @@ fn forward_gemm(
     isa: Isa,
     par: Parallelism,
 ) -> Result<()> {
-    let in_dim = linear.in_dim();
+    let in_features = linear.in_features();
     let (mr, _) = gemm::tile_shape(isa);
     let n_padded = batch.div_ceil(mr) * mr;
     let xq = quantize_activations(linear, x, batch, n_padded)?;
@@ -611,15 +611,15 @@ fn forward_gemm(
         let x_pad: &[f32] = if linear.activation_quant().is_identity() {
             &xq
         } else {
-            let mut buf = vec![0f32; n_padded * in_dim];
-            buf[..batch * in_dim].copy_from_slice(x);
+            let mut buf = vec![0f32; n_padded * in_features];
+            buf[..batch * in_features].copy_from_slice(x);
             x_pad_owned = buf;
             &x_pad_owned
         };
         let seg = gemm::Segment {
             weight: a,
             x: x_pad,
-            x_stride: in_dim,
+            x_stride: in_features,
         };
         let shrunk_t = gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None);
         let mut ts = vec![0f32; n_padded * a.rows];
@@ -641,12 +641,12 @@ fn forward_gemm(
             par,
             n_padded,
             xq: &xq,
-            in_dim,
+            in_features,
             second,
         },
     );
-    let out_dim = linear.out_dim();
-    for (t, y_row) in y.chunks_mut(out_dim).enumerate().take(batch) {
+    let out_features = linear.out_features();
+    for (t, y_row) in y.chunks_mut(out_features).enumerate().take(batch) {
         for (o, v) in y_row.iter_mut().enumerate() {
             *v = y_t[o * n_padded + t];
         }
@@ -676,7 +676,7 @@ impl DecoderVisitor for DequantVisitor<'_> {
 /// Dequantizes the whole base weight to f32 (`[out, in]`): the baseline the fused path
 /// is measured against, and a debugging aid.
 pub(crate) fn dequantize_base(linear: &QuantLoraLinear, opts: CpuOptions) -> Vec<f32> {
-    let mut out = vec![0f32; linear.out_dim() * linear.in_dim()];
+    let mut out = vec![0f32; linear.out_features() * linear.in_features()];
     visit_base(
         linear,
         DequantVisitor {
@@ -711,11 +711,11 @@ impl DenseView<'_> {
     fn forward(&self, x: &[f32], batch: usize, y: &mut [f32], opts: CpuOptions) -> Result<()> {
         let isa = opts.resolved_isa();
         let par = opts.parallelism;
-        let (out_dim, in_dim) = (self.linear.out_dim(), self.linear.in_dim());
+        let (out_features, in_features) = (self.linear.out_features(), self.linear.in_features());
         let d = F32Rows {
             data: self.dense,
-            rows: out_dim,
-            cols: in_dim,
+            rows: out_features,
+            cols: in_features,
         };
         let (mr, _) = gemm::tile_shape(isa);
         let n_padded = if batch <= GEMV_MAX_BATCH {
@@ -726,23 +726,23 @@ impl DenseView<'_> {
         let xq = quantize_activations(self.linear, x, batch, n_padded)?;
         let views = lora_views(self.linear);
         // LoRA exactly as the fused path computes it, then the base product separately.
-        let mut lora_out = vec![0f32; batch * out_dim];
+        let mut lora_out = vec![0f32; batch * out_features];
         if let Some((a, b, scale)) = views {
             let mut shrunk = vec![0f32; a.rows * batch];
             let mut ts = vec![0f32; batch * a.rows];
             if batch <= GEMV_MAX_BATCH {
-                with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, &a, x, in_dim, None, &mut shrunk));
+                with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, &a, x, in_features, None, &mut shrunk));
                 transpose_into(&shrunk, a.rows, batch, &mut ts, scale);
-                let mut expanded = vec![0f32; out_dim * batch];
+                let mut expanded = vec![0f32; out_features * batch];
                 with_const_batch!(batch, T => gemv_t::<Bf16Rows<'_>, T>(isa, par, &b, &ts, a.rows, None, &mut expanded));
-                transpose_into(&expanded, out_dim, batch, &mut lora_out, 1.0);
+                transpose_into(&expanded, out_features, batch, &mut lora_out, 1.0);
             } else {
-                let mut x_pad = vec![0f32; n_padded * in_dim];
-                x_pad[..batch * in_dim].copy_from_slice(x);
+                let mut x_pad = vec![0f32; n_padded * in_features];
+                x_pad[..batch * in_features].copy_from_slice(x);
                 let seg = gemm::Segment {
                     weight: &a,
                     x: &x_pad,
-                    x_stride: in_dim,
+                    x_stride: in_features,
                 };
                 let shrunk_t = gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None);
                 let mut ts = vec![0f32; n_padded * a.rows];
@@ -753,7 +753,7 @@ impl DenseView<'_> {
                     x_stride: a.rows,
                 };
                 let expanded_t = gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None);
-                for (t, row) in lora_out.chunks_mut(out_dim).enumerate() {
+                for (t, row) in lora_out.chunks_mut(out_features).enumerate() {
                     for (o, v) in row.iter_mut().enumerate() {
                         *v = expanded_t[o * n_padded + t];
                     }
@@ -761,20 +761,20 @@ impl DenseView<'_> {
             }
         }
         let base_t = if batch <= GEMV_MAX_BATCH {
-            let mut base_t = vec![0f32; out_dim * batch];
-            with_const_batch!(batch, T => gemv_t::<F32Rows<'_>, T>(isa, par, &d, &xq, in_dim, None, &mut base_t));
+            let mut base_t = vec![0f32; out_features * batch];
+            with_const_batch!(batch, T => gemv_t::<F32Rows<'_>, T>(isa, par, &d, &xq, in_features, None, &mut base_t));
             base_t
         } else {
             let seg = gemm::Segment {
                 weight: &d,
                 x: &xq,
-                x_stride: in_dim,
+                x_stride: in_features,
             };
             gemm_all::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None)
         };
-        for (t, row) in y.chunks_mut(out_dim).enumerate().take(batch) {
+        for (t, row) in y.chunks_mut(out_features).enumerate().take(batch) {
             for (o, v) in row.iter_mut().enumerate() {
-                *v = base_t[o * n_padded + t] + lora_out[t * out_dim + o];
+                *v = base_t[o * n_padded + t] + lora_out[t * out_features + o];
             }
         }
         Ok(())

@@ -49,53 +49,59 @@ fn e4m3_code(rng: &mut ChaCha8Rng) -> u8 {
 
 pub fn random_base(
     format: Format,
-    out_dim: usize,
-    in_dim: usize,
+    out_features: usize,
+    in_features: usize,
     rng: &mut ChaCha8Rng,
 ) -> QuantizedWeight {
     match format {
         Format::Bf16 => QuantizedWeight::Bf16(Bf16Weight::new(
-            out_dim,
-            in_dim,
-            (0..out_dim * in_dim)
+            out_features,
+            in_features,
+            (0..out_features * in_features)
                 .map(|_| bf16::from_f32(rng.random_range(-0.1..0.1)))
                 .collect(),
         )),
         Format::Fp8Block128 => {
-            let tiles = out_dim.div_ceil(128) * in_dim.div_ceil(128);
+            let tiles = out_features.div_ceil(128) * in_features.div_ceil(128);
             QuantizedWeight::Fp8(Fp8Weight::block128(
-                out_dim,
-                in_dim,
-                (0..out_dim * in_dim).map(|_| e4m3_code(rng)).collect(),
+                out_features,
+                in_features,
+                (0..out_features * in_features)
+                    .map(|_| e4m3_code(rng))
+                    .collect(),
                 (0..tiles)
                     .map(|_| rng.random_range(1e-5f32..1e-3))
                     .collect(),
             ))
         }
         Format::Nvfp4 => QuantizedWeight::Nvfp4(Nvfp4Weight::new(
-            out_dim,
-            in_dim,
-            (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
+            out_features,
+            in_features,
+            (0..out_features * in_features / 2)
+                .map(|_| rng.random())
+                .collect(),
             // E4M3 codes 0x00..0x5F: zero, subnormals, normals up to 16.
-            (0..out_dim * in_dim / 16)
+            (0..out_features * in_features / 16)
                 .map(|_| rng.random_range(0u8..0x60) | (rng.random::<u8>() & 0x80))
                 .collect(),
             Nvfp4GlobalScale::Multiplier(rng.random_range(1e-4f32..1e-2)),
         )),
         Format::Mxfp4 => QuantizedWeight::Mxfp4(Mxfp4Weight::new(
-            out_dim,
-            in_dim,
-            (0..out_dim * in_dim / 2).map(|_| rng.random()).collect(),
-            (0..out_dim * in_dim / 32)
+            out_features,
+            in_features,
+            (0..out_features * in_features / 2)
+                .map(|_| rng.random())
+                .collect(),
+            (0..out_features * in_features / 32)
                 .map(|_| rng.random_range(118u8..130))
                 .collect(),
         )),
         Format::Int4G128 => {
-            let groups = out_dim * in_dim.div_ceil(128);
+            let groups = out_features * in_features.div_ceil(128);
             QuantizedWeight::Int4(Int4Weight::from_packed(
-                out_dim,
-                in_dim,
-                (0..out_dim * in_dim.div_ceil(2))
+                out_features,
+                in_features,
+                (0..out_features * in_features.div_ceil(2))
                     .map(|_| rng.random())
                     .collect(),
                 (0..groups)
@@ -105,11 +111,12 @@ pub fn random_base(
             ))
         }
         Format::Ggml(ggml_type) => {
-            let values: Vec<f32> = (0..out_dim * in_dim)
+            let values: Vec<f32> = (0..out_features * in_features)
                 .map(|_| rng.random_range(-0.1f32..0.1))
                 .collect();
             QuantizedWeight::Ggml(
-                GgmlWeight::quantize("test", ggml_type, out_dim, in_dim, &values).unwrap(),
+                GgmlWeight::quantize("test", ggml_type, out_features, in_features, &values)
+                    .unwrap(),
             )
         }
     }
@@ -117,29 +124,37 @@ pub fn random_base(
 
 pub fn random_lora(
     rank: usize,
-    out_dim: usize,
-    in_dim: usize,
+    out_features: usize,
+    in_features: usize,
     rng: &mut ChaCha8Rng,
 ) -> LoraAdapter {
-    let a = (0..rank * in_dim)
+    let a = (0..rank * in_features)
         .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
         .collect();
-    let b = (0..out_dim * rank)
+    let b = (0..out_features * rank)
         .map(|_| bf16::from_f32(rng.random_range(-0.05..0.05)))
         .collect();
-    LoraAdapter::new(rank, in_dim, out_dim, a, b, rng.random_range(0.25f32..2.0)).unwrap()
+    LoraAdapter::new(
+        rank,
+        in_features,
+        out_features,
+        a,
+        b,
+        rng.random_range(0.25f32..2.0),
+    )
+    .unwrap()
 }
 
 pub fn random_linear(
     format: Format,
-    out_dim: usize,
-    in_dim: usize,
+    out_features: usize,
+    in_features: usize,
     rank: usize,
     seed: u64,
 ) -> QuantLoraLinear {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let base = random_base(format, out_dim, in_dim, &mut rng);
-    let lora = (rank > 0).then(|| random_lora(rank, out_dim, in_dim, &mut rng));
+    let base = random_base(format, out_features, in_features, &mut rng);
+    let lora = (rank > 0).then(|| random_lora(rank, out_features, in_features, &mut rng));
     QuantLoraLinear::new(base, lora).unwrap()
 }
 
@@ -149,12 +164,12 @@ pub fn random_activations(len: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Rounds to the nearest multiple of the format's input block.
-pub fn legal_in_dim(format: Format, in_dim: usize) -> usize {
+pub fn legal_in_features(format: Format, in_features: usize) -> usize {
     match format {
-        Format::Nvfp4 => in_dim.div_ceil(16).max(1) * 16,
-        Format::Mxfp4 => in_dim.div_ceil(32).max(1) * 32,
-        Format::Ggml(t) => in_dim.div_ceil(t.block().elements).max(1) * t.block().elements,
-        _ => in_dim.max(1),
+        Format::Nvfp4 => in_features.div_ceil(16).max(1) * 16,
+        Format::Mxfp4 => in_features.div_ceil(32).max(1) * 32,
+        Format::Ggml(t) => in_features.div_ceil(t.block().elements).max(1) * t.block().elements,
+        _ => in_features.max(1),
     }
 }
 

@@ -208,7 +208,7 @@ impl GgmlType {
                 tensor: tensor.to_string(),
                 scheme: self.name(),
                 multiple: block.elements,
-                cols: in_features,
+                in_features,
             });
         }
         (in_features / block.elements)

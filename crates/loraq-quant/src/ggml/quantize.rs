@@ -72,8 +72,8 @@ pub fn quantize(
     if out_features.checked_mul(in_features) != Some(values.len()) {
         return Err(QuantError::ShapeMismatch {
             tensor: tensor.to_string(),
-            rows: out_features,
-            cols: in_features,
+            out_features,
+            in_features,
             len: values.len(),
         });
     }

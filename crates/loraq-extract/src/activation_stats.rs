@@ -1,6 +1,6 @@
 //! Per-module input statistics for calibration-weighted factorization: the file
 //! `loraq run --collect-stats FILE` writes (format and reader in
-//! [`loraq_io::calibration`]), checked here against the modules being factored.
+//! [`loraq_io::activation_stats`]), checked here against the modules being factored.
 //!
 //! The weight of input feature $k$ is $s_k = \sqrt{\max(E[x_k^2],\ \epsilon \max_j E[x_j^2])}$
 //! with $\epsilon$ = [`RELATIVE_FLOOR`]: a feature that was (nearly) never active
@@ -11,26 +11,26 @@
 //! others uniformly would mix two objectives in one adapter without saying so.
 
 use crate::error::{ExtractError, Result};
-use loraq_io::calibration::INPUT_SQ_MEAN_SUFFIX;
-use loraq_io::{CalibrationStats, read_calibration};
+use loraq_io::activation_stats::INPUT_SQ_MEAN_SUFFIX;
+use loraq_io::{ActivationStats, read_activation_stats};
 use std::path::{Path, PathBuf};
 
 /// $E[x^2]$ entries below this fraction of the module's largest are raised to it.
 pub const RELATIVE_FLOOR: f64 = 1e-6;
 
-/// An opened statistics file (read and checked by [`loraq_io::read_calibration`]).
+/// An opened statistics file (read and checked by [`loraq_io::read_activation_stats`]).
 #[derive(Debug)]
-pub struct Calibration {
+pub struct ActivationStatsFile {
     path: PathBuf,
-    stats: CalibrationStats,
+    stats: ActivationStats,
 }
 
-impl Calibration {
+impl ActivationStatsFile {
     /// Reads `path` and checks its metadata and every tensor.
-    pub fn open(path: &Path) -> Result<Calibration> {
-        Ok(Calibration {
+    pub fn open(path: &Path) -> Result<ActivationStatsFile> {
+        Ok(ActivationStatsFile {
             path: path.to_path_buf(),
-            stats: read_calibration(path)?,
+            stats: read_activation_stats(path)?,
         })
     }
 
@@ -53,7 +53,7 @@ impl Calibration {
     /// `[in_features]`, not all zero (finite and non-negative are checked on reading).
     pub fn input_sq_mean(&self, module_path: &str, in_features: usize) -> Result<&[f32]> {
         let tensor = format!("{module_path}{INPUT_SQ_MEAN_SUFFIX}");
-        let bad = |what: String| ExtractError::Calibration {
+        let bad = |what: String| ExtractError::ActivationStats {
             path: self.path.clone(),
             tensor: tensor.clone(),
             what,

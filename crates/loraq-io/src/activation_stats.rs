@@ -4,18 +4,19 @@
 //!
 //! `loraq run --collect-stats FILE` writes them; quantization-aware extraction
 //! (`loraq extract --calibration FILE`) weights each input column of a module's
-//! error by `sqrt(E[x_k^2])`, and `loraq quantize --scheme nvfp4 --calibration FILE`
+//! error by $\sqrt{\mathrm{E}[x_k^2]}$, and `loraq quantize --scheme nvfp4 --calibration FILE`
 //! turns each module's absolute maximum into its static activation scale
-//! (`input_scale = amax / (6 * 448)`, NVIDIA ModelOpt's convention). The file is a
+//! (`input_scale` $= a / (6 \cdot 448)$ for the largest magnitude $a$, NVIDIA ModelOpt's
+//! convention). The file is a
 //! safetensors file:
 //!
 //! - one F32 tensor per linear module, named `<module path>.input_sq_mean` (the
 //!   module path is the weight's name without `.weight`, as in the checkpoint,
 //!   e.g. `model.language_model.layers.40.mlp.down_proj.input_sq_mean`), shape
-//!   `[in_features]`, holding `mean over tokens of x_k^2` of the activations that
+//!   `[in_features]`, holding the mean over tokens of $x_k^2$ of the activations that
 //!   enter the linear (before any activation fake-quant);
 //! - (version 2) one F32 scalar per linear module, `<module path>.input_abs_max`,
-//!   shape `[]`: `max over tokens and features of |x|` of the same activations;
+//!   shape `[]`: the maximum over tokens and features of $|x|$ of the same activations;
 //! - metadata `{"format": "loraq-calibration", "version": "2", "tokens": "<count>",
 //!   "records": "<count>"}`.
 //!
@@ -30,11 +31,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The `format` metadata value of a calibration file.
-pub const CALIBRATION_FORMAT: &str = "loraq-calibration";
+pub const ACTIVATION_STATS_FORMAT: &str = "loraq-calibration";
 /// The `version` metadata value this crate writes.
-pub const CALIBRATION_VERSION: &str = "2";
+pub const ACTIVATION_STATS_VERSION: &str = "2";
 /// Every `version` this crate reads: 1 (mean squares only) and 2 (with absolute maxima).
-pub const CALIBRATION_VERSIONS_READ: [&str; 2] = ["1", "2"];
+pub const ACTIVATION_STATS_VERSIONS_READ: [&str; 2] = ["1", "2"];
 /// The suffix that turns a module path into its mean-square tensor's name.
 pub const INPUT_SQ_MEAN_SUFFIX: &str = ".input_sq_mean";
 /// The suffix that turns a module path into its absolute-maximum tensor's name.
@@ -42,19 +43,19 @@ pub const INPUT_ABS_MAX_SUFFIX: &str = ".input_abs_max";
 
 /// Per-module input statistics of a calibration run.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct CalibrationStats {
+pub struct ActivationStats {
     /// Prompt tokens the means are taken over (every module saw each of them).
     pub tokens: u64,
     /// Records (prompts) those tokens came from.
     pub records: u64,
-    /// Module path -> `E[x_k^2]` per input feature `k`.
+    /// Module path -> $\mathrm{E}[x_k^2]$ per input feature $k$.
     pub input_sq_mean: BTreeMap<String, Vec<f32>>,
     /// Module path -> `max |x|` over every token and input feature (empty when read
     /// from a version 1 file).
     pub input_abs_max: BTreeMap<String, f32>,
 }
 
-impl CalibrationStats {
+impl ActivationStats {
     /// The statistics of one module, by module path (no `.weight`).
     pub fn module(&self, module_path: &str) -> Option<&[f32]> {
         self.input_sq_mean.get(module_path).map(Vec::as_slice)
@@ -67,7 +68,7 @@ impl CalibrationStats {
 }
 
 fn bad(path: &Path, reason: impl Into<String>) -> IoError {
-    IoError::Calibration {
+    IoError::ActivationStats {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
@@ -79,7 +80,7 @@ fn bad(path: &Path, reason: impl Into<String>) -> IoError {
 ///
 /// Refuses (writing nothing) a module with no features, a negative or non-finite
 /// value, or zero tokens.
-pub fn write_calibration(path: &Path, stats: &CalibrationStats) -> Result<()> {
+pub fn write_activation_stats(path: &Path, stats: &ActivationStats) -> Result<()> {
     for (module, amax) in &stats.input_abs_max {
         if !amax.is_finite() || *amax < 0.0 {
             return Err(bad(
@@ -148,8 +149,8 @@ pub fn write_calibration(path: &Path, stats: &CalibrationStats) -> Result<()> {
             }),
     );
     let metadata = BTreeMap::from([
-        ("format".to_string(), CALIBRATION_FORMAT.to_string()),
-        ("version".to_string(), CALIBRATION_VERSION.to_string()),
+        ("format".to_string(), ACTIVATION_STATS_FORMAT.to_string()),
+        ("version".to_string(), ACTIVATION_STATS_VERSION.to_string()),
         ("tokens".to_string(), stats.tokens.to_string()),
         ("records".to_string(), stats.records.to_string()),
     ]);
@@ -160,7 +161,7 @@ pub fn write_calibration(path: &Path, stats: &CalibrationStats) -> Result<()> {
 
 /// Reads a calibration file, checking its metadata, every tensor's name, dtype
 /// (F32), rank (1) and values (finite, non-negative).
-pub fn read_calibration(path: &Path) -> Result<CalibrationStats> {
+pub fn read_activation_stats(path: &Path) -> Result<ActivationStats> {
     let ckpt = Checkpoint::open(path)?;
     if !path.is_file() {
         return Err(bad(path, "not a file (expected one .safetensors file)"));
@@ -170,22 +171,22 @@ pub fn read_calibration(path: &Path) -> Result<CalibrationStats> {
         meta.get(key)
             .ok_or_else(|| bad(path, format!("metadata lacks {key:?}")))
     };
-    if field("format")? != CALIBRATION_FORMAT {
+    if field("format")? != ACTIVATION_STATS_FORMAT {
         return Err(bad(
             path,
             format!(
-                "metadata format is {:?}, not {CALIBRATION_FORMAT:?}",
+                "metadata format is {:?}, not {ACTIVATION_STATS_FORMAT:?}",
                 field("format")?
             ),
         ));
     }
     let version = field("version")?;
-    if !CALIBRATION_VERSIONS_READ.contains(&version.as_str()) {
+    if !ACTIVATION_STATS_VERSIONS_READ.contains(&version.as_str()) {
         return Err(bad(
             path,
             format!(
                 "version {version:?} is not supported (this loraq reads {})",
-                CALIBRATION_VERSIONS_READ.join(", ")
+                ACTIVATION_STATS_VERSIONS_READ.join(", ")
             ),
         ));
     }
@@ -254,7 +255,7 @@ pub fn read_calibration(path: &Path) -> Result<CalibrationStats> {
             format!("{module}{INPUT_ABS_MAX_SUFFIX} has no {INPUT_SQ_MEAN_SUFFIX}"),
         ));
     }
-    Ok(CalibrationStats {
+    Ok(ActivationStats {
         tokens,
         records,
         input_sq_mean,
@@ -266,8 +267,8 @@ pub fn read_calibration(path: &Path) -> Result<CalibrationStats> {
 mod tests {
     use super::*;
 
-    fn stats() -> CalibrationStats {
-        CalibrationStats {
+    fn stats() -> ActivationStats {
+        ActivationStats {
             tokens: 12,
             records: 3,
             input_sq_mean: BTreeMap::from([
@@ -288,8 +289,8 @@ mod tests {
     fn round_trip_keeps_values_and_counts() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("stats.safetensors");
-        write_calibration(&path, &stats()).unwrap();
-        assert_eq!(read_calibration(&path).unwrap(), stats());
+        write_activation_stats(&path, &stats()).unwrap();
+        assert_eq!(read_activation_stats(&path).unwrap(), stats());
         // The tensor names and metadata are the documented ones.
         let ckpt = Checkpoint::open(&path).unwrap();
         assert!(ckpt.contains("model.layers.0.mlp.down_proj.input_sq_mean"));
@@ -313,7 +314,7 @@ mod tests {
         s.input_sq_mean
             .get_mut("model.layers.0.mlp.up_proj")
             .unwrap()[0] = f32::NAN;
-        let err = write_calibration(&path, &s).unwrap_err().to_string();
+        let err = write_activation_stats(&path, &s).unwrap_err().to_string();
         assert!(err.contains("model.layers.0.mlp.up_proj"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
@@ -329,10 +330,10 @@ mod tests {
             &BTreeMap::new(),
         )
         .unwrap();
-        let err = read_calibration(&path).unwrap_err().to_string();
+        let err = read_activation_stats(&path).unwrap_err().to_string();
         assert!(err.contains("format"), "{err}");
         let metadata = BTreeMap::from([
-            ("format".to_string(), CALIBRATION_FORMAT.to_string()),
+            ("format".to_string(), ACTIVATION_STATS_FORMAT.to_string()),
             ("version".to_string(), "1".to_string()),
             ("tokens".to_string(), "4".to_string()),
             ("records".to_string(), "1".to_string()),
@@ -343,7 +344,7 @@ mod tests {
             &metadata,
         )
         .unwrap();
-        let err = read_calibration(&path).unwrap_err().to_string();
+        let err = read_activation_stats(&path).unwrap_err().to_string();
         assert!(
             err.contains("x.weight") && err.contains("input_sq_mean"),
             "{err}"
@@ -356,7 +357,7 @@ mod tests {
         let path = dir.path().join("v1.safetensors");
         let bytes = crate::convert::f32_to_le_bytes(&[0.5, 2.0]);
         let metadata = BTreeMap::from([
-            ("format".to_string(), CALIBRATION_FORMAT.to_string()),
+            ("format".to_string(), ACTIVATION_STATS_FORMAT.to_string()),
             ("version".to_string(), "1".to_string()),
             ("tokens".to_string(), "4".to_string()),
             ("records".to_string(), "1".to_string()),
@@ -370,7 +371,7 @@ mod tests {
             &metadata,
         )
         .unwrap();
-        let stats = read_calibration(&path).unwrap();
+        let stats = read_activation_stats(&path).unwrap();
         assert_eq!(stats.module("m"), Some(&[0.5, 2.0][..]));
         assert!(stats.input_abs_max.is_empty());
         assert_eq!(stats.abs_max("m"), None);
@@ -383,7 +384,7 @@ mod tests {
         let mut s = stats();
         s.input_abs_max
             .insert("model.layers.0.mlp.up_proj".to_string(), f32::INFINITY);
-        let err = write_calibration(&path, &s).unwrap_err().to_string();
+        let err = write_activation_stats(&path, &s).unwrap_err().to_string();
         assert!(err.contains("model.layers.0.mlp.up_proj"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
