@@ -268,17 +268,7 @@ fn linear_blocks(
             )?;
         }
         Some((v, PermutedAxis::Columns { head_dim })) => {
-            let gather = v.inverse_permutation(head_dim);
-            if gather.len() != in_features {
-                return Err(tensor_error(
-                    model,
-                    t,
-                    format!(
-                        "{in_features} input features, the value heads take {}",
-                        gather.len()
-                    ),
-                ));
-            }
+            let gather = column_gather(v, head_dim, in_features, model, t)?;
             let block = t.ggml_type.block();
             let Some(blocks) = block_gather(&gather, block.elements) else {
                 return Ok(None);
@@ -438,18 +428,8 @@ fn convert(
                     )?;
                 }
                 Some(PermutedAxis::Columns { head_dim }) => {
-                    let gather = v.inverse_permutation(head_dim);
                     let in_features = *shape.last().unwrap_or(&0);
-                    if gather.len() != in_features {
-                        return Err(tensor_error(
-                            model,
-                            t,
-                            format!(
-                                "{in_features} input features, the value heads take {}",
-                                gather.len()
-                            ),
-                        ));
-                    }
+                    let gather = column_gather(v, head_dim, in_features, model, t)?;
                     // Columns of a row-major matrix: gather elements within each row.
                     let mut elements: Vec<[u8; 4]> = bytes
                         .chunks_exact(element)
@@ -476,6 +456,29 @@ fn convert(
         bytes,
         blocks: None,
     })
+}
+
+/// The gather that puts `in_features` input columns back in the checkpoint's
+/// value-head order, checking that the value heads take exactly them.
+fn column_gather(
+    v: VHeadLayout,
+    head_dim: usize,
+    in_features: usize,
+    model: &GgufModel,
+    t: &GgufTensorInfo,
+) -> Result<Vec<usize>> {
+    let gather = v.inverse_permutation(head_dim);
+    if gather.len() != in_features {
+        return Err(tensor_error(
+            model,
+            t,
+            format!(
+                "{in_features} input features, the value heads take {}",
+                gather.len()
+            ),
+        ));
+    }
+    Ok(gather)
 }
 
 /// Gathers rows `start..` of `bytes` (rows of `row_bytes`), checking that the value

@@ -158,6 +158,15 @@ fn scaled(q: __m256i, scale: f32) -> __m256 {
     _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale))
 }
 
+/// `i32` lanes to f32, times `scale`, less `min` (two roundings: the scalar
+/// `d * q - min` of the K types).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn scaled_less_min(q: __m256i, scale: f32, min: f32) -> __m256 {
+    _mm256_sub_ps(scaled(q, scale), _mm256_set1_ps(min))
+}
+
 /// Q8_0: `x = q d`.
 pub(crate) struct Q8_0Block;
 
@@ -226,10 +235,7 @@ impl SimdBlock for Q4KBlock {
         unsafe {
             let (d, min) = k4_scale_min(block, 2 * j + upper);
             let q = nibbles8(block.add(16 + 32 * j + l), upper == 1);
-            _mm256_sub_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d)),
-                _mm256_set1_ps(min),
-            )
+            scaled_less_min(q, d, min)
         }
     }
 }
@@ -253,10 +259,7 @@ impl SimdBlock for Q5KBlock {
             let bit = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(group as i32));
             let high = _mm256_slli_epi32::<4>(_mm256_and_si256(bit, _mm256_set1_epi32(1)));
             let q = _mm256_or_si256(low, high);
-            _mm256_sub_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d)),
-                _mm256_set1_ps(min),
-            )
+            scaled_less_min(q, d, min)
         }
     }
 }

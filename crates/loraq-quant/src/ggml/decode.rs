@@ -2,7 +2,7 @@
 //! ggml/src/ggml-quants.c computes (each product in the same order, in `f32`).
 
 use super::fp16::{bf16_to_f32, fp16_to_f32};
-use super::{GgmlType, QK_K, is_decodable, matrix_bytes};
+use super::{GgmlType, QK_K, check_stored};
 use crate::error::{QuantError, Result};
 use rayon::prelude::*;
 
@@ -120,21 +120,7 @@ pub fn dequantize(
     in_features: usize,
     data: &[u8],
 ) -> Result<Vec<f32>> {
-    if !is_decodable(ggml_type) {
-        return Err(QuantError::UnsupportedFormat {
-            tensor: tensor.to_string(),
-            format: ggml_type.name().to_string(),
-        });
-    }
-    let expected = matrix_bytes(ggml_type, tensor, out_features, in_features)?;
-    if data.len() != expected {
-        return Err(QuantError::GgmlDataLength {
-            tensor: tensor.to_string(),
-            ggml_type: ggml_type.name(),
-            expected,
-            actual: data.len(),
-        });
-    }
+    check_stored(tensor, ggml_type, out_features, in_features, data.len())?;
     let len = out_features
         .checked_mul(in_features)
         .ok_or_else(|| QuantError::GgmlSize {

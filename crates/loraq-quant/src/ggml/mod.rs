@@ -113,6 +113,33 @@ pub fn row_bytes(ggml_type: GgmlType, tensor: &str, in_features: usize) -> Resul
         })
 }
 
+/// Checks that `len` bytes hold exactly an `out_features x in_features` matrix of a
+/// type this module decodes (`tensor` names the weight in the error).
+fn check_stored(
+    tensor: &str,
+    ggml_type: GgmlType,
+    out_features: usize,
+    in_features: usize,
+    len: usize,
+) -> Result<()> {
+    if !is_decodable(ggml_type) {
+        return Err(QuantError::UnsupportedFormat {
+            tensor: tensor.to_string(),
+            format: ggml_type.name().to_string(),
+        });
+    }
+    let expected = matrix_bytes(ggml_type, tensor, out_features, in_features)?;
+    if len != expected {
+        return Err(QuantError::GgmlDataLength {
+            tensor: tensor.to_string(),
+            ggml_type: ggml_type.name(),
+            expected,
+            actual: len,
+        });
+    }
+    Ok(())
+}
+
 /// Bytes of an `out_features x in_features` matrix, checked as [`row_bytes`].
 pub fn matrix_bytes(
     ggml_type: GgmlType,
@@ -156,21 +183,7 @@ impl GgmlWeight {
         in_features: usize,
         data: Vec<u8>,
     ) -> Result<Self> {
-        if !is_decodable(ggml_type) {
-            return Err(QuantError::UnsupportedFormat {
-                tensor: tensor.to_string(),
-                format: ggml_type.name().to_string(),
-            });
-        }
-        let expected = matrix_bytes(ggml_type, tensor, out_features, in_features)?;
-        if data.len() != expected {
-            return Err(QuantError::GgmlDataLength {
-                tensor: tensor.to_string(),
-                ggml_type: ggml_type.name(),
-                expected,
-                actual: data.len(),
-            });
-        }
+        check_stored(tensor, ggml_type, out_features, in_features, data.len())?;
         Ok(Self {
             out_features,
             in_features,
