@@ -1,7 +1,8 @@
 //! The fused "quantized base + LoRA" CPU linear on a projection of the 27b-slice shape
 //! (17408 x 5120 up projection + a rank-256 LoRA, from a synthetic pair): decode (one
-//! token) and prefill (128 tokens), for every base format the CPU kernels take, each
-//! base quantized by `loraq-quant`. Decode throughput is in bytes the call reads (codes,
+//! token) and prefill (128 tokens), for every base format the CPU kernels take (the
+//! GGUF types Q4_K, Q6_K, Q8_0 and IQ4_XS among them), each base quantized by
+//! `loraq-quant`. Decode throughput is in bytes the call reads (codes,
 //! scales and both bf16 factors), so criterion reports effective bandwidth; prefill
 //! throughput is in multiply-adds.
 //!
@@ -13,6 +14,7 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use loraq_kernels::{Bf16Weight, CpuOptions, LoraAdapter, QuantLoraLinear, QuantizedWeight};
+use loraq_quant::ggml::{GgmlType, GgmlWeight};
 use loraq_quant::{Scheme, WeightView};
 
 const NAME: &str = "model.language_model.layers.0.mlp.up_proj.weight";
@@ -47,6 +49,17 @@ fn bench(c: &mut Criterion) {
         Scheme::Int4G128Asym,
     ] {
         bases.push((scheme.name(), scheme.quantize(view).expect("quantize")));
+    }
+    // The GGUF (llama.cpp) types a Q4_K_M / Q6_K / Q8_0 / IQ4_XS base runs its
+    // linears in, quantized as llama-quantize does.
+    for (name, ggml_type) in [
+        ("gguf-q4_k", GgmlType::Q4_K),
+        ("gguf-q6_k", GgmlType::Q6_K),
+        ("gguf-q8_0", GgmlType::Q8_0),
+        ("gguf-iq4_xs", GgmlType::IQ4_XS),
+    ] {
+        let weight = GgmlWeight::quantize(NAME, ggml_type, OUT, IN, &pair.base).expect("quantize");
+        bases.push((name, QuantizedWeight::Ggml(weight)));
     }
     let x: Vec<f32> = (0..PREFILL * IN)
         .map(|i| (i * 7919 % 2000) as f32 / 1000.0 - 1.0)

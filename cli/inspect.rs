@@ -80,7 +80,7 @@ fn detect_quantization(ckpt: &Checkpoint) -> String {
 fn summarize(args: &Args) -> Result<Summary> {
     // A GGUF file (llama.cpp) is read in the checkpoint's terms (docs/gguf.md).
     let ckpt = if loraq_gguf::base::is_gguf(&args.dir) {
-        loraq_quant::layout::open_gguf_checkpoint(&args.dir)
+        loraq_quant::layout::open_gguf_checkpoint(&args.dir).map(|gguf| gguf.checkpoint)
     } else {
         Checkpoint::open(&args.dir).map_err(loraq_quant::QuantError::from)
     }

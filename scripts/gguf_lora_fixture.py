@@ -23,6 +23,11 @@ The committed files under tests/data/gguf/ were made with
       --model tests/data/model/qwen3_5 --out tests/data/gguf/qwen3_5-f32.gguf
   python scripts/gguf_lora_fixture.py base --llama-cpp CACHE/llama-server-0.3.36/llama.cpp \
       --model tests/data/model/qwen3_5 --outtype q8_0 --out tests/data/gguf/qwen3_5-q8_0.gguf
+  python scripts/gguf_lora_fixture.py base --llama-cpp CACHE/llama-server-0.3.36/llama.cpp \
+      --model tests/data/model/qwen3 --outtype q8_0 --out tests/data/gguf/qwen3-q8_0.gguf
+
+(the converter's Qwen3 vocabulary step imports `sentencepiece` before it falls back to
+the tokenizer.json vocabulary: `pip install sentencepiece` where it runs).
 
   python scripts/gguf_lora_fixture.py patterns --model tests/data/model/qwen3 --out tests/data/gguf/qwen3-lora
   python scripts/gguf_lora_fixture.py convert --llama-cpp CACHE/llama-server-0.3.36/llama.cpp \

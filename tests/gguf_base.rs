@@ -180,3 +180,192 @@ fn a_q8_0_gguf_base_decodes_within_q8_0_rounding_of_the_checkpoint() {
     ]));
     assert_eq!(logits(&out).len(), 9);
 }
+
+/// The linear weights' GGUF names (the converter's, for both architectures).
+const GGUF_LINEARS: [&str; 13] = [
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "attn_qkv",
+    "attn_gate",
+    "ssm_alpha",
+    "ssm_beta",
+    "ssm_out",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ssm_in",
+];
+
+/// The block types of 32 elements loraq quantizes bit-exactly as ggml does (the test
+/// models' rows are 32 or 48 wide, too narrow for the 256-element K types; the K types
+/// run through the same loader and are checked kernel by kernel in loraq-kernels).
+const RETYPES: [loraq_quant::ggml::GgmlType; 6] = {
+    use loraq_quant::ggml::GgmlType as G;
+    [G::Q4_0, G::Q5_1, G::IQ4_NL, G::Q8_0, G::Q4_1, G::Q5_0]
+};
+
+/// A copy of the GGUF `source` with its decoder layers' linear weights requantized,
+/// the `i`-th such weight whose rows are whole blocks of 32 to `RETYPES[i % 6]` (the
+/// others as they are): a GGUF base of every 32-element block type, in llama.cpp's
+/// names and value-head order. Returns how many weights were requantized.
+fn retyped(source: &Path, out: &Path) -> usize {
+    use loraq_gguf::{GgufFile, GgufWriter};
+    let file = GgufFile::open(source).unwrap();
+    let mut writer = GgufWriter::new();
+    for (key, value) in file.metadata() {
+        if !key.starts_with("GGUF.") && key != "general.alignment" {
+            writer.add_metadata(key.clone(), value.clone()).unwrap();
+        }
+    }
+    let mut requantized = 0;
+    for t in file.tensors() {
+        let bytes = file.tensor_bytes(&t.name).unwrap().to_vec();
+        let shape = t.shape();
+        let is_linear = t.name.starts_with("blk.")
+            && t.name.ends_with(".weight")
+            && GGUF_LINEARS
+                .iter()
+                .any(|l| t.name.contains(&format!(".{l}.")));
+        let (out_features, in_features) = (shape[0], *shape.last().unwrap());
+        if !(is_linear && shape.len() == 2 && in_features % 32 == 0) {
+            writer
+                .add_tensor(&t.name, t.ggml_type, &shape, bytes)
+                .unwrap();
+            continue;
+        }
+        let values =
+            loraq_quant::ggml::dequantize(&t.name, t.ggml_type, out_features, in_features, &bytes)
+                .unwrap();
+        let ggml_type = RETYPES[requantized % RETYPES.len()];
+        let weight = loraq_quant::GgmlWeight::quantize(
+            &t.name,
+            ggml_type,
+            out_features,
+            in_features,
+            &values,
+        )
+        .unwrap();
+        writer
+            .add_tensor(&t.name, ggml_type, &shape, weight.data)
+            .unwrap();
+        requantized += 1;
+    }
+    writer.write(out).unwrap();
+    requantized
+}
+
+fn max_abs_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let mut max = 0f64;
+    for ((id, x), (id2, y)) in a.iter().zip(b) {
+        assert_eq!(id, id2);
+        assert_eq!(x.len(), y.len());
+        max = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs())
+            .fold(max, f64::max);
+    }
+    max
+}
+
+/// Largest |logit difference| allowed between a GGUF base whose block-type linears run
+/// in their type on the fused CPU kernel (dequantized in the loop) and the same base
+/// decoded to f32 once (`--backend dense`, candle's matmul). The weights are the same
+/// f32 values bit for bit (crates/loraq-kernels' `ggml_fused_is_the_decoded_weight`
+/// checks the kernel against the decoded matrix bit for bit); only the summation
+/// order differs (the kernel's 8- or 16-lane accumulators against candle's gemm), a
+/// few f32 ulps per dot product carried through the layers.
+const QUANTIZED_VS_DECODED_TOLERANCE: f64 = 1e-4;
+
+#[test]
+fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = data("model/records.jsonl");
+    for (name, source, adapter) in [
+        (
+            "qwen35",
+            data("gguf/qwen3_5-q8_0.gguf"),
+            data("model/qwen3_5-lora"),
+        ),
+        (
+            "qwen3",
+            data("gguf/qwen3-q8_0.gguf"),
+            data("gguf/qwen3-lora"),
+        ),
+    ] {
+        let gguf = dir.path().join(format!("{name}-retyped.gguf"));
+        let requantized = retyped(&source, &gguf);
+        assert!(requantized >= RETYPES.len(), "{name}: {requantized}");
+        let base = loraq_quant::QuantizedBase::open(&gguf).unwrap();
+        let in_blocks = base
+            .weights()
+            .filter(|w| matches!(w.stored, loraq_quant::StoredWeight::Ggml { .. }))
+            .count();
+        // qwen35's out_proj (4 value heads of 8 columns, reordered) cuts through its
+        // blocks of 32 and is decoded; every other requantized weight stays in blocks.
+        let out_proj = if name == "qwen35" { 2 } else { 0 };
+        assert_eq!(in_blocks, requantized - out_proj, "{name}");
+        for adapter in [None, Some(&adapter)] {
+            let mut outs = Vec::new();
+            for backend in ["auto", "dense", "reference"] {
+                let out = dir
+                    .path()
+                    .join(format!("{name}-{backend}-{}.jsonl", adapter.is_some()));
+                let mut args = vec![
+                    "run",
+                    "--model",
+                    s(&gguf),
+                    "--records",
+                    s(&records),
+                    "--out",
+                    s(&out),
+                    "--backend",
+                    backend,
+                ];
+                if let Some(a) = adapter {
+                    args.extend(["--adapter", s(a)]);
+                }
+                let o = ok(loraq(&args));
+                let summary = stderr(&o);
+                if backend == "auto" {
+                    // Every block-type linear (and the bf16 adapter) on the fused kernel.
+                    assert!(
+                        summary.contains(&format!("{in_blocks} cpu")),
+                        "{name}: {summary}"
+                    );
+                }
+                outs.push(logits(&out));
+            }
+            assert_eq!(outs[0].len(), 9);
+            for (i, other) in [(1, "dense"), (2, "reference")] {
+                let max = max_abs_diff(&outs[0], &outs[i]);
+                eprintln!(
+                    "{name} (adapter: {}): fused kernel vs {other}: max |d logit| {max:.3e}",
+                    adapter.is_some()
+                );
+                assert!(
+                    max <= QUANTIZED_VS_DECODED_TOLERANCE,
+                    "{name} vs {other}: {max}"
+                );
+            }
+        }
+        // --act-quant ggml quantizes each block-type linear's activations as
+        // llama.cpp's CPU backend does; it runs and changes the answers.
+        let out = dir.path().join(format!("{name}-act-ggml.jsonl"));
+        ok(loraq(&[
+            "run",
+            "--model",
+            s(&gguf),
+            "--records",
+            s(&records),
+            "--out",
+            s(&out),
+            "--act-quant",
+            "ggml",
+        ]));
+        assert_eq!(logits(&out).len(), 9);
+    }
+}

@@ -342,7 +342,7 @@ fn gguf_py_reads_what_loraq_writes() {
         .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
         .collect();
     writer
-        .add_tensor("c.bf16", GgmlType::Bf16, &[2, 2, 2], bf16s)
+        .add_tensor("c.bf16", GgmlType::BF16, &[2, 2, 2], bf16s)
         .unwrap();
     writer
         .add_tensor("d.q8_0", GgmlType::Q8_0, &[1, 32], vec![7; 34])

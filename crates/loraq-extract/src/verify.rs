@@ -185,26 +185,22 @@ pub fn verify(
     // Module paths in the merge's naming, whichever naming the adapter was written in;
     // a module the merge does not have is refused by name.
     let adapter = LoraAdapter::open_for(&options.adapter, &merged)?;
-    // A GGUF base (llama.cpp) is read in the checkpoint's terms (docs/gguf.md).
-    let gguf_base = loraq_gguf::base::is_gguf(&options.base);
-    let base = if gguf_base {
-        loraq_quant::layout::open_gguf_checkpoint(&options.base)?
-    } else {
-        Checkpoint::open(&options.base)?
-    };
     // A quantized base (fp8, NVFP4, ...) is decoded exactly; every projection then
     // differs from the merge, so the byte scan has nothing to say and is skipped, and
     // each ratio measures the quantization error the adapter runs on. A GGUF base
-    // holds its weights in another dtype than the merge (f32 for bf16), so it is
-    // decoded the same way.
-    let base_quantization = base
-        .config()
-        .and_then(|c| c.quantization.as_ref())
-        .map(|q| q.scheme_name());
-    let (quantized_base, scanned) = match base_quantization {
-        _ if gguf_base => (Some(loraq_quant::QuantizedBase::new(base)?), None),
-        Some(_) => (Some(loraq_quant::QuantizedBase::new(base)?), None),
-        None => {
+    // (llama.cpp) is read in the checkpoint's terms, its block-type linears in their
+    // type (docs/gguf.md), and decoded the same way.
+    let (quantized_base, scanned) = if loraq_gguf::base::is_gguf(&options.base) {
+        (Some(loraq_quant::QuantizedBase::open(&options.base)?), None)
+    } else {
+        let base = Checkpoint::open(&options.base)?;
+        if base
+            .config()
+            .and_then(|c| c.quantization.as_ref())
+            .is_some()
+        {
+            (Some(loraq_quant::QuantizedBase::new(base)?), None)
+        } else {
             let scanned = scan(&merged, &base)?;
             (None, Some((base, scanned)))
         }

@@ -14,9 +14,15 @@
 //! bit. `A_log` is recovered as the bf16 (else f32) value whose `-exp` reproduces `ssm_a`:
 //! the original when the checkpoint was bf16 and Rust's `exp` rounds as torch's did.
 //!
-//! F32, F16 and BF16 tensors are kept in their type; a block type (Q8_0, Q4_K, ...)
-//! is decoded exactly to f32 by the decoder loraq-quant passes in
-//! ([`open_as_checkpoint_with`]), and refused by name without one. The converted tensors are written once to an unlinked
+//! F32, F16 and BF16 tensors are kept in their type. The linear weights of the decoder
+//! layers in a block type (Q8_0, Q4_K, ...) are kept in it by [`open_with_blocks`]:
+//! their rows as GGUF stores them (rows of whole blocks), the value-head order undone
+//! by moving whole rows, or whole blocks within each row for `out_proj`; such a
+//! weight is a U8 tensor `[out_features, row bytes]` of the checkpoint, its type and
+//! logical shape in [`GgufCheckpoint::block_weights`]. Every other tensor of a block
+//! type (the embeddings, `lm_head`, an `out_proj` whose value heads cut through its
+//! blocks) is decoded exactly to f32 by the decoder loraq-quant passes in, and refused
+//! by name without one. The converted tensors are written once to an unlinked
 //! temporary safetensors file (its own dtypes kept: F16 and BF16 stay 2 bytes) and
 //! memory-mapped, the way every other checkpoint is read.
 
@@ -184,6 +190,113 @@ struct Converted {
     dtype: DType,
     shape: Vec<usize>,
     bytes: Vec<u8>,
+    /// Set for a linear weight kept in its block type (`bytes` are its blocks).
+    blocks: Option<BlockWeight>,
+}
+
+/// A linear weight kept in its ggml block type: a U8 tensor `[out_features, row
+/// bytes]` of the checkpoint, rows in the checkpoint's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockWeight {
+    /// The stored type.
+    pub ggml_type: GgmlType,
+    /// Output features (rows; GGUF `ne[1]`).
+    pub out_features: usize,
+    /// Input features (elements per row; GGUF `ne[0]`).
+    pub in_features: usize,
+}
+
+/// A GGUF model opened as a checkpoint ([`open_with_blocks`]).
+pub struct GgufCheckpoint {
+    /// The tensors in the checkpoint's terms.
+    pub checkpoint: Checkpoint,
+    /// The linear weights kept in their block type, by tensor name
+    /// (`<module path>.weight`).
+    pub block_weights: BTreeMap<String, BlockWeight>,
+}
+
+/// Element gather `gather` (over rows of `gather.len()` elements) as a gather of
+/// whole blocks of `block` elements, or `None` when it moves elements within a block
+/// or splits one.
+fn block_gather(gather: &[usize], block: usize) -> Option<Vec<usize>> {
+    if block == 0 || gather.len() % block != 0 {
+        return None;
+    }
+    gather
+        .chunks_exact(block)
+        .map(|unit| {
+            let first = unit[0];
+            let whole = first % block == 0 && unit.iter().enumerate().all(|(i, &g)| g == first + i);
+            whole.then_some(first / block)
+        })
+        .collect()
+}
+
+/// A decoder layer's linear weight of a block type, kept in it with the value-head
+/// order undone on whole rows (or whole blocks of each row); `None` for any other
+/// tensor, and for an `out_proj` whose value heads cut through its blocks (decoded).
+fn linear_blocks(
+    model: &GgufModel,
+    v: Option<VHeadLayout>,
+    t: &GgufTensorInfo,
+    name: &str,
+    stored: &[u8],
+) -> Result<Option<Converted>> {
+    let Some(module) = ModuleName::parse(name) else {
+        return Ok(None);
+    };
+    if !t.ggml_type.is_quantized()
+        || !module.kind.is_linear()
+        || module.param != "weight"
+        || t.dims.len() != 2
+    {
+        return Ok(None);
+    }
+    let (in_features, out_features) = (t.dims[0] as usize, t.dims[1] as usize);
+    let row_bytes = stored.len().checked_div(out_features).unwrap_or(0);
+    let mut bytes = stored.to_vec();
+    match v.and_then(|v| v.axis(module.kind).map(|axis| (v, axis))) {
+        Some((v, PermutedAxis::Rows { start, head_dim })) => {
+            reorder(
+                &mut bytes,
+                row_bytes,
+                1,
+                start,
+                &v.inverse_permutation(head_dim),
+                model,
+                t,
+            )?;
+        }
+        Some((v, PermutedAxis::Columns { head_dim })) => {
+            let gather = column_gather(v, head_dim, in_features, model, t)?;
+            let block = t.ggml_type.block();
+            let Some(blocks) = block_gather(&gather, block.elements) else {
+                return Ok(None);
+            };
+            let mut row_blocks: Vec<&[u8]> = Vec::with_capacity(blocks.len());
+            let mut gathered = Vec::with_capacity(bytes.len());
+            for row in stored.chunks_exact(row_bytes.max(1)) {
+                row_blocks.clear();
+                row_blocks.extend(row.chunks_exact(block.bytes));
+                for &b in &blocks {
+                    gathered.extend_from_slice(row_blocks[b]);
+                }
+            }
+            bytes = gathered;
+        }
+        None => {}
+    }
+    Ok(Some(Converted {
+        name: name.to_string(),
+        dtype: DType::U8,
+        shape: vec![out_features, row_bytes],
+        bytes,
+        blocks: Some(BlockWeight {
+            ggml_type: t.ggml_type,
+            out_features,
+            in_features,
+        }),
+    }))
 }
 
 fn tensor_error(model: &GgufModel, t: &GgufTensorInfo, reason: String) -> GgufError {
@@ -202,14 +315,18 @@ fn convert(
     t: &GgufTensorInfo,
     name: String,
     decoder: Option<BlockDecoder<'_>>,
+    keep_blocks: bool,
 ) -> Result<Converted> {
     let (file, _) = model.tensor(&t.name).expect("listed by the model");
     let stored = file.tensor_bytes(&t.name)?;
+    if keep_blocks && let Some(kept) = linear_blocks(model, v, t, &name, stored)? {
+        return Ok(kept);
+    }
     let decoded: Vec<u8>;
     let (dtype, element, raw) = match t.ggml_type {
         GgmlType::F32 => (DType::F32, 4, stored),
         GgmlType::F16 => (DType::F16, 2, stored),
-        GgmlType::Bf16 => (DType::BF16, 2, stored),
+        GgmlType::BF16 => (DType::BF16, 2, stored),
         other => {
             let mut values = vec![0f32; t.element_count()];
             let row = t.dims.first().map_or(1, |&d| d as usize);
@@ -252,6 +369,7 @@ fn convert(
             dtype: DType::F32,
             shape,
             bytes: values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            blocks: None,
         };
         if let (Some(v), Some(ModuleKind::ALog)) = (v, kind)
             && v.reorders()
@@ -310,18 +428,8 @@ fn convert(
                     )?;
                 }
                 Some(PermutedAxis::Columns { head_dim }) => {
-                    let gather = v.inverse_permutation(head_dim);
                     let in_features = *shape.last().unwrap_or(&0);
-                    if gather.len() != in_features {
-                        return Err(tensor_error(
-                            model,
-                            t,
-                            format!(
-                                "{in_features} input features, the value heads take {}",
-                                gather.len()
-                            ),
-                        ));
-                    }
+                    let gather = column_gather(v, head_dim, in_features, model, t)?;
                     // Columns of a row-major matrix: gather elements within each row.
                     let mut elements: Vec<[u8; 4]> = bytes
                         .chunks_exact(element)
@@ -346,7 +454,31 @@ fn convert(
         dtype,
         shape,
         bytes,
+        blocks: None,
     })
+}
+
+/// The gather that puts `in_features` input columns back in the checkpoint's
+/// value-head order, checking that the value heads take exactly them.
+fn column_gather(
+    v: VHeadLayout,
+    head_dim: usize,
+    in_features: usize,
+    model: &GgufModel,
+    t: &GgufTensorInfo,
+) -> Result<Vec<usize>> {
+    let gather = v.inverse_permutation(head_dim);
+    if gather.len() != in_features {
+        return Err(tensor_error(
+            model,
+            t,
+            format!(
+                "{in_features} input features, the value heads take {}",
+                gather.len()
+            ),
+        ));
+    }
+    Ok(gather)
 }
 
 /// Gathers rows `start..` of `bytes` (rows of `row_bytes`), checking that the value
@@ -380,20 +512,28 @@ fn reorder(
 /// sizes disagree. loraq-quant passes its `ggml` decoders (this crate sits below it).
 pub type BlockDecoder<'a> = &'a dyn Fn(u32, &[u8], usize, &mut [f32]) -> bool;
 
-/// [`open_as_checkpoint_with`] without a block decoder: F32, F16 and BF16 only.
+/// Opens a GGUF model of F32, F16 and BF16 tensors as a checkpoint of its Hugging
+/// Face tensors (as [`open_with_blocks`], but a tensor of a block type is refused by
+/// name).
 pub fn open_as_checkpoint(path: &Path) -> Result<Checkpoint> {
-    open_as_checkpoint_with(path, None)
+    Ok(open(path, None, false)?.checkpoint)
 }
 
 /// Opens a GGUF model (the first file of a split model) as a checkpoint of its
-/// Hugging Face tensors, with a config.json from its metadata. Tensors of a block
-/// type are decoded exactly to f32 by `decoder` (and refused by name without one).
-/// Tensors the architecture does not name (llama.cpp's `rope_freqs`, multi-token
-/// prediction blocks past the decoder layers) are left out.
-pub fn open_as_checkpoint_with(
+/// Hugging Face tensors, with a config.json from its metadata. The decoder layers'
+/// linear weights of a block type are kept in it (module docs); every other tensor
+/// of a block type is decoded exactly to f32 by `decoder`. Tensors the architecture
+/// does not name (llama.cpp's `rope_freqs`, multi-token prediction blocks past the
+/// decoder layers) are left out.
+pub fn open_with_blocks(path: &Path, decoder: BlockDecoder<'_>) -> Result<GgufCheckpoint> {
+    open(path, Some(decoder), true)
+}
+
+fn open(
     path: &Path,
     decoder: Option<BlockDecoder<'_>>,
-) -> Result<Checkpoint> {
+    keep_blocks: bool,
+) -> Result<GgufCheckpoint> {
     let model = GgufModel::open(path)?;
     let arch_name = model.require_str("general.architecture")?;
     let arch = GgufArch::from_name(arch_name).ok_or_else(|| GgufError::Metadata {
@@ -426,7 +566,10 @@ pub fn open_as_checkpoint_with(
         if ModuleName::parse(&name).is_some_and(|m| m.layer >= layers) {
             continue; // multi-token prediction blocks after the decoder layers
         }
-        converted.insert(name.clone(), convert(&model, arch, v, t, name, decoder)?);
+        converted.insert(
+            name.clone(),
+            convert(&model, arch, v, t, name, decoder, keep_blocks)?,
+        );
     }
     let image = tempfile::Builder::new()
         .prefix(".loraq-gguf-")
@@ -445,5 +588,12 @@ pub fn open_as_checkpoint_with(
     writer.finish()?;
     // Mapped, then unlinked when `image` drops: the mapping stays valid.
     let checkpoint = Checkpoint::open(image.path())?;
-    Ok(checkpoint.converted_from(path.to_path_buf(), config))
+    let block_weights = converted
+        .values()
+        .filter_map(|c| Some((c.name.clone(), c.blocks?)))
+        .collect();
+    Ok(GgufCheckpoint {
+        checkpoint: checkpoint.converted_from(path.to_path_buf(), config),
+        block_weights,
+    })
 }

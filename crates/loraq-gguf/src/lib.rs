@@ -19,7 +19,7 @@ pub mod vhead;
 pub mod writer;
 
 pub use error::{GgufError, Result};
-pub use ggml_type::GgmlType;
+pub use ggml_type::{BlockGeometry, GgmlType, QK_K};
 pub use lora::{BaseLayout, ExportSummary, FactorType, export_adapter};
 pub use names::GgufArch;
 pub use reader::{GgufFile, GgufModel, GgufTensorInfo};

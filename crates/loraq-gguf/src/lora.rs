@@ -61,7 +61,7 @@ pub enum FactorType {
 impl FactorType {
     fn ggml(self) -> GgmlType {
         match self {
-            FactorType::Bf16 => GgmlType::Bf16,
+            FactorType::Bf16 => GgmlType::BF16,
             FactorType::F16 => GgmlType::F16,
             FactorType::F32 => GgmlType::F32,
         }

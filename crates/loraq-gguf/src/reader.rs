@@ -395,7 +395,7 @@ impl GgufFile {
             let row_bytes = ggml_type.row_bytes(row).ok_or_else(|| {
                 bad(format!(
                     "{ggml_type} stores blocks of {} elements, but a row has {row}",
-                    ggml_type.block_size()
+                    ggml_type.block().elements
                 ))
             })?;
             let rows = elements.checked_div(row).unwrap_or(0);
@@ -749,7 +749,7 @@ pub fn decode_f32(path: &Path, info: &GgufTensorInfo, bytes: &[u8]) -> Result<Ve
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
-        GgmlType::Bf16 => bytes
+        GgmlType::BF16 => bytes
             .chunks_exact(2)
             .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),

@@ -12,6 +12,9 @@
 //! and the median fused / phased time ratio. Bytes = what one call must read (base codes
 //! + scales + LoRA A and B), as in `cpu_linear`.
 //!
+//! Formats: fp8-block128, NVFP4, INT4, MXFP4, bf16, and the GGUF types Q4_K, Q6_K,
+//! Q8_0 and IQ4_XS (a GGUF base's linears).
+//!
 //! `cargo bench -p loraq-kernels --bench cpu_decode_ratio` (`LORAQ_BENCH_ROUNDS`, default 31;
 //! `LORAQ_BENCH_ISA=avx2` or `scalar` times a narrower instruction set than the CPU's
 //! widest, e.g. what a machine without AVX-512 runs)
@@ -22,6 +25,7 @@ use loraq_kernels::{
     QuantLoraLinear, QuantizedWeight,
 };
 use loraq_quant::Nvfp4GlobalScale;
+use loraq_quant::ggml::{self, GgmlType, GgmlWeight};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -94,16 +98,36 @@ fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
             .map(|b| bf16::from_f32((f32::from(b) - 127.5) / 4096.0))
             .collect(),
     );
-    [
+    let mut bases = vec![
         ("fp8-block128", QuantizedWeight::Fp8(fp8)),
         ("nvfp4", QuantizedWeight::Nvfp4(nvfp4)),
         ("int4-g128", QuantizedWeight::Int4(int4)),
         ("mxfp4", QuantizedWeight::Mxfp4(mxfp4)),
         ("bf16", QuantizedWeight::Bf16(bf16_base)),
-    ]
-    .into_iter()
-    .map(|(name, base)| (name, QuantLoraLinear::new(base, Some(lora())).unwrap()))
-    .collect()
+    ];
+    // The GGUF (llama.cpp) types of a Q4_K_M / Q6_K / Q8_0 / IQ4_XS base: random
+    // blocks whose f16 scales are set to 2^-10 (1e-3 for the K mins).
+    for (seed, name, ggml_type) in [
+        (10, "gguf-q4_k", GgmlType::Q4_K),
+        (11, "gguf-q6_k", GgmlType::Q6_K),
+        (12, "gguf-q8_0", GgmlType::Q8_0),
+        (13, "gguf-iq4_xs", GgmlType::IQ4_XS),
+    ] {
+        let block = ggml_type.block();
+        let mut data = random_bytes(OUT * IN / block.elements * block.bytes, seed, |b| b);
+        for chunk in data.chunks_exact_mut(block.bytes) {
+            for (i, &offset) in ggml::f16_scale_offsets(ggml_type).iter().enumerate() {
+                let scale = ggml::fp32_to_fp16(if i == 0 { 1.0 / 1024.0 } else { 1e-3 });
+                chunk[offset..offset + 2].copy_from_slice(&scale.to_le_bytes());
+            }
+        }
+        let weight = GgmlWeight::new(name, ggml_type, OUT, IN, data).unwrap();
+        bases.push((name, QuantizedWeight::Ggml(weight)));
+    }
+    bases
+        .into_iter()
+        .map(|(name, base)| (name, QuantLoraLinear::new(base, Some(lora())).unwrap()))
+        .collect()
 }
 
 /// GB/s of one rayon + SIMD pass summing `buffer`; with `PREFETCH`, each 64-byte block
@@ -183,7 +207,19 @@ fn load_average() -> String {
 
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test --benches` runs this with no argument
-    // and only needs it to build.
+    // and only needs it to build; `cargo bench ... -- --test` runs every format once.
+    if std::env::args().any(|a| a == "--test") {
+        let mut y = vec![0f32; OUT];
+        let x = vec![0.5f32; IN];
+        for (name, linear) in linears() {
+            linear
+                .forward(&x, 1, &mut y, CpuOptions::default())
+                .unwrap();
+            assert!(y.iter().all(|v| v.is_finite()), "{name}");
+            println!("{name}: ok");
+        }
+        return;
+    }
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }

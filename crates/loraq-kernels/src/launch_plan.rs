@@ -264,7 +264,7 @@ impl<'a> HostOperands<'a> {
                 return refuse("int4-g128 base weights (CPU path only)".into());
             }
             QuantizedWeight::Ggml(w) => {
-                return refuse(format!("ggml {} base weights", w.ggml_type));
+                return refuse(format!("GGUF {} base weights (CPU path only)", w.ggml_type));
             }
         };
         let (out_features, in_features) = (linear.out_features(), linear.in_features());
@@ -1175,6 +1175,19 @@ mod host_emulation {
             .with_activation_quant(loraq_quant::ActivationQuant::Fp8PerToken);
         let message = HostOperands::new(&quantized).err().unwrap().to_string();
         assert!(message.contains("activation fake-quant"), "{message}");
+        // A GGUF base's block types run on the CPU path only: refused, never decoded.
+        let values: Vec<f32> = (0..8 * 64).map(|i| (i % 7) as f32 * 0.01).collect();
+        let q8_0 = loraq_quant::GgmlWeight::quantize(
+            "w",
+            loraq_quant::ggml::GgmlType::Q8_0,
+            8,
+            64,
+            &values,
+        )
+        .unwrap();
+        let gguf = QuantLoraLinear::new(QuantizedWeight::Ggml(q8_0), None).unwrap();
+        let message = HostOperands::new(&gguf).err().unwrap().to_string();
+        assert!(message.contains("GGUF Q8_0 base weights"), "{message}");
     }
 
     #[test]

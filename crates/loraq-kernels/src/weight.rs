@@ -145,15 +145,18 @@ pub(crate) fn check_runnable(weight: &QuantizedWeight) -> Result<()> {
             check_codes("mxfp4 scale (E8M0 NaN)", &w.scales, |c| c == 0xFF)
         }
         QuantizedWeight::Ggml(w) => {
-            let expected = w
-                .ggml_type
-                .matrix_bytes("ggml weight", out_features, in_features)
-                .map_err(KernelError::Quant)?;
+            let expected = loraq_quant::ggml::matrix_bytes(
+                w.ggml_type,
+                "ggml weight",
+                out_features,
+                in_features,
+            )
+            .map_err(KernelError::Quant)?;
             check_len("ggml weight blocks", expected, w.data.len())?;
             // A NaN or infinite f16 scale makes its whole block NaN / infinite.
             let block = w.ggml_type.block();
             for (b, data) in w.data.chunks_exact(block.bytes).enumerate() {
-                for &offset in w.ggml_type.f16_scale_offsets() {
+                for &offset in loraq_quant::ggml::f16_scale_offsets(w.ggml_type) {
                     let bits = u16::from_le_bytes([data[offset], data[offset + 1]]);
                     let value = loraq_quant::ggml::fp16_to_f32(bits);
                     if !value.is_finite() {

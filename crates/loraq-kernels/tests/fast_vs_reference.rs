@@ -118,7 +118,7 @@ fn fp8_block_edges() {
 /// of several blocks, SIMD tails in the output dimension and the GEMM's KC slices.
 #[test]
 fn ggml_block_types() {
-    for ggml_type in loraq_quant::ggml::GgmlType::QUANTIZABLE {
+    for ggml_type in loraq_quant::ggml::QUANTIZABLE {
         let in_features = legal_in_features(Format::Ggml(ggml_type), 300);
         for batch in [1, 5, 9, 17] {
             check(
@@ -320,6 +320,63 @@ fn mxfp4_extreme_block_scales_match_reference() {
                 linear.forward(&x, batch, &mut y, opts).unwrap();
                 let context = format!("mxfp4 scale code {code} batch {batch} {}", isa.name());
                 assert_close(&y, &want, &magnitude, REL_TOL, &context);
+            }
+        }
+    }
+}
+
+/// A GGUF base's linear computes with its decoded weight bit for bit: the fused linear
+/// on the stored blocks (the SIMD loads of Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS,
+/// the scalar one of Q2_K) gives the same bits as the unfused baseline over
+/// `GgmlWeight::dequantize` (loraq-quant's whole-row decoder, checked against
+/// gguf-py), which runs the same loops in the same order over f32 rows. Without a
+/// LoRA at every batch; with one on the decode path, whose expand adds into the
+/// finished base sum as the baseline does (the GEMM adds each expand term into the
+/// tile's running sums, another order).
+#[test]
+fn ggml_fused_is_the_decoded_weight() {
+    use loraq_quant::ggml::GgmlType;
+    for ggml_type in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_XS,
+        GgmlType::Q2_K,
+    ] {
+        let format = Format::Ggml(ggml_type);
+        let in_features = legal_in_features(format, 520);
+        for rank in [0, 5] {
+            let linear = random_linear(format, 37, in_features, rank, 21);
+            let QuantizedWeight::Ggml(weight) = linear.base() else {
+                panic!("a ggml base")
+            };
+            let dense = weight.dequantize();
+            for isa in Isa::available() {
+                for batch in [1, 3, 8, 9, 17] {
+                    if rank > 0 && batch > loraq_kernels::cpu::GEMV_MAX_BATCH {
+                        continue;
+                    }
+                    let opts = CpuOptions {
+                        isa: Some(isa),
+                        parallelism: Parallelism::Rayon,
+                    };
+                    let x = random_activations(batch * in_features, 5);
+                    let mut fused = vec![0f32; batch * 37];
+                    let mut baseline = vec![0f32; batch * 37];
+                    linear.forward(&x, batch, &mut fused, opts).unwrap();
+                    linear
+                        .forward_dense_baseline(&dense, &x, batch, &mut baseline, opts)
+                        .unwrap();
+                    for (i, (f, b)) in fused.iter().zip(&baseline).enumerate() {
+                        assert_eq!(
+                            f.to_bits(),
+                            b.to_bits(),
+                            "{ggml_type} {isa:?} batch {batch} rank {rank}: output {i}: {f:e} vs {b:e}"
+                        );
+                    }
+                }
             }
         }
     }

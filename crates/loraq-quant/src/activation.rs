@@ -94,7 +94,9 @@ impl ActivationQuant {
             | GgmlType::Q8_0
             | GgmlType::IQ4_NL
             | GgmlType::MXFP4 => Self::GgmlQ8_0,
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Self::None,
+            // F32 / F16 / BF16, and the types loraq does not decode (refused before
+            // any weight of theirs reaches a linear).
+            _ => Self::None,
         }
     }
 }

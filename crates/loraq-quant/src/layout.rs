@@ -26,6 +26,7 @@ use crate::format::{
     FP8_BLOCK, Fp8Granularity, NVFP4_BLOCK, NVFP4_GLOBAL_DENOMINATOR, Nvfp4GlobalScale,
     WeightFormat, blocks, fp8_scale_shape,
 };
+use crate::ggml::{GgmlType, GgmlWeight};
 use crate::scheme::{Scheme, WeightView};
 use crate::weight::{
     Bf16Weight, Fp8Weight, Nvfp4Weight, QuantizedWeight, dequantize_fp8_into, dequantize_nvfp4_into,
@@ -69,6 +70,12 @@ pub enum StoredWeight {
         /// The F32 global scale (divisor).
         global_scale: String,
     },
+    /// A ggml block type of a GGUF base (llama.cpp): the tensor is U8 `[out_features,
+    /// row bytes]`, each row a run of blocks ([`crate::ggml::row_bytes`]).
+    Ggml {
+        /// The stored type.
+        ggml_type: GgmlType,
+    },
 }
 
 impl StoredWeight {
@@ -81,6 +88,7 @@ impl StoredWeight {
             Self::Nvfp4ModelOpt { .. } | Self::Nvfp4CompressedTensors { .. } => {
                 Some(WeightFormat::Nvfp4)
             }
+            Self::Ggml { ggml_type } => Some(WeightFormat::Ggml(*ggml_type)),
         }
     }
 
@@ -91,6 +99,7 @@ impl StoredWeight {
             Self::Fp8 { granularity, .. } => WeightFormat::Fp8(*granularity).name().into(),
             Self::Nvfp4ModelOpt { .. } => "nvfp4 (modelopt)".into(),
             Self::Nvfp4CompressedTensors { .. } => "nvfp4 (compressed-tensors)".into(),
+            Self::Ggml { ggml_type } => format!("gguf {ggml_type}"),
         }
     }
 }
@@ -109,25 +118,24 @@ pub struct LinearWeight {
 }
 
 /// A GGUF model (llama.cpp; the first file of a split model) opened as the
-/// checkpoint it was converted from (loraq-gguf's `open_as_checkpoint_with`), its
-/// block types (Q8_0, Q4_K, ...) decoded exactly to f32 by [`crate::ggml`].
-pub fn open_gguf_checkpoint(path: &Path) -> Result<Checkpoint> {
+/// checkpoint it was converted from (loraq-gguf's `open_with_blocks`): the decoder
+/// layers' linear weights of a block type (Q8_0, Q4_K, ...) kept in it, every other
+/// tensor of a block type decoded exactly to f32 by [`crate::ggml`].
+pub fn open_gguf_checkpoint(path: &Path) -> Result<loraq_gguf::base::GgufCheckpoint> {
     let decode = |id: u32, data: &[u8], in_features: usize, out: &mut [f32]| {
-        let Some(ggml_type) = crate::ggml::GgmlType::from_id(id) else {
+        let Some(ggml_type) = GgmlType::from_id(id).filter(|&t| crate::ggml::is_decodable(t))
+        else {
             return false;
         };
         let rows = out.len().checked_div(in_features).unwrap_or(0);
         let fits = rows * in_features == out.len()
-            && ggml_type.matrix_bytes("", rows, in_features).ok() == Some(data.len());
+            && crate::ggml::matrix_bytes(ggml_type, "", rows, in_features).ok() == Some(data.len());
         if fits {
             crate::ggml::decode::decode_rows(ggml_type, data, in_features, out);
         }
         fits
     };
-    Ok(loraq_gguf::base::open_as_checkpoint_with(
-        path,
-        Some(&decode),
-    )?)
+    Ok(loraq_gguf::base::open_with_blocks(path, &decode)?)
 }
 
 /// A checkpoint whose 2-D weights can each be decoded exactly to `f32`, whatever
@@ -135,6 +143,16 @@ pub fn open_gguf_checkpoint(path: &Path) -> Result<Checkpoint> {
 pub struct QuantizedBase {
     checkpoint: Checkpoint,
     weights: BTreeMap<String, LinearWeight>,
+}
+
+/// The f16 scales of every block of a ggml weight, by block index.
+fn ggml_f16_scales(ggml_type: GgmlType, data: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    let bytes = ggml_type.block().bytes;
+    data.chunks_exact(bytes).flat_map(move |block| {
+        crate::ggml::f16_scale_offsets(ggml_type)
+            .iter()
+            .map(|&o| crate::ggml::fp16_to_f32(u16::from_le_bytes([block[o], block[o + 1]])))
+    })
 }
 
 fn tensor_error(info: &TensorInfo, expected: &[&str]) -> QuantError {
@@ -189,14 +207,56 @@ impl QuantizedBase {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         if loraq_gguf::base::is_gguf(path) {
-            return Self::new(open_gguf_checkpoint(path)?);
+            let gguf = open_gguf_checkpoint(path)?;
+            return Self::with_blocks(gguf.checkpoint, &gguf.block_weights);
         }
         Self::new(Checkpoint::open(path)?)
+    }
+
+    /// [`QuantizedBase::new`] for a GGUF base: the tensors `block_weights` names are
+    /// linear weights in a ggml block type ([`StoredWeight::Ggml`]).
+    fn with_blocks(
+        checkpoint: Checkpoint,
+        block_weights: &BTreeMap<String, loraq_gguf::base::BlockWeight>,
+    ) -> Result<Self> {
+        let mut base = Self::new_except(checkpoint, |name| block_weights.contains_key(name))?;
+        for (name, w) in block_weights {
+            if !crate::ggml::is_decodable(w.ggml_type) {
+                return Err(QuantError::UnsupportedConfig {
+                    path: base.checkpoint.root().to_path_buf(),
+                    reason: format!(
+                        "{name} is stored as GGUF {}, a type loraq does not decode",
+                        w.ggml_type
+                    ),
+                });
+            }
+            let info = base.checkpoint.info(name)?;
+            let row_bytes = crate::ggml::row_bytes(w.ggml_type, name, w.in_features)?;
+            require_dtype(info, &[DType::U8])?;
+            require_shape(info, &[w.out_features, row_bytes])?;
+            base.weights.insert(
+                name.clone(),
+                LinearWeight {
+                    name: name.clone(),
+                    out_features: w.out_features,
+                    in_features: w.in_features,
+                    stored: StoredWeight::Ggml {
+                        ggml_type: w.ggml_type,
+                    },
+                },
+            );
+        }
+        Ok(base)
     }
 
     /// Detects how every 2-D weight of `checkpoint` is stored and checks the scale
     /// tensors' dtypes and shapes.
     pub fn new(checkpoint: Checkpoint) -> Result<Self> {
+        Self::new_except(checkpoint, |_| false)
+    }
+
+    /// [`QuantizedBase::new`], leaving out the tensors `skip` names.
+    fn new_except(checkpoint: Checkpoint, skip: impl Fn(&str) -> bool) -> Result<Self> {
         let root = checkpoint.root().to_path_buf();
         if let Some(QuantizationConfig::Fp8Block { block, .. }) =
             checkpoint.config().and_then(|c| c.quantization.as_ref())
@@ -208,7 +268,7 @@ impl QuantizedBase {
             });
         }
         let mut weights = BTreeMap::new();
-        for info in checkpoint.tensors() {
+        for info in checkpoint.tensors().filter(|info| !skip(&info.name)) {
             if let Some(weight) = detect(&checkpoint, info)? {
                 weights.insert(weight.name.clone(), weight);
             }
@@ -295,6 +355,14 @@ impl QuantizedBase {
             } => {
                 let global = Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]);
                 dequantize_nvfp4_into(ckpt.bytes(packed)?, ckpt.bytes(block_scale)?, global, out);
+            }
+            StoredWeight::Ggml { ggml_type } => {
+                crate::ggml::decode::decode_rows(
+                    *ggml_type,
+                    ckpt.bytes(name)?,
+                    weight.in_features,
+                    out,
+                );
             }
         }
         Ok(())
@@ -385,6 +453,19 @@ impl QuantizedBase {
                 block_scale,
                 global_scale,
             } => nvfp4(packed, block_scale, global_scale, Nvfp4GlobalScale::Divisor)?,
+            StoredWeight::Ggml { ggml_type } => {
+                let data = ckpt.bytes(&name)?.to_vec();
+                // A NaN or infinite f16 scale makes its whole block so (the error
+                // gives the scale's index in block order).
+                finite(&name, &mut ggml_f16_scales(*ggml_type, &data))?;
+                QuantizedWeight::Ggml(GgmlWeight::new(
+                    &name,
+                    *ggml_type,
+                    out_features,
+                    in_features,
+                    data,
+                )?)
+            }
         })
     }
 }

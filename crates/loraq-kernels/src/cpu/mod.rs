@@ -191,7 +191,21 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
         QuantizedWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
         QuantizedWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
         QuantizedWeight::Int4(w) => v.visit(&int4_rows(w)),
-        QuantizedWeight::Ggml(w) => v.visit(&decode_ggml::GgmlRows::new(w)),
+        QuantizedWeight::Ggml(w) => {
+            use decode_ggml::{
+                BlockRows, GgmlRows, Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block,
+            };
+            use loraq_quant::ggml::GgmlType;
+            match w.ggml_type {
+                GgmlType::Q8_0 => v.visit(&BlockRows::<Q8_0Block>::new(w)),
+                GgmlType::Q4_0 => v.visit(&BlockRows::<Q4_0Block>::new(w)),
+                GgmlType::Q4_K => v.visit(&BlockRows::<Q4KBlock>::new(w)),
+                GgmlType::Q5_K => v.visit(&BlockRows::<Q5KBlock>::new(w)),
+                GgmlType::Q6_K => v.visit(&BlockRows::<Q6KBlock>::new(w)),
+                GgmlType::IQ4_XS => v.visit(&BlockRows::<Iq4XsBlock>::new(w)),
+                _ => v.visit(&GgmlRows::new(w)),
+            }
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! ggml/src/ggml-quants.c computes (each product in the same order, in `f32`).
 
 use super::fp16::{bf16_to_f32, fp16_to_f32};
-use super::{GgmlType, QK_K};
+use super::{GgmlType, QK_K, check_stored};
 use crate::error::{QuantError, Result};
 use rayon::prelude::*;
 
@@ -34,8 +34,8 @@ fn f16_at(bytes: &[u8], offset: usize) -> f32 {
 }
 
 /// The 6-bit scale and min of group `j` of a Q4_K / Q5_K super-block
-/// (`get_scale_min_k4`).
-pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+/// (`get_scale_min_k4`), from the 12 packed scale bytes `q`.
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -49,8 +49,8 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 /// Decodes one run of whole blocks of `ggml_type` (`bytes`) into `out`.
 ///
 /// # Panics
-/// If `bytes` is not a whole number of blocks or `out` does not hold exactly
-/// their elements.
+/// If `bytes` is not a whole number of blocks, `out` does not hold exactly their
+/// elements, or the type is not one [`super::DECODABLE`] lists.
 pub fn decode_row(ggml_type: GgmlType, bytes: &[u8], out: &mut [f32]) {
     let block = ggml_type.block();
     assert_eq!(bytes.len() % block.bytes, 0, "decode_row: partial block");
@@ -80,6 +80,7 @@ pub fn decode_row(ggml_type: GgmlType, bytes: &[u8], out: &mut [f32]) {
             GgmlType::IQ4_NL => decode_iq4_nl(b, y),
             GgmlType::IQ4_XS => decode_iq4_xs(b, y),
             GgmlType::MXFP4 => decode_mxfp4(b, y),
+            other => panic!("decode_row: no decoder for {other}"),
         }
     }
 }
@@ -119,15 +120,7 @@ pub fn dequantize(
     in_features: usize,
     data: &[u8],
 ) -> Result<Vec<f32>> {
-    let expected = ggml_type.matrix_bytes(tensor, out_features, in_features)?;
-    if data.len() != expected {
-        return Err(QuantError::GgmlDataLength {
-            tensor: tensor.to_string(),
-            ggml_type: ggml_type.name(),
-            expected,
-            actual: data.len(),
-        });
-    }
+    check_stored(tensor, ggml_type, out_features, in_features, data.len())?;
     let len = out_features
         .checked_mul(in_features)
         .ok_or_else(|| QuantError::GgmlSize {
@@ -373,7 +366,8 @@ fn decode_mxfp4(b: &[u8], y: &mut [f32]) {
 /// that dequantizes in its loop reads).
 ///
 /// # Panics
-/// If `block` is shorter than the type's block or `e` is outside it.
+/// If `block` is shorter than the type's block, `e` is outside it, or the type is
+/// not one [`super::DECODABLE`] lists.
 pub fn block_element(ggml_type: GgmlType, block: &[u8], e: usize) -> f32 {
     // the 32-element types: byte j holds elements j (low nibble) and j + 16 (high)
     let nibble = |qs: &[u8], e: usize| {
@@ -462,5 +456,6 @@ pub fn block_element(ggml_type: GgmlType, block: &[u8], e: usize) -> f32 {
             let dl = f16_at(b, 0) * (ls - 32) as f32;
             dl * f32::from(IQ4_VALUES[usize::from(nibble(&b[8 + 16 * ib..8 + 16 * ib + 16], j))])
         }
+        other => panic!("block_element: no decoder for {other}"),
     }
 }

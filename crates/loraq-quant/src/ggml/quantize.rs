@@ -12,7 +12,7 @@
 
 use super::decode::{IQ4_VALUES, q3_k_scales, scale_min_k4};
 use super::fp16::{fp16_to_f32, fp32_to_bf16, fp32_to_fp16};
-use super::{GgmlType, QK_K};
+use super::{GgmlType, QK_K, QUANTIZABLE, matrix_bytes, row_bytes};
 use crate::error::{QuantError, Result};
 use rayon::prelude::*;
 
@@ -52,7 +52,7 @@ fn put_f16(dst: &mut [u8], offset: usize, value: f32) {
 }
 
 /// Quantizes a row-major `out_features x in_features` matrix into `ggml_type`
-/// (rows one after another, each [`GgmlType::row_bytes`] bytes). Refuses a row
+/// (rows one after another, each [`super::row_bytes`] bytes). Refuses a row
 /// that is not a whole number of blocks, a value count that does not match, and
 /// the types without a bit-exact quantizer here (MXFP4); `tensor` names the
 /// weight in the error.
@@ -63,7 +63,7 @@ pub fn quantize(
     in_features: usize,
     values: &[f32],
 ) -> Result<Vec<u8>> {
-    if !GgmlType::QUANTIZABLE.contains(&ggml_type) {
+    if !QUANTIZABLE.contains(&ggml_type) {
         return Err(QuantError::UnsupportedFormat {
             tensor: tensor.to_string(),
             format: format!("ggml {ggml_type} (decode only)"),
@@ -77,8 +77,8 @@ pub fn quantize(
             len: values.len(),
         });
     }
-    let row_bytes = ggml_type.row_bytes(tensor, in_features)?;
-    let total = ggml_type.matrix_bytes(tensor, out_features, in_features)?;
+    let row_bytes = row_bytes(ggml_type, tensor, in_features)?;
+    let total = matrix_bytes(ggml_type, tensor, out_features, in_features)?;
     let mut out = vec![0u8; total];
     if in_features > 0 {
         out.par_chunks_mut(row_bytes)
@@ -120,7 +120,7 @@ pub fn quantize_row(ggml_type: GgmlType, src: &[f32], dst: &mut [u8]) {
             GgmlType::Q6_K => quantize_q6_k(x, y),
             GgmlType::IQ4_NL => quantize_iq4(x, y, false),
             GgmlType::IQ4_XS => quantize_iq4(x, y, true),
-            GgmlType::MXFP4 => panic!("quantize_row: no bit-exact MXFP4 quantizer"),
+            other => panic!("quantize_row: no bit-exact {other} quantizer"),
         }
     }
 }
