@@ -310,7 +310,9 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
         assert_eq!(in_blocks, requantized - out_proj, "{name}");
         for adapter in [None, Some(&adapter)] {
             let mut outs = Vec::new();
-            for backend in ["auto", "dense", "reference"] {
+            // (`--backend reference` and `kernels` refuse this base: its F16 ffn_down
+            // and decoded out_proj have no kernel, docs/gguf.md.)
+            for backend in ["auto", "dense"] {
                 let out = dir
                     .path()
                     .join(format!("{name}-{backend}-{}.jsonl", adapter.is_some()));
@@ -340,7 +342,7 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
                 outs.push(logits(&out));
             }
             assert_eq!(outs[0].len(), 9);
-            for (i, other) in [(1, "dense"), (2, "reference")] {
+            for (i, other) in [(1, "dense")] {
                 let max = max_abs_diff(&outs[0], &outs[i]);
                 eprintln!(
                     "{name} (adapter: {}): fused kernel vs {other}: max |d logit| {max:.3e}",
