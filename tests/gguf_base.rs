@@ -310,7 +310,9 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
         assert_eq!(in_blocks, requantized - out_proj, "{name}");
         for adapter in [None, Some(&adapter)] {
             let mut outs = Vec::new();
-            for backend in ["auto", "dense", "reference"] {
+            // (`--backend reference` and `kernels` refuse this base: its F16 ffn_down
+            // and decoded out_proj have no kernel, docs/gguf.md.)
+            for backend in ["auto", "dense"] {
                 let out = dir
                     .path()
                     .join(format!("{name}-{backend}-{}.jsonl", adapter.is_some()));
@@ -340,17 +342,15 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
                 outs.push(logits(&out));
             }
             assert_eq!(outs[0].len(), 9);
-            for (i, other) in [(1, "dense"), (2, "reference")] {
-                let max = max_abs_diff(&outs[0], &outs[i]);
-                eprintln!(
-                    "{name} (adapter: {}): fused kernel vs {other}: max |d logit| {max:.3e}",
-                    adapter.is_some()
-                );
-                assert!(
-                    max <= QUANTIZED_VS_DECODED_TOLERANCE,
-                    "{name} vs {other}: {max}"
-                );
-            }
+            let max = max_abs_diff(&outs[0], &outs[1]);
+            eprintln!(
+                "{name} (adapter: {}): fused kernel vs dense: max |d logit| {max:.3e}",
+                adapter.is_some()
+            );
+            assert!(
+                max <= QUANTIZED_VS_DECODED_TOLERANCE,
+                "{name} vs dense: {max}"
+            );
         }
         // --act-quant ggml quantizes each block-type linear's activations as
         // llama.cpp's CPU backend does; it runs and changes the answers.

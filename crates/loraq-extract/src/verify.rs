@@ -190,15 +190,16 @@ pub fn verify(
     // each ratio measures the quantization error the adapter runs on. A GGUF base
     // (llama.cpp) is read in the checkpoint's terms, its block-type linears in their
     // type (docs/gguf.md), and decoded the same way.
+    let mut base_quantization = None;
     let (quantized_base, scanned) = if loraq_gguf::base::is_gguf(&options.base) {
         (Some(loraq_quant::QuantizedBase::open(&options.base)?), None)
     } else {
         let base = Checkpoint::open(&options.base)?;
-        if base
+        base_quantization = base
             .config()
             .and_then(|c| c.quantization.as_ref())
-            .is_some()
-        {
+            .map(|q| q.scheme_name());
+        if base_quantization.is_some() {
             (Some(loraq_quant::QuantizedBase::new(base)?), None)
         } else {
             let scanned = scan(&merged, &base)?;
