@@ -182,18 +182,19 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>) -> Vec<f32> {
         let gram_qk = &mut gram_qk[..len * len];
         gram_kk.fill(0.0);
         gram_qk.fill(0.0);
-        let gram = |a: &[f32]| Product {
-            m: len,
-            k: dk,
-            n: len,
-            a,
-            lda: dk,
-            b: k_t,
-            ldb: len,
-            alpha: 1.0,
-        };
-        matmul_acc::<FUSED>(&gram(kc), gram_kk, len);
-        matmul_acc::<FUSED>(&gram(qc), gram_qk, len);
+        for (a, gram_out) in [(kc, &mut *gram_kk), (qc, &mut *gram_qk)] {
+            let product = Product {
+                m: len,
+                k: dk,
+                n: len,
+                a,
+                lda: dk,
+                b: k_t,
+                ldb: len,
+                alpha: 1.0,
+            };
+            matmul_acc::<FUSED>(&product, gram_out, len);
+        }
         // M[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, in place of K K^T;
         // P[i, j] = exp(G_i - G_j) (q_i . k_j) for j <= i, zero above, in place of Q K^T.
         for i in 0..len {
