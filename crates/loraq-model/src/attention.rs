@@ -104,7 +104,7 @@ struct TileInput<'a> {
 
 dispatch_simd!(
     /// One query tile of one head on the widest instruction set the CPU has.
-    fn attend_tile(input: &TileInput<'_>, out: &mut [f32]) -> () = attend_tile_body
+    fn attend_tile(input: &TileInput<'_>, out: &mut [f32]) = attend_tile_body
 );
 
 /// Lane-wise maximum and sum of a row, in 16 partial lanes so the loop vectorizes.

@@ -41,17 +41,17 @@ impl Simd {
 /// variants are `#[target_feature]` functions so the loops inlined into them vectorize
 /// to those widths).
 macro_rules! dispatch_simd {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty = $body_fn:ident) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body_fn:ident) => {
         $(#[$meta])*
-        $vis fn $name($($arg: $ty),*) -> $ret {
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,fma")]
-                unsafe fn on_avx512($($arg: $ty),*) -> $ret {
+                unsafe fn on_avx512($($arg: $ty),*) $(-> $ret)? {
                     $body_fn::<true>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn on_avx2($($arg: $ty),*) -> $ret {
+                unsafe fn on_avx2($($arg: $ty),*) $(-> $ret)? {
                     $body_fn::<true>($($arg),*)
                 }
                 match $crate::small_matmul::Simd::detect() {
@@ -200,7 +200,7 @@ fn silu_mul_body<const FUSED: bool>(gate: &mut [f32], up: &[f32]) {
 
 dispatch_simd!(
     /// `gate <- silu(gate) * up` elementwise (the MLP's activation), vectorized.
-    pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) -> () = silu_mul_body
+    pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) = silu_mul_body
 );
 
 #[inline(always)]
@@ -212,7 +212,7 @@ fn sigmoid_mul_body<const FUSED: bool>(x: &mut [f32], gate: &[f32]) {
 
 dispatch_simd!(
     /// `x <- x * sigmoid(gate)` elementwise (attention's output gate), vectorized.
-    pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) -> () = sigmoid_mul_body
+    pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) = sigmoid_mul_body
 );
 
 #[inline(always)]
@@ -241,7 +241,7 @@ fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
 dispatch_simd!(
     /// `x <- x / sqrt(mean(x^2) + eps) * scale` for every row of `x` (`scale.len()`
     /// wide), vectorized.
-    pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) -> () = rms_norm_body
+    pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
 );
 
 #[inline(always)]
@@ -279,7 +279,7 @@ dispatch_simd!(
         weight_t: &[f32],
         kernel: usize,
         out: &mut [f32],
-    ) -> () = causal_conv_silu_body
+    ) = causal_conv_silu_body
 );
 
 #[cfg(test)]
@@ -289,7 +289,7 @@ mod tests {
     fn product_body<const FUSED: bool>(p: &Product<'_>, c: &mut [f32], ldc: usize) {
         matmul_acc::<FUSED>(p, c, ldc)
     }
-    dispatch_simd!(fn run_product(p: &Product<'_>, c: &mut [f32], ldc: usize) -> () = product_body);
+    dispatch_simd!(fn run_product(p: &Product<'_>, c: &mut [f32], ldc: usize) = product_body);
     dispatch_simd!(fn run_exp(x: f32) -> f32 = exp_nonpositive);
 
     #[test]
