@@ -48,7 +48,7 @@ loraq_rate() {
         --threads "$THREADS" 2>&1 >/dev/null | sed -n 's/.*s, \([0-9.]*\) tokens\/s).*/\1/p' | tail -1
 }
 transformers_rate() {
-    "$PYTHON" scripts/model_oracle.py bench --model "$model" --records "$1" --threads "$THREADS" \
+    "$PYTHON" scripts/model_oracle.py bench --model "$model" --records "$1" --threads "$THREADS" 2>/dev/null \
         | sed -n 's/.*(\([0-9.]*\) tokens\/s.*/\1/p'
 }
 load() { cut -d' ' -f1-3 /proc/loadavg; }
