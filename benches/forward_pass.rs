@@ -1,10 +1,13 @@
 //! The native Qwen3.5 forward pass on the demo-sized model (`loraq synth --preset demo`:
 //! 8 hybrid layers, hidden 512, Gated DeltaNet and gated attention) with its rank-32
-//! adapter applied unmerged through the fused kernels, as `loraq run` loads it: a
-//! 128-token prompt (prefill), and a one-token prompt, the shape of a decode step (every
-//! linear at batch 1; the model runs whole prompts and keeps no cache between calls).
+//! adapter applied unmerged through the fused kernels, as `loraq run` loads it: prefill
+//! of one prompt of 512 and of 4096 tokens, 24 prompts of 20 tokens run as one batch
+//! (what `loraq run` does with short records), one prompt of 20 tokens alone, and a
+//! one-token prompt, the shape of a decode step (every linear at batch 1; the model runs
+//! whole prompts and keeps no cache between calls).
 //!
-//! `cargo bench --bench forward_pass` (benches/README.md).
+//! `cargo bench --bench forward_pass` (benches/README.md); beside transformers:
+//! `benches/prefill_vs_transformers.sh` (docs/model.md, "Speed").
 
 use std::time::Duration;
 
@@ -12,7 +15,22 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use loraq_model::{LoadOptions, Model};
 use loraq_synth::{Preset, SynthOptions, write_synth};
 
-const PROMPT: usize = 128;
+/// `count` prompts of `length` tokens from a fixed LCG over the demo vocabulary.
+fn prompts(count: usize, length: usize) -> Vec<Vec<u32>> {
+    let mut state = 12345u64;
+    (0..count)
+        .map(|_| {
+            (0..length)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 33) % 4096) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
 
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -30,19 +48,31 @@ fn bench(c: &mut Criterion) {
         &LoadOptions::default(),
     )
     .expect("load the demo base and adapter");
-    let tokens: Vec<u32> = (0..PROMPT as u32).map(|t| (t * 37 + 11) % 200).collect();
 
     let mut group = c.benchmark_group("forward_demo");
     group
         .sample_size(10)
         .measurement_time(Duration::from_secs(10));
-    group.throughput(Throughput::Elements(PROMPT as u64));
-    group.bench_function("prefill_128_tokens", |b| {
-        b.iter(|| model.last_hidden(&tokens).expect("forward"))
+    for length in [512, 4096] {
+        let prompt = prompts(1, length).remove(0);
+        group.throughput(Throughput::Elements(length as u64));
+        group.bench_function(format!("prefill_{length}_tokens"), |b| {
+            b.iter(|| model.last_hidden(&prompt).expect("forward"))
+        });
+    }
+    let short = prompts(24, 20);
+    let batch: Vec<&[u32]> = short.iter().map(Vec::as_slice).collect();
+    group.throughput(Throughput::Elements(24 * 20));
+    group.bench_function("prefill_24x20_tokens_batched", |b| {
+        b.iter(|| model.last_hidden_batch(&batch, None).expect("forward"))
+    });
+    group.throughput(Throughput::Elements(20));
+    group.bench_function("prefill_20_tokens_alone", |b| {
+        b.iter(|| model.last_hidden(&short[0]).expect("forward"))
     });
     group.throughput(Throughput::Elements(1));
     group.bench_function("one_token", |b| {
-        b.iter(|| model.last_hidden(&tokens[..1]).expect("forward"))
+        b.iter(|| model.last_hidden(&short[0][..1]).expect("forward"))
     });
     group.finish();
 }

@@ -1,5 +1,5 @@
-//! Blocked attention against transformers on prompts longer than one attention block
-//! (512 tokens): `loraq run` on the qwen3_5 parity fixture, its context limit raised,
+//! Tiled attention and the chunked delta rule against transformers on long prompts
+//! (up to 4096 tokens): `loraq run` on the qwen3_5 parity fixture, its context limit raised,
 //! must give transformers' option logits (float32, eager attention) within f32
 //! rounding. The real client runs through `run_oracle` (scripts/long_prompt_oracle.py).
 
@@ -28,8 +28,10 @@ fn prompts_longer_than_one_attention_block_match_transformers() {
     config["max_position_embeddings"] = 4096.into();
     std::fs::write(model.join("config.json"), config.to_string()).unwrap();
 
-    // 513 tokens (one past a block) and 1,300 (three blocks, the last partial),
-    // from a fixed LCG over the fixture's 128-token vocabulary.
+    // 513 tokens (one past 512), 1,300 (partial attention tiles and delta-rule
+    // chunks) and 4,096 (64 chunks of the chunked delta rule, whose summation order
+    // differs from transformers' over the whole prompt), from a fixed LCG over the
+    // fixture's 128-token vocabulary.
     let mut state = 7u64;
     let mut next = || {
         state = state
@@ -38,7 +40,7 @@ fn prompts_longer_than_one_attention_block_match_transformers() {
         (state >> 33) % 128
     };
     let records = dir.path().join("records.jsonl");
-    let lines: Vec<String> = [513usize, 1300]
+    let lines: Vec<String> = [513usize, 1300, 4096]
         .iter()
         .map(|&n| {
             let tokens: Vec<u64> = (0..n).map(|_| next()).collect();
@@ -80,11 +82,16 @@ fn prompts_longer_than_one_attention_block_match_transformers() {
             .collect()
     };
     let (ours, theirs) = (parse(&ours), parse(&expected));
-    assert_eq!(ours.len(), 2);
+    assert_eq!(ours.len(), 3);
     assert_eq!(ours.len(), theirs.len());
     // As the parity tests: 1e-4 relative to the largest logit (measured: 6e-7).
-    for (a, b) in ours.iter().zip(&theirs) {
+    for ((a, b), tokens) in ours.iter().zip(&theirs).zip([513, 1300, 4096]) {
         let scale = b.iter().fold(1f64, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(b)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs() / scale));
+        eprintln!("{tokens} tokens: worst difference {worst:.1e} of the largest logit");
         for (x, y) in a.iter().zip(b) {
             assert!((x - y).abs() <= 1e-4 * scale, "{a:?} vs {b:?}");
         }

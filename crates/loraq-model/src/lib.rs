@@ -18,12 +18,15 @@
 //! per-head query/gate interleaving in `q_proj`, q/k norms, partial rotary embedding
 //! and `sigmoid(gate)` on the attention output.
 
+pub mod attention;
+pub mod chunked;
 pub mod config;
 pub mod error;
 pub mod linear;
 pub mod model;
 pub mod ops;
 pub mod records;
+mod small_matmul;
 pub mod tokenize;
 
 pub use config::{Family, TextConfig};

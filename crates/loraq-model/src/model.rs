@@ -7,7 +7,7 @@ use crate::linear::{
     DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
-use candle_core::{D, DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use loraq_io::{Checkpoint, LayerType, LoraAdapter};
 use loraq_quant::{
     ActivationQuant, ActivationQuantKind, Nvfp4GlobalScale, QuantizedBase, StoredWeight,
@@ -759,7 +759,8 @@ impl Model {
     /// (`[hidden]`). Tokens must be below the vocabulary size (checked by callers
     /// that know the record; checked again here).
     pub fn last_hidden(&self, tokens: &[u32]) -> Result<Tensor> {
-        self.forward(tokens, None)
+        let mut out = self.forward(&[tokens], None)?;
+        Ok(out.pop().expect("one prompt in, one hidden state out"))
     }
 
     /// Like [`Model::last_hidden`], also collecting each decoder layer's output at the
@@ -769,63 +770,121 @@ impl Model {
         tokens: &[u32],
         per_layer: &mut Vec<Vec<f32>>,
     ) -> Result<Tensor> {
-        self.forward(tokens, Some(per_layer))
+        let mut layers = vec![std::mem::take(per_layer)];
+        let mut out = self.forward(&[tokens], Some(&mut layers))?;
+        *per_layer = layers.pop().expect("one prompt");
+        Ok(out.pop().expect("one prompt in, one hidden state out"))
     }
 
-    fn forward(&self, tokens: &[u32], mut per_layer: Option<&mut Vec<Vec<f32>>>) -> Result<Tensor> {
-        let t = tokens.len();
-        if t == 0 {
-            return Err(ModelError::Tensor {
-                context: "embedding".into(),
-                source: candle_core::Error::Msg("empty prompt".into()),
-            });
+    /// [`Model::last_hidden`] of several prompts run together: their tokens are
+    /// stacked into one matrix for every linear, norm and MLP (which act on each
+    /// token alone), and only the token mixers (convolution, delta rule, attention)
+    /// run prompt by prompt, each from its own zero state and position 0. The
+    /// result equals running the prompts one by one; short prompts gain a
+    /// matrix product with many rows instead of many with few. With `per_layer`,
+    /// `per_layer[p]` receives prompt `p`'s decoder layer outputs at its last
+    /// position (`per_layer` is resized to the prompt count).
+    pub fn last_hidden_batch(
+        &self,
+        prompts: &[&[u32]],
+        per_layer: Option<&mut Vec<Vec<Vec<f32>>>>,
+    ) -> Result<Vec<Tensor>> {
+        match per_layer {
+            None => self.forward(prompts, None),
+            Some(layers) => {
+                layers.resize(prompts.len(), Vec::new());
+                for l in layers.iter_mut() {
+                    l.clear();
+                }
+                self.forward(prompts, Some(layers))
+            }
         }
-        if t > loraq_io::limits::MAX_PROMPT_TOKENS {
-            return Err(ModelError::Tensor {
-                context: "embedding".into(),
-                source: candle_core::Error::Msg(format!(
-                    "prompt of {t} tokens is longer than loraq's limit of {} tokens",
-                    loraq_io::limits::MAX_PROMPT_TOKENS
-                )),
+    }
+
+    fn forward(
+        &self,
+        prompts: &[&[u32]],
+        mut per_layer: Option<&mut Vec<Vec<Vec<f32>>>>,
+    ) -> Result<Vec<Tensor>> {
+        let mut segments = Vec::with_capacity(prompts.len());
+        let mut all_tokens = Vec::new();
+        for tokens in prompts {
+            let t = tokens.len();
+            if t == 0 {
+                return Err(ModelError::Tensor {
+                    context: "embedding".into(),
+                    source: candle_core::Error::Msg("empty prompt".into()),
+                });
+            }
+            if t > loraq_io::limits::MAX_PROMPT_TOKENS {
+                return Err(ModelError::Tensor {
+                    context: "embedding".into(),
+                    source: candle_core::Error::Msg(format!(
+                        "prompt of {t} tokens is longer than loraq's limit of {} tokens",
+                        loraq_io::limits::MAX_PROMPT_TOKENS
+                    )),
+                });
+            }
+            if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.config.vocab) {
+                return Err(ModelError::Tensor {
+                    context: "embedding".into(),
+                    source: candle_core::Error::Msg(format!(
+                        "token {bad} outside the vocabulary of {}",
+                        self.config.vocab
+                    )),
+                });
+            }
+            segments.push(Segment {
+                start: all_tokens.len(),
+                len: t,
             });
+            all_tokens.extend_from_slice(tokens);
         }
-        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= self.config.vocab) {
-            return Err(ModelError::Tensor {
-                context: "embedding".into(),
-                source: candle_core::Error::Msg(format!(
-                    "token {bad} outside the vocabulary of {}",
-                    self.config.vocab
-                )),
-            });
+        if segments.is_empty() {
+            return Ok(Vec::new());
         }
         if let Some(registry) = &self.input_stats {
-            registry.prompts.fetch_add(1, Ordering::Relaxed);
-            registry.tokens.fetch_add(t as u64, Ordering::Relaxed);
+            registry
+                .prompts
+                .fetch_add(segments.len() as u64, Ordering::Relaxed);
+            registry
+                .tokens
+                .fetch_add(all_tokens.len() as u64, Ordering::Relaxed);
         }
-        let ids = Tensor::from_vec(tokens.to_vec(), t, &self.device).ctx("token ids")?;
+        let rows = all_tokens.len();
+        let ids = Tensor::from_vec(all_tokens, rows, &self.device).ctx("token ids")?;
         let mut x = self.embed.index_select(&ids, 0).ctx("embedding")?;
-        let rope = self.rope_tables(t)?;
+        let rope = self.rope_tables(&segments)?;
         for layer in &self.layers {
             let normed = rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
             let mixed = match &layer.mixer {
-                Mixer::Linear(net) => self.gated_delta_net(net, &normed)?,
-                Mixer::Full(attn) => self.attention(attn, &normed, &rope)?,
+                Mixer::Linear(net) => self.gated_delta_net(net, &normed, &segments)?,
+                Mixer::Full(attn) => self.attention(attn, &normed, &rope, &segments)?,
             };
             x = (x + mixed).ctx("residual")?;
             let normed = rms_norm(&x, &layer.post_attention_norm, self.config.rms_norm_eps)?;
             let mlp = &layer.mlp;
-            let gate = mlp.gate_proj.forward(&normed)?.silu().ctx("mlp")?;
+            let gate = mlp.gate_proj.forward(&normed)?;
             let up = mlp.up_proj.forward(&normed)?;
-            let down = mlp.down_proj.forward(&(gate * up).ctx("mlp")?)?;
+            let mut act = to_vec(&gate, "mlp")?;
+            crate::small_matmul::silu_mul(&mut act, &to_vec(&up, "mlp")?);
+            let act = Tensor::from_vec(act, gate.shape(), &self.device).ctx("mlp")?;
+            let down = mlp.down_proj.forward(&act)?;
             x = (x + down).ctx("residual")?;
             if let Some(out) = per_layer.as_deref_mut() {
-                out.push(x.get(t - 1).ctx("hidden")?.to_vec1().ctx("hidden")?);
+                for (seg, dst) in segments.iter().zip(out.iter_mut()) {
+                    dst.push(x.get(seg.last()).ctx("hidden")?.to_vec1().ctx("hidden")?);
+                }
             }
         }
-        let last = x.narrow(0, t - 1, 1).ctx("last position")?;
-        rms_norm(&last, &self.final_norm, self.config.rms_norm_eps)?
-            .squeeze(0)
-            .ctx("final norm")
+        let last_ids: Vec<u32> = segments.iter().map(|s| s.last() as u32).collect();
+        let last_ids =
+            Tensor::from_vec(last_ids, segments.len(), &self.device).ctx("last positions")?;
+        let last = x.index_select(&last_ids, 0).ctx("last positions")?;
+        let normed = rms_norm(&last, &self.final_norm, self.config.rms_norm_eps)?;
+        (0..segments.len())
+            .map(|p| normed.get(p).ctx("final norm"))
+            .collect()
     }
 
     /// Logits of the given vocabulary rows for a final hidden state: only those rows
@@ -842,29 +901,44 @@ impl Model {
             .ctx("lm_head")
     }
 
-    /// `(cos, sin)` tables `[tokens, rotary_dim]` for positions `0..tokens`, each
-    /// half repeated as transformers' `cat((freqs, freqs))` lays them out. Text
-    /// tokens have the same position on all three mrope sections, so the
-    /// interleaved multimodal layout reduces to this plain table.
-    fn rope_tables(&self, tokens: usize) -> Result<(Tensor, Tensor)> {
+    /// `(cos, sin)` tables `[rows, rotary_dim]` for the positions of the stacked
+    /// prompts (`0..len` for each), each half repeated as transformers'
+    /// `cat((freqs, freqs))` lays them out. Text tokens have the same position on all
+    /// three mrope sections, so the interleaved multimodal layout reduces to this
+    /// plain table.
+    fn rope_tables(&self, segments: &[Segment]) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(tokens * 2 * half);
-        let mut sin = Vec::with_capacity(tokens * 2 * half);
-        for p in 0..tokens {
+        let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
+        let mut cos_by_position = Vec::with_capacity(longest * 2 * half);
+        let mut sin_by_position = Vec::with_capacity(longest * 2 * half);
+        for p in 0..longest {
             let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
             for _ in 0..2 {
-                cos.extend(angles.iter().map(|a| a.cos()));
-                sin.extend(angles.iter().map(|a| a.sin()));
+                cos_by_position.extend(angles.iter().map(|a| a.cos()));
+                sin_by_position.extend(angles.iter().map(|a| a.sin()));
             }
         }
-        let shape = (tokens, 2 * half);
+        let rows: usize = segments.iter().map(|s| s.len).sum();
+        let mut cos = Vec::with_capacity(rows * 2 * half);
+        let mut sin = Vec::with_capacity(rows * 2 * half);
+        for seg in segments {
+            cos.extend_from_slice(&cos_by_position[..seg.len * 2 * half]);
+            sin.extend_from_slice(&sin_by_position[..seg.len * 2 * half]);
+        }
+        let shape = (rows, 2 * half);
         Ok((
             Tensor::from_vec(cos, shape, &self.device).ctx("rope")?,
             Tensor::from_vec(sin, shape, &self.device).ctx("rope")?,
         ))
     }
 
-    fn attention(&self, attn: &Attention, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+    fn attention(
+        &self,
+        attn: &Attention,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        segments: &[Segment],
+    ) -> Result<Tensor> {
         let c = &self.config;
         let (t, hd, heads, kv) = (
             x.dim(0).ctx("attention")?,
@@ -894,35 +968,37 @@ impl Model {
         let value = attn.v_proj.forward(x)?.reshape((t, kv, hd)).ctx(ctx)?;
         let query = apply_rope(&query, rope, c.rotary_dim)?;
         let key = apply_rope(&key, rope, c.rotary_dim)?;
-        // [heads, T, hd]; query head h reads kv head h / (heads / kv) (repeat_kv), so
-        // group the query heads of one kv head: [kv, group, T, hd].
-        let group = heads / kv;
-        let q = query
-            .transpose(0, 1)
-            .ctx(ctx)?
-            .contiguous()
-            .ctx(ctx)?
-            .reshape((kv, group, t, hd))
-            .ctx(ctx)?;
-        let k = key.transpose(0, 1).ctx(ctx)?.contiguous().ctx(ctx)?;
-        let v = value.transpose(0, 1).ctx(ctx)?.contiguous().ctx(ctx)?;
-        let out = causal_attention_blocked(&q, &k, &v, ATTENTION_BLOCK)?
-            .reshape((heads, t, hd))
-            .ctx(ctx)?
-            .transpose(0, 1)
-            .ctx(ctx)?
-            .contiguous()
-            .ctx(ctx)?
-            .reshape((t, heads * hd))
-            .ctx(ctx)?;
-        let out = match gate {
-            Some(gate) => (out * sigmoid(&gate)?).ctx(ctx)?,
-            None => out,
-        };
+        // Each prompt attends to itself only.
+        let query = to_vec(&query, ctx)?;
+        let key = to_vec(&key, ctx)?;
+        let value = to_vec(&value, ctx)?;
+        let mut out = Vec::with_capacity(t * heads * hd);
+        for seg in segments {
+            out.extend(crate::attention::causal_attention(
+                seg.rows(&query, heads * hd),
+                seg.rows(&key, kv * hd),
+                seg.rows(&value, kv * hd),
+                crate::attention::AttentionDims {
+                    tokens: seg.len,
+                    heads,
+                    kv_heads: kv,
+                    head_dim: hd,
+                },
+            ));
+        }
+        if let Some(gate) = gate {
+            crate::small_matmul::sigmoid_mul(&mut out, &to_vec(&gate, ctx)?);
+        }
+        let out = Tensor::from_vec(out, (t, heads * hd), &self.device).ctx(ctx)?;
         attn.o_proj.forward(&out)
     }
 
-    fn gated_delta_net(&self, net: &GatedDeltaNet, x: &Tensor) -> Result<Tensor> {
+    fn gated_delta_net(
+        &self,
+        net: &GatedDeltaNet,
+        x: &Tensor,
+        segments: &[Segment],
+    ) -> Result<Tensor> {
         let c = &self.config;
         let ctx = "linear attention";
         let t = x.dim(0).ctx(ctx)?;
@@ -935,15 +1011,6 @@ impl Model {
         let (key_dim, value_dim) = (nk * dk, nv * dv);
         let conv_dim = 2 * key_dim + value_dim;
         let qkv: Vec<f32> = to_vec(&net.in_proj_qkv.forward(x)?, ctx)?;
-        let mixed = ops::causal_conv1d_silu(&qkv, conv_dim, &net.conv_weight, c.conv_kernel);
-        let mut query = Vec::with_capacity(t * key_dim);
-        let mut key = Vec::with_capacity(t * key_dim);
-        let mut value = Vec::with_capacity(t * value_dim);
-        for row in mixed.chunks_exact(conv_dim) {
-            query.extend_from_slice(&row[..key_dim]);
-            key.extend_from_slice(&row[key_dim..2 * key_dim]);
-            value.extend_from_slice(&row[2 * key_dim..]);
-        }
         let z = to_vec(&net.in_proj_z.forward(x)?, ctx)?;
         let b = to_vec(&net.in_proj_b.forward(x)?, ctx)?;
         let a = to_vec(&net.in_proj_a.forward(x)?, ctx)?;
@@ -953,25 +1020,70 @@ impl Model {
             .enumerate()
             .map(|(i, &v)| net.neg_a[i % nv] * ops::softplus(v + net.dt_bias[i % nv]))
             .collect();
-        let dims = DeltaRuleDims {
-            tokens: t,
-            key_heads: nk,
-            value_heads: nv,
-            key_dim: dk,
-            value_dim: dv,
-        };
-        let mut core = ops::gated_delta_rule(&query, &key, &value, &decay, &beta, dims);
+        // The convolution and the delta rule of each prompt, from its own zero state.
+        let mut core = Vec::with_capacity(t * value_dim);
+        for seg in segments {
+            let mixed = ops::causal_conv1d_silu(
+                seg.rows(&qkv, conv_dim),
+                conv_dim,
+                &net.conv_weight,
+                c.conv_kernel,
+            );
+            let mut query = Vec::with_capacity(seg.len * key_dim);
+            let mut key = Vec::with_capacity(seg.len * key_dim);
+            let mut value = Vec::with_capacity(seg.len * value_dim);
+            for row in mixed.chunks_exact(conv_dim) {
+                query.extend_from_slice(&row[..key_dim]);
+                key.extend_from_slice(&row[key_dim..2 * key_dim]);
+                value.extend_from_slice(&row[2 * key_dim..]);
+            }
+            let dims = DeltaRuleDims {
+                tokens: seg.len,
+                key_heads: nk,
+                value_heads: nv,
+                key_dim: dk,
+                value_dim: dv,
+            };
+            let rows = seg.start * nv..(seg.start + seg.len) * nv;
+            core.extend(crate::chunked::gated_delta_rule_chunked(
+                &query,
+                &key,
+                &value,
+                &decay[rows.clone()],
+                &beta[rows],
+                dims,
+                crate::chunked::DELTA_RULE_CHUNK,
+            ));
+        }
         // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
         let eps = c.rms_norm_eps;
-        for (row, zrow) in core.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
-            let mean = row.iter().map(|v| v * v).sum::<f32>() / dv as f32;
-            let inv = 1.0 / (mean + eps).sqrt();
-            for ((v, &w), &g) in row.iter_mut().zip(&net.norm_weight).zip(zrow) {
-                *v = w * (*v * inv) * ops::silu(g);
-            }
-        }
-        let core = Tensor::from_vec(core, (t, value_dim), &self.device).ctx(ctx)?;
+        crate::small_matmul::rms_norm_rows(&mut core, &net.norm_weight, eps);
+        // silu(z) * (w * norm(o)), in z's buffer.
+        let mut z = z;
+        crate::small_matmul::silu_mul(&mut z, &core);
+        let core = Tensor::from_vec(z, (t, value_dim), &self.device).ctx(ctx)?;
         net.out_proj.forward(&core)
+    }
+}
+
+/// One prompt's rows in the stacked activations of a batch.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    /// First row.
+    start: usize,
+    /// Tokens (rows).
+    len: usize,
+}
+
+impl Segment {
+    /// The prompt's last row.
+    fn last(&self) -> usize {
+        self.start + self.len - 1
+    }
+
+    /// The prompt's rows of a row-major matrix `width` wide.
+    fn rows<'a>(&self, x: &'a [f32], width: usize) -> &'a [f32] {
+        &x[self.start * width..(self.start + self.len) * width]
     }
 }
 
@@ -983,131 +1095,9 @@ fn to_vec(x: &Tensor, ctx: &str) -> Result<Vec<f32>> {
 /// holds the family's offset).
 pub(crate) fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<Tensor> {
     let ctx = "rms norm";
-    let inv = (x.sqr().ctx(ctx)?.mean_keepdim(D::Minus1).ctx(ctx)? + eps as f64)
-        .ctx(ctx)?
-        .sqrt()
-        .ctx(ctx)?
-        .recip()
-        .ctx(ctx)?;
-    x.broadcast_mul(&inv)
-        .ctx(ctx)?
-        .broadcast_mul(scale)
-        .ctx(ctx)
-}
-
-fn sigmoid(x: &Tensor) -> Result<Tensor> {
-    let ctx = "sigmoid";
-    (x.neg().ctx(ctx)?.exp().ctx(ctx)? + 1.0)
-        .ctx(ctx)?
-        .recip()
-        .ctx(ctx)
-}
-
-/// Queries and keys per attention block: the scores of one block pair take
-/// `heads x 512 x 512` floats (1 MiB per head) whatever the prompt's length.
-pub const ATTENTION_BLOCK: usize = 512;
-
-/// Causal softmax attention computed block by block with a streaming (online)
-/// softmax, so that memory grows linearly with the prompt instead of holding a
-/// `T x T` score matrix (at 20,000 tokens, gigabytes per layer).
-///
-/// `q` is `[kv, group, T, hd]` (the query heads sharing a kv head grouped), `k` and
-/// `v` are `[kv, T, hd]`; returns `[kv, group, T, hd]`. For each block of queries,
-/// the key blocks up to the diagonal are visited in order keeping per row the
-/// running maximum `m`, the sum `l` of `exp(s - m)` and the output `acc` of
-/// `exp(s - m) V`, each rescaled by `exp(m_old - m_new)` when the maximum grows;
-/// the result is `acc / l`, softmax(QK^T / sqrt(hd) + mask) V up to f32 rounding.
-pub(crate) fn causal_attention_blocked(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    block: usize,
-) -> Result<Tensor> {
-    let ctx = "attention";
-    let (kv, group, t, hd) = q.dims4().ctx(ctx)?;
-    let block = block.max(1);
-    let scale = (hd as f64).powf(-0.5);
-    let mut outputs = Vec::with_capacity(t.div_ceil(block));
-    for q_start in (0..t).step_by(block) {
-        let q_len = block.min(t - q_start);
-        let q_block = q
-            .narrow(2, q_start, q_len)
-            .ctx(ctx)?
-            .contiguous()
-            .ctx(ctx)?
-            .reshape((kv, group * q_len, hd))
-            .ctx(ctx)?;
-        // Running maximum, normalizer and output of each query row.
-        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
-        for k_start in (0..q_start + q_len).step_by(block) {
-            let k_len = block.min(t - k_start);
-            let k_block = k.narrow(1, k_start, k_len).ctx(ctx)?;
-            let v_block = v.narrow(1, k_start, k_len).ctx(ctx)?;
-            let mut scores = (q_block
-                .matmul(&k_block.t().ctx(ctx)?.contiguous().ctx(ctx)?)
-                .ctx(ctx)?
-                * scale)
-                .ctx(ctx)?;
-            // Only blocks reaching past the first query's position need the mask.
-            if k_start + k_len > q_start + 1 {
-                let mask = causal_mask_block(q_start, q_len, k_start, k_len, q.device())?;
-                scores = scores
-                    .reshape((kv, group, q_len, k_len))
-                    .ctx(ctx)?
-                    .broadcast_add(&mask)
-                    .ctx(ctx)?
-                    .reshape((kv, group * q_len, k_len))
-                    .ctx(ctx)?;
-            }
-            let block_max = scores.max_keepdim(D::Minus1).ctx(ctx)?;
-            state = Some(match state {
-                // The first key block holds key 0, visible to every query: its
-                // maximum is finite.
-                None => {
-                    let p = scores.broadcast_sub(&block_max).ctx(ctx)?.exp().ctx(ctx)?;
-                    let sum = p.sum_keepdim(D::Minus1).ctx(ctx)?;
-                    let acc = p.matmul(&v_block).ctx(ctx)?;
-                    (block_max, sum, acc)
-                }
-                Some((max, sum, acc)) => {
-                    let new_max = max.maximum(&block_max).ctx(ctx)?;
-                    let rescale = (max - &new_max).ctx(ctx)?.exp().ctx(ctx)?;
-                    let p = scores.broadcast_sub(&new_max).ctx(ctx)?.exp().ctx(ctx)?;
-                    let sum = ((sum * &rescale).ctx(ctx)? + p.sum_keepdim(D::Minus1).ctx(ctx)?)
-                        .ctx(ctx)?;
-                    let acc = (acc.broadcast_mul(&rescale).ctx(ctx)?
-                        + p.matmul(&v_block).ctx(ctx)?)
-                    .ctx(ctx)?;
-                    (new_max, sum, acc)
-                }
-            });
-        }
-        let (_, sum, acc) = state.expect("every query block sees key block 0");
-        outputs.push(
-            acc.broadcast_div(&sum)
-                .ctx(ctx)?
-                .reshape((kv, group, q_len, hd))
-                .ctx(ctx)?,
-        );
-    }
-    Tensor::cat(&outputs, 2).ctx(ctx)
-}
-
-/// `[q_len, k_len]` additive causal mask of one block pair: 0 where the key's
-/// position is at most the query's, -inf after it.
-fn causal_mask_block(
-    q_start: usize,
-    q_len: usize,
-    k_start: usize,
-    k_len: usize,
-    device: &Device,
-) -> Result<Tensor> {
-    let v: Vec<f32> = (q_start..q_start + q_len)
-        .flat_map(|i| {
-            (k_start..k_start + k_len).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })
-        })
-        .collect();
-    Tensor::from_vec(v, (q_len, k_len), device).ctx("causal mask")
+    let mut values = to_vec(x, ctx)?;
+    crate::small_matmul::rms_norm_rows(&mut values, &to_vec(scale, ctx)?, eps);
+    Tensor::from_vec(values, x.shape(), x.device()).ctx(ctx)
 }
 
 /// Rotary embedding on the first `rotary_dim` dimensions of `x` `[T, heads, head_dim]`:
@@ -1139,6 +1129,7 @@ pub const COMPUTE_DTYPE: DType = DType::F32;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::D;
 
     #[test]
     fn rope_rotates_pairs_by_known_angles() {
@@ -1157,15 +1148,19 @@ mod tests {
         assert_eq!(y, vec![-2.0, 1.0, 3.0, 4.0]);
     }
 
-    /// The attention of the whole prompt at once, as the forward pass computed it
-    /// before blocking: a `[T, T]` score matrix, masked, softmaxed, times V.
+    /// The attention of the whole prompt at once: a `[T, T]` score matrix, masked,
+    /// softmaxed, times V, with candle's ops; `q` is `[kv, group, T, hd]`, `k` and
+    /// `v` `[kv, T, hd]`.
     fn attention_unblocked(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
         let (kv, group, t, hd) = q.dims4().unwrap();
         let q = q.reshape((kv, group * t, hd)).unwrap();
         let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap()
             * (hd as f64).powf(-0.5))
         .unwrap();
-        let mask = causal_mask_block(0, t, 0, t, q.device()).unwrap();
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), q.device()).unwrap();
         let scores = scores
             .reshape((kv, group, t, t))
             .unwrap()
@@ -1186,12 +1181,14 @@ mod tests {
     }
 
     #[test]
-    fn blocked_attention_equals_the_unblocked_score_matrix() {
-        // 37 tokens in blocks of 8 (five query blocks, the last partial), 2 kv heads
-        // of 3 query heads each, head_dim 16; scores spread over a wide range so the
-        // running maximum changes between key blocks.
+    fn tiled_attention_equals_the_unblocked_score_matrix() {
+        // 150 tokens (two whole query and key tiles of 64 and a partial one), 2 kv
+        // heads of 3 query heads each, head_dim 16; scores spread over a wide range so
+        // the running maximum changes between key tiles.
+        use crate::attention::{AttentionDims, causal_attention};
         let dev = Device::Cpu;
-        let (kv, group, t, hd) = (2, 3, 37, 16);
+        let (kv, group, t, hd) = (2, 3, 150, 16);
+        let heads = kv * group;
         let values = |n: usize, seed: u32| -> Vec<f32> {
             (0..n)
                 .map(|i| {
@@ -1200,28 +1197,56 @@ mod tests {
                 })
                 .collect()
         };
-        let q = Tensor::from_vec(values(kv * group * t * hd, 1), (kv, group, t, hd), &dev).unwrap();
-        let k = Tensor::from_vec(values(kv * t * hd, 2), (kv, t, hd), &dev).unwrap();
-        let v = Tensor::from_vec(values(kv * t * hd, 3), (kv, t, hd), &dev).unwrap();
-        let reference: Vec<f32> = attention_unblocked(&q, &k, &v)
+        // Row-major [T, heads, hd] / [T, kv, hd], as the forward pass holds them.
+        let (q, k, v) = (
+            values(t * heads * hd, 1),
+            values(t * kv * hd, 2),
+            values(t * kv * hd, 3),
+        );
+        let ours = causal_attention(
+            &q,
+            &k,
+            &v,
+            AttentionDims {
+                tokens: t,
+                heads,
+                kv_heads: kv,
+                head_dim: hd,
+            },
+        );
+        let q_t = Tensor::from_vec(q, (t, heads, hd), &dev)
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((kv, group, t, hd))
+            .unwrap();
+        let head_major = |x: Vec<f32>| {
+            Tensor::from_vec(x, (t, kv, hd), &dev)
+                .unwrap()
+                .transpose(0, 1)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let reference: Vec<f32> = attention_unblocked(&q_t, &head_major(k), &head_major(v))
+            .reshape((heads, t, hd))
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
             .flatten_all()
             .unwrap()
             .to_vec1()
             .unwrap();
-        for block in [1, 8, 36, 37, ATTENTION_BLOCK] {
-            let blocked: Vec<f32> = causal_attention_blocked(&q, &k, &v, block)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            assert_eq!(blocked.len(), reference.len());
-            for (i, (a, b)) in blocked.iter().zip(&reference).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "block {block}, element {i}: {a} vs {b}"
-                );
-            }
+        assert_eq!(ours.len(), reference.len());
+        for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "element {i}: {a} vs {b}"
+            );
         }
     }
 

@@ -1,6 +1,7 @@
 //! The sequential parts of Gated DeltaNet on plain row-major slices: the causal
-//! depthwise convolution and the gated delta rule. They run token by token, which
-//! is exact and fast enough for prompts of a few hundred tokens.
+//! depthwise convolution and the gated delta rule token by token (the definition the
+//! chunked form of [`crate::chunked`], which the forward pass runs, is checked
+//! against).
 
 /// `log(1 + e^x)` as torch's `F.softplus` (beta 1, threshold 20) computes it.
 pub fn softplus(x: f32) -> f32 {
@@ -25,24 +26,14 @@ pub fn sigmoid(x: f32) -> f32 {
 /// `kernel - 1`, `out[t, c] = silu(sum_j weight[c, j] * x[t - (kernel - 1) + j, c])`:
 /// the last tap multiplies the current token, as torch's cross-correlation does.
 pub fn causal_conv1d_silu(x: &[f32], channels: usize, weight: &[f32], kernel: usize) -> Vec<f32> {
-    let tokens = x.len() / channels;
-    let mut out = vec![0f32; x.len()];
-    for t in 0..tokens {
-        let row = &mut out[t * channels..(t + 1) * channels];
-        for (j, tap_row) in (0..kernel).map(|j| (j, t + j)) {
-            // Input token index t - (kernel - 1) + j; skipped when before the start.
-            let Some(src) = tap_row.checked_sub(kernel - 1) else {
-                continue;
-            };
-            let xs = &x[src * channels..(src + 1) * channels];
-            for c in 0..channels {
-                row[c] += weight[c * kernel + j] * xs[c];
-            }
-        }
-        for v in row.iter_mut() {
-            *v = silu(*v);
+    let mut weight_t = vec![0f32; kernel * channels];
+    for (c, taps) in weight.chunks_exact(kernel).enumerate().take(channels) {
+        for (j, &w) in taps.iter().enumerate() {
+            weight_t[j * channels + c] = w;
         }
     }
+    let mut out = vec![0f32; x.len()];
+    crate::small_matmul::causal_conv_silu(x, &weight_t, kernel, &mut out);
     out
 }
 

@@ -97,7 +97,8 @@ pub fn read_records(path: &Path) -> Result<Vec<Record>> {
 pub struct ScoreOptions<'a> {
     /// The records file, named in errors.
     pub source: PathBuf,
-    /// Called after each record with the number done so far.
+    /// Called after each batch of records ([`BATCH_TOKENS`]) with the number done so
+    /// far.
     pub on_record: Option<&'a (dyn Fn(usize) + Sync)>,
 }
 
@@ -241,54 +242,86 @@ fn score(
         final_norm: Vec::new(),
     };
     let mut per_layer = Vec::new();
-    for (i, (record, (tokens, option_tokens))) in records.iter().zip(checked).enumerate() {
-        let hidden = if collect_hidden {
-            per_layer.clear();
-            let h = model.last_hidden_with_layers(tokens, &mut per_layer)?;
-            for (dst, src) in states.layers.iter_mut().zip(&per_layer) {
-                dst.extend_from_slice(src);
+    let mut done = 0;
+    for batch in prompt_batches(&checked, BATCH_TOKENS) {
+        let prompts: Vec<&[u32]> = checked[batch.clone()].iter().map(|(t, _)| *t).collect();
+        let hidden = model.last_hidden_batch(&prompts, collect_hidden.then_some(&mut per_layer))?;
+        for (p, (hidden, i)) in hidden.iter().zip(batch).enumerate() {
+            let (record, option_tokens) = (&records[i], checked[i].1);
+            if collect_hidden {
+                for (dst, src) in states.layers.iter_mut().zip(&per_layer[p]) {
+                    dst.extend_from_slice(src);
+                }
+                states
+                    .final_norm
+                    .extend(
+                        hidden
+                            .to_vec1::<f32>()
+                            .map_err(|source| ModelError::Tensor {
+                                context: "final hidden state".into(),
+                                source,
+                            })?,
+                    );
             }
-            states
-                .final_norm
-                .extend(h.to_vec1::<f32>().map_err(|source| ModelError::Tensor {
-                    context: "final hidden state".into(),
-                    source,
-                })?);
-            h
-        } else {
-            model.last_hidden(tokens)?
-        };
-        let logits = model.logits_of(&hidden, option_tokens)?;
-        // The weights were checked finite when loaded; an overflow in the forward
-        // pass can still give NaN, which the answers format cannot hold.
-        if let Some((option, logit)) = record
-            .options
-            .iter()
-            .zip(&logits)
-            .find(|(_, l)| !l.is_finite())
-        {
-            return Err(ModelError::Record {
-                path: options.source.clone(),
-                line: record.line,
+            let logits = model.logits_of(hidden, option_tokens)?;
+            // The weights were checked finite when loaded; an overflow in the forward
+            // pass can still give NaN, which the answers format cannot hold.
+            if let Some((option, logit)) = record
+                .options
+                .iter()
+                .zip(&logits)
+                .find(|(_, l)| !l.is_finite())
+            {
+                return Err(ModelError::Record {
+                    path: options.source.clone(),
+                    line: record.line,
+                    id: record.id.clone(),
+                    reason: format!(
+                        "the logit of option {} is {logit} (the forward pass overflowed); no answers written",
+                        loraq_io::limits::elide(&format!("{option:?}"))
+                    ),
+                });
+            }
+            answers.push(OptionAnswer {
                 id: record.id.clone(),
-                reason: format!(
-                    "the logit of option {} is {logit} (the forward pass overflowed); no answers written",
-                    loraq_io::limits::elide(&format!("{option:?}"))
-                ),
+                group: record.group.clone(),
+                options: record.options.clone(),
+                logits: logits.into_iter().map(f64::from).collect(),
+                gold: record.gold.clone(),
             });
+            done += 1;
         }
-        answers.push(OptionAnswer {
-            id: record.id.clone(),
-            group: record.group.clone(),
-            options: record.options.clone(),
-            logits: logits.into_iter().map(f64::from).collect(),
-            gold: record.gold.clone(),
-        });
         if let Some(f) = options.on_record {
-            f(i + 1);
+            f(done);
         }
     }
     Ok((answers, states))
+}
+
+/// Prompt tokens run together in one [`Model::last_hidden_batch`] call: consecutive
+/// records are stacked until the next would pass this many tokens (a longer prompt
+/// runs alone), so the linears multiply matrices of a few hundred rows whatever the
+/// prompts' length.
+pub const BATCH_TOKENS: usize = 512;
+
+/// Consecutive index ranges of `checked` whose prompts hold at most `budget` tokens
+/// together (or one prompt, when it alone is longer).
+fn prompt_batches(checked: &[(&[u32], &[u32])], budget: usize) -> Vec<std::ops::Range<usize>> {
+    let mut batches = Vec::new();
+    let mut start = 0;
+    let mut tokens = 0;
+    for (i, (prompt, _)) in checked.iter().enumerate() {
+        if i > start && tokens + prompt.len() > budget {
+            batches.push(start..i);
+            start = i;
+            tokens = 0;
+        }
+        tokens += prompt.len();
+    }
+    if start < checked.len() {
+        batches.push(start..checked.len());
+    }
+    batches
 }
 
 /// Writes hidden states as a safetensors file (`layers.{i}` and `norm`, F32

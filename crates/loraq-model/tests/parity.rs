@@ -4,8 +4,8 @@
 //! made them: tests/data/model/, scripts/model_oracle.py.
 //!
 //! Tolerance: both sides compute in f32 from identical weights; they differ only in
-//! summation order (matmul blocking, and transformers' chunked delta rule vs our
-//! token-by-token recurrence, which are equal in exact arithmetic). Over four layers
+//! summation order (matmul blocking, tiled attention, and the two chunked delta
+//! rules' orders of work, equal in exact arithmetic). Over four layers
 //! that moves logits of magnitude ~1 by ~1e-6; we allow 1e-4 relative to the
 //! record's largest |logit| (at least 1), the bound the issue sets.
 

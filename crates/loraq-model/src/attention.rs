@@ -1,0 +1,224 @@
+//! Causal softmax attention in tiles with a streaming (online) softmax, flash-style:
+//! for each head and each tile of [`QUERY_TILE`] queries, the key tiles up to the
+//! diagonal are visited in order (the tiles past it are skipped, not masked), keeping
+//! per query row the running maximum `m`, the sum `l` of `exp(s - m)` and the output
+//! `acc` of `exp(s - m) V`, each rescaled by `exp(m_old - m_new)` when the maximum
+//! grows; the result is `acc / l`, `softmax(Q K^T / sqrt(d) + mask) V` up to f32
+//! rounding. Memory is one `QUERY_TILE x KEY_TILE` score tile per task instead of a
+//! `T x T` matrix, and the (head, query tile) tasks run in parallel on rayon's pool.
+
+use crate::small_matmul::{Product, dispatch_simd, exp_nonpositive, madd, matmul_acc};
+use rayon::prelude::*;
+
+/// Queries per tile (and per parallel task).
+pub const QUERY_TILE: usize = 64;
+/// Keys per tile.
+pub const KEY_TILE: usize = 64;
+
+/// Shapes of one prompt's attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionDims {
+    /// Prompt length.
+    pub tokens: usize,
+    /// Query heads: a multiple of `kv_heads`; query head `h` reads kv head
+    /// `h / (heads / kv_heads)` (transformers' `repeat_kv`).
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+/// Causal attention of one prompt: `query` `[tokens, heads, head_dim]`, `key` and
+/// `value` `[tokens, kv_heads, head_dim]` (row-major, rotary embedding applied);
+/// returns `[tokens, heads, head_dim]`, scores scaled by `head_dim^-0.5`.
+pub fn causal_attention(
+    query: &[f32],
+    key: &[f32],
+    value: &[f32],
+    dims: AttentionDims,
+) -> Vec<f32> {
+    let AttentionDims {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = dims;
+    let group = heads / kv_heads;
+    // K^T per kv head, [kv_heads][head_dim, tokens], so a score tile is a product.
+    let key_t: Vec<Vec<f32>> = (0..kv_heads)
+        .map(|j| {
+            let mut kt = vec![0f32; hd * tokens];
+            for t in 0..tokens {
+                for (d, &x) in key[(t * kv_heads + j) * hd..][..hd].iter().enumerate() {
+                    kt[d * tokens + t] = x;
+                }
+            }
+            kt
+        })
+        .collect();
+    // Head-major output, so every (head, query tile) task owns a contiguous slice.
+    let mut out_heads = vec![0f32; heads * tokens * hd];
+    out_heads
+        .par_chunks_mut(tokens * hd)
+        .enumerate()
+        .for_each(|(h, head_out)| {
+            let kv = h / group;
+            head_out
+                .par_chunks_mut(QUERY_TILE * hd)
+                .enumerate()
+                .for_each(|(tile, out)| {
+                    let tile_input = TileInput {
+                        query,
+                        key_t: &key_t[kv],
+                        value,
+                        dims,
+                        head: h,
+                        kv_head: kv,
+                        q0: tile * QUERY_TILE,
+                    };
+                    attend_tile(&tile_input, out);
+                });
+        });
+    let mut out = vec![0f32; tokens * heads * hd];
+    for (h, head_out) in out_heads.chunks_exact(tokens * hd).enumerate() {
+        for (t, row) in head_out.chunks_exact(hd).enumerate() {
+            out[(t * heads + h) * hd..][..hd].copy_from_slice(row);
+        }
+    }
+    out
+}
+
+/// One (head, query tile) task's operands.
+struct TileInput<'a> {
+    query: &'a [f32],
+    /// This head's kv head, transposed: `[head_dim, tokens]`.
+    key_t: &'a [f32],
+    value: &'a [f32],
+    dims: AttentionDims,
+    head: usize,
+    kv_head: usize,
+    /// First query of the tile.
+    q0: usize,
+}
+
+dispatch_simd!(
+    /// One query tile of one head on the widest instruction set the CPU has.
+    fn attend_tile(input: &TileInput<'_>, out: &mut [f32]) = attend_tile_body
+);
+
+/// Lane-wise maximum and sum of a row, in 16 partial lanes so the loop vectorizes.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let mut m = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for &x in chunks.remainder() {
+        m = m.max(x);
+    }
+    m
+}
+
+#[inline(always)]
+fn attend_tile_body<const FUSED: bool>(input: &TileInput<'_>, out: &mut [f32]) {
+    let TileInput {
+        query,
+        key_t,
+        value,
+        dims,
+        head,
+        kv_head,
+        q0,
+    } = *input;
+    let AttentionDims {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = dims;
+    let rows = out.len() / hd;
+    let scale = (hd as f32).powf(-0.5);
+    let mut scores = [0f32; QUERY_TILE * KEY_TILE];
+    let mut max = [f32::NEG_INFINITY; QUERY_TILE];
+    let mut sum = [0f32; QUERY_TILE];
+    out.fill(0.0);
+    let q_rows = &query[(q0 * heads + head) * hd..];
+    // Keys 0 ..= the tile's last query.
+    let key_end = q0 + rows;
+    let mut k0 = 0;
+    while k0 < key_end {
+        let cols = KEY_TILE.min(key_end - k0);
+        let s = &mut scores[..rows * cols];
+        s.fill(0.0);
+        matmul_acc::<FUSED>(
+            &Product {
+                m: rows,
+                k: hd,
+                n: cols,
+                a: q_rows,
+                lda: heads * hd,
+                b: &key_t[k0..],
+                ldb: tokens,
+                alpha: scale,
+            },
+            s,
+            cols,
+        );
+        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
+            // Query q0 + i sees keys up to itself.
+            let visible = (q0 + i + 1).saturating_sub(k0).min(cols);
+            for x in &mut row[visible..] {
+                *x = f32::NEG_INFINITY;
+            }
+            let new_max = max[i].max(row_max(&row[..visible]));
+            // The first tile holds key 0, visible to every query: new_max is finite.
+            let rescale = exp_nonpositive::<FUSED>(max[i] - new_max);
+            let mut lanes = [0f32; 16];
+            let mut chunks = row.chunks_exact_mut(16);
+            for c in &mut chunks {
+                for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
+                    *x = exp_nonpositive::<FUSED>(*x - new_max);
+                    *l += *x;
+                }
+            }
+            let mut row_sum: f32 = lanes.iter().sum();
+            for x in chunks.into_remainder() {
+                *x = exp_nonpositive::<FUSED>(*x - new_max);
+                row_sum += *x;
+            }
+            sum[i] = madd::<FUSED>(sum[i], rescale, row_sum);
+            max[i] = new_max;
+            if rescale != 1.0 {
+                for o in &mut out[i * hd..(i + 1) * hd] {
+                    *o *= rescale;
+                }
+            }
+        }
+        matmul_acc::<FUSED>(
+            &Product {
+                m: rows,
+                k: cols,
+                n: hd,
+                a: s,
+                lda: cols,
+                b: &value[(k0 * kv_heads + kv_head) * hd..],
+                ldb: kv_heads * hd,
+                alpha: 1.0,
+            },
+            out,
+            hd,
+        );
+        k0 += cols;
+    }
+    for (row, &l) in out.chunks_exact_mut(hd).zip(&sum[..rows]) {
+        let inv = 1.0 / l;
+        for o in row {
+            *o *= inv;
+        }
+    }
+}

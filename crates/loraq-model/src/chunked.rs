@@ -1,0 +1,410 @@
+//! The gated delta rule in its chunkwise-parallel form (the algorithm of transformers'
+//! `torch_chunk_gated_delta_rule` and fla's `chunk_gated_delta_rule`): within a chunk of
+//! [`DELTA_RULE_CHUNK`] tokens the rank-one updates are gathered into a WY
+//! representation and applied with small matrix products, and only the state passes
+//! from one chunk to the next.
+//!
+//! Per value head, with the l2-normalized keys `k_t`, the scaled normalized queries
+//! `q_t`, values `v_t`, `beta_t` and log decays `g_t`, a chunk of `L` tokens starting
+//! from state `S` (`[key_dim, value_dim]`) computes, with `G_i = g_0 + ... + g_i` the
+//! decay accumulated inside the chunk:
+//!
+//! ```text
+//! M[i, j] = beta_i exp(G_i - G_j) k_i . k_j           (j < i; strictly lower)
+//! (I + M) U = diag(beta) V                            (forward substitution)
+//! (I + M) W = diag(beta exp(G)) K
+//! V' = U - W S                                        (the chunk's corrected values)
+//! O  = diag(exp(G)) Q S + (Q K^T * D) V'              (D[i, j] = exp(G_i - G_j), j <= i)
+//! S <- exp(G_last) S + (K * exp(G_last - G))^T V'
+//! ```
+//!
+//! which equals the token-by-token recurrence ([`crate::ops::gated_delta_rule`]) in
+//! exact arithmetic: every `exp` argument is `<= 0`, so nothing overflows, and the
+//! summation order differs from the recurrence's by f32 rounding only.
+
+use crate::ops::{DeltaRuleDims, l2_normalize};
+use crate::small_matmul::{Product, axpy, dispatch_simd, matmul_acc};
+use rayon::prelude::*;
+
+/// Tokens per chunk (transformers' and fla's `chunk_size`).
+pub const DELTA_RULE_CHUNK: usize = 64;
+
+/// The gated delta rule over a whole sequence from a zero state, chunk by chunk.
+///
+/// Same inputs and output as [`crate::ops::gated_delta_rule`] (`query`, `key`
+/// `[tokens, key_heads, key_dim]` raw, `value` `[tokens, value_heads, value_dim]`,
+/// `decay` and `beta` `[tokens, value_heads]`; output `[tokens, value_heads,
+/// value_dim]`). The value heads run in parallel on rayon's current pool.
+pub fn gated_delta_rule_chunked(
+    query: &[f32],
+    key: &[f32],
+    value: &[f32],
+    decay: &[f32],
+    beta: &[f32],
+    dims: DeltaRuleDims,
+    chunk: usize,
+) -> Vec<f32> {
+    let DeltaRuleDims {
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim: dk,
+        value_dim: dv,
+    } = dims;
+    let chunk = chunk.max(1);
+    let group = value_heads / key_heads;
+    let scale = 1.0 / (dk as f32).sqrt();
+    // Normalized queries and keys per key head, head-major ([key_heads, tokens, dk]).
+    let head_major = |x: &[f32], query: bool| -> Vec<Vec<f32>> {
+        (0..key_heads)
+            .map(|kh| {
+                let mut out = Vec::with_capacity(tokens * dk);
+                for t in 0..tokens {
+                    let start = out.len();
+                    out.extend_from_slice(&x[(t * key_heads + kh) * dk..][..dk]);
+                    let row = &mut out[start..];
+                    l2_normalize(row, 1e-6);
+                    if query {
+                        for v in row.iter_mut() {
+                            *v *= scale;
+                        }
+                    }
+                }
+                out
+            })
+            .collect()
+    };
+    let q = head_major(query, true);
+    let k = head_major(key, false);
+    let heads: Vec<Vec<f32>> = (0..value_heads)
+        .into_par_iter()
+        .map(|h| {
+            let kh = h / group;
+            let v: Vec<f32> = (0..tokens)
+                .flat_map(|t| &value[(t * value_heads + h) * dv..][..dv])
+                .copied()
+                .collect();
+            let g: Vec<f32> = (0..tokens).map(|t| decay[t * value_heads + h]).collect();
+            let b: Vec<f32> = (0..tokens).map(|t| beta[t * value_heads + h]).collect();
+            let input = HeadInput {
+                q: &q[kh],
+                k: &k[kh],
+                v: &v,
+                g: &g,
+                beta: &b,
+                tokens,
+                dk,
+                dv,
+                chunk,
+            };
+            delta_rule_head(&input)
+        })
+        .collect();
+    let mut out = vec![0f32; tokens * value_heads * dv];
+    for (h, head) in heads.iter().enumerate() {
+        for (t, row) in head.chunks_exact(dv).enumerate() {
+            out[(t * value_heads + h) * dv..][..dv].copy_from_slice(row);
+        }
+    }
+    out
+}
+
+/// One value head's inputs, head-major.
+struct HeadInput<'a> {
+    /// `[tokens, dk]`, normalized and scaled.
+    q: &'a [f32],
+    /// `[tokens, dk]`, normalized.
+    k: &'a [f32],
+    /// `[tokens, dv]`.
+    v: &'a [f32],
+    /// `[tokens]` log decays.
+    g: &'a [f32],
+    /// `[tokens]`.
+    beta: &'a [f32],
+    tokens: usize,
+    dk: usize,
+    dv: usize,
+    chunk: usize,
+}
+
+dispatch_simd!(
+    /// Runs one head on the widest instruction set the CPU has.
+    fn delta_rule_head(input: &HeadInput<'_>) -> Vec<f32> = delta_rule_head_body
+);
+
+/// The chunked recurrence of one head; returns `[tokens, dv]`.
+#[inline(always)]
+fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>) -> Vec<f32> {
+    let HeadInput {
+        q,
+        k,
+        v,
+        g,
+        beta,
+        tokens,
+        dk,
+        dv,
+        chunk,
+    } = *input;
+    let mut out = vec![0f32; tokens * dv];
+    let mut state = vec![0f32; dk * dv];
+    // Per-chunk scratch, sized for a full chunk.
+    let mut cum = vec![0f32; chunk];
+    let mut k_t = vec![0f32; dk * chunk];
+    let mut gram_kk = vec![0f32; chunk * chunk];
+    let mut gram_qk = vec![0f32; chunk * chunk];
+    let mut u = vec![0f32; chunk * dv];
+    let mut w = vec![0f32; chunk * dk];
+    let mut q_decayed = vec![0f32; chunk * dk];
+    let mut k_decayed_t = vec![0f32; dk * chunk];
+    let mut c0 = 0;
+    while c0 < tokens {
+        let len = chunk.min(tokens - c0);
+        let qc = &q[c0 * dk..(c0 + len) * dk];
+        let kc = &k[c0 * dk..(c0 + len) * dk];
+        let vc = &v[c0 * dv..(c0 + len) * dv];
+        let bc = &beta[c0..c0 + len];
+        let mut acc = 0f32;
+        for (cu, &gv) in cum.iter_mut().zip(&g[c0..c0 + len]) {
+            acc += gv;
+            *cu = acc;
+        }
+        let cum = &cum[..len];
+        // K^T of the chunk, [dk, len].
+        for (r, row) in kc.chunks_exact(dk).enumerate() {
+            for (kk, &x) in row.iter().enumerate() {
+                k_t[kk * len + r] = x;
+            }
+        }
+        let k_t = &k_t[..dk * len];
+        // K K^T and Q K^T, [len, len].
+        let gram_kk = &mut gram_kk[..len * len];
+        let gram_qk = &mut gram_qk[..len * len];
+        gram_kk.fill(0.0);
+        gram_qk.fill(0.0);
+        for (a, gram_out) in [(kc, &mut *gram_kk), (qc, &mut *gram_qk)] {
+            let product = Product {
+                m: len,
+                k: dk,
+                n: len,
+                a,
+                lda: dk,
+                b: k_t,
+                ldb: len,
+                alpha: 1.0,
+            };
+            matmul_acc::<FUSED>(&product, gram_out, len);
+        }
+        // M[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, in place of K K^T;
+        // P[i, j] = exp(G_i - G_j) (q_i . k_j) for j <= i, zero above, in place of Q K^T.
+        for i in 0..len {
+            for j in 0..len {
+                let d = if j <= i { (cum[i] - cum[j]).exp() } else { 0.0 };
+                gram_kk[i * len + j] *= if j < i { bc[i] * d } else { 0.0 };
+                gram_qk[i * len + j] *= d;
+            }
+        }
+        // Forward substitution: (I + M) U = diag(beta) V, (I + M) W = diag(beta e^G) K.
+        let u = &mut u[..len * dv];
+        let w = &mut w[..len * dk];
+        for i in 0..len {
+            let (done_u, rest_u) = u.split_at_mut(i * dv);
+            let ui = &mut rest_u[..dv];
+            for (x, &vv) in ui.iter_mut().zip(&vc[i * dv..(i + 1) * dv]) {
+                *x = bc[i] * vv;
+            }
+            let (done_w, rest_w) = w.split_at_mut(i * dk);
+            let wi = &mut rest_w[..dk];
+            let bw = bc[i] * cum[i].exp();
+            for (x, &kv) in wi.iter_mut().zip(&kc[i * dk..(i + 1) * dk]) {
+                *x = bw * kv;
+            }
+            for l in 0..i {
+                let mil = gram_kk[i * len + l];
+                axpy::<FUSED>(-mil, &done_u[l * dv..(l + 1) * dv], ui);
+                axpy::<FUSED>(-mil, &done_w[l * dk..(l + 1) * dk], wi);
+            }
+        }
+        // V' = U - W S.
+        matmul_acc::<FUSED>(
+            &Product {
+                m: len,
+                k: dk,
+                n: dv,
+                a: w,
+                lda: dk,
+                b: &state,
+                ldb: dv,
+                alpha: -1.0,
+            },
+            u,
+            dv,
+        );
+        // O = diag(e^G) Q S + P V'.
+        let q_decayed = &mut q_decayed[..len * dk];
+        for ((dst, src), &cu) in q_decayed
+            .chunks_exact_mut(dk)
+            .zip(qc.chunks_exact(dk))
+            .zip(cum)
+        {
+            let e = cu.exp();
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = e * s;
+            }
+        }
+        let oc = &mut out[c0 * dv..(c0 + len) * dv];
+        matmul_acc::<FUSED>(
+            &Product {
+                m: len,
+                k: dk,
+                n: dv,
+                a: q_decayed,
+                lda: dk,
+                b: &state,
+                ldb: dv,
+                alpha: 1.0,
+            },
+            oc,
+            dv,
+        );
+        matmul_acc::<FUSED>(
+            &Product {
+                m: len,
+                k: len,
+                n: dv,
+                a: gram_qk,
+                lda: len,
+                b: u,
+                ldb: dv,
+                alpha: 1.0,
+            },
+            oc,
+            dv,
+        );
+        // S <- e^{G_last} S + (K * e^{G_last - G})^T V'.
+        let last = cum[len - 1];
+        let e_last = last.exp();
+        for s in state.iter_mut() {
+            *s *= e_last;
+        }
+        let k_decayed_t = &mut k_decayed_t[..dk * len];
+        for (r, row) in kc.chunks_exact(dk).enumerate() {
+            let e = (last - cum[r]).exp();
+            for (kk, &x) in row.iter().enumerate() {
+                k_decayed_t[kk * len + r] = e * x;
+            }
+        }
+        matmul_acc::<FUSED>(
+            &Product {
+                m: dk,
+                k: len,
+                n: dv,
+                a: k_decayed_t,
+                lda: len,
+                b: u,
+                ldb: dv,
+                alpha: 1.0,
+            },
+            &mut state,
+            dv,
+        );
+        c0 += len;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::gated_delta_rule;
+
+    /// Deterministic values in `[-scale, scale)`.
+    fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(seed.wrapping_mul(40_503));
+                let x = x ^ (x >> 15);
+                ((x >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect()
+    }
+
+    fn check(dims: DeltaRuleDims, chunk: usize) {
+        let t = dims.tokens;
+        let q = values(t * dims.key_heads * dims.key_dim, 1, 1.0);
+        let k = values(t * dims.key_heads * dims.key_dim, 2, 1.0);
+        let v = values(t * dims.value_heads * dims.value_dim, 3, 2.0);
+        // Log decays in [-2, 0) and betas in (0, 1), as softplus / sigmoid give them.
+        let decay: Vec<f32> = values(t * dims.value_heads, 4, 1.0)
+            .iter()
+            .map(|x| x - 1.0)
+            .collect();
+        let beta: Vec<f32> = values(t * dims.value_heads, 5, 1.0)
+            .iter()
+            .map(|x| 0.5 + 0.49 * x)
+            .collect();
+        let recurrent = gated_delta_rule(&q, &k, &v, &decay, &beta, dims);
+        let chunked = gated_delta_rule_chunked(&q, &k, &v, &decay, &beta, dims, chunk);
+        assert_eq!(recurrent.len(), chunked.len());
+        let largest = recurrent.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (i, (a, b)) in chunked.iter().zip(&recurrent).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5 * largest.max(1.0),
+                "chunk {chunk}, element {i}: {a} vs {b} (largest {largest})"
+            );
+        }
+    }
+
+    #[test]
+    fn chunked_equals_the_token_by_token_recurrence() {
+        // 150 tokens: two whole chunks of 64 and a partial one of 22; dims not multiples
+        // of the 16-wide tiles, and grouped value heads.
+        let dims = DeltaRuleDims {
+            tokens: 150,
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 24,
+            value_dim: 20,
+        };
+        for chunk in [1, 7, 64, 150, 256] {
+            check(dims, chunk);
+        }
+        // Tile-aligned dims, as the demo model's (64 x 64).
+        check(
+            DeltaRuleDims {
+                tokens: 130,
+                key_heads: 1,
+                value_heads: 2,
+                key_dim: 64,
+                value_dim: 64,
+            },
+            DELTA_RULE_CHUNK,
+        );
+    }
+
+    #[test]
+    fn chunked_reproduces_the_two_token_hand_computation() {
+        // The case of ops::tests::delta_rule_two_tokens_by_hand, in one chunk of 2.
+        let dims = DeltaRuleDims {
+            tokens: 2,
+            key_heads: 1,
+            value_heads: 1,
+            key_dim: 2,
+            value_dim: 1,
+        };
+        let o = gated_delta_rule_chunked(
+            &[1.0, 0.0, 0.0, 1.0],
+            &[1.0, 0.0, 3.0, 4.0],
+            &[2.0, 1.0],
+            &[0.0, 0.5f32.ln()],
+            &[0.5, 1.0],
+            dims,
+            DELTA_RULE_CHUNK,
+        );
+        let r2 = 2f32.sqrt();
+        assert!((o[0] - 1.0 / r2).abs() < 1e-5, "{}", o[0]);
+        assert!((o[1] - 0.56 / r2).abs() < 1e-5, "{}", o[1]);
+    }
+}
