@@ -161,63 +161,61 @@ fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>) -> Vec<bf16> {
     })();
     let hk: Vec<f64> = (0..k * k).map(|i| h[(i / k, i % k)]).collect();
     let mut out = vec![bf16::ZERO; x.len()];
-    out.par_chunks_mut(k)
-        .zip(x.par_chunks(k))
-        .for_each_init(
-            || (vec![0f64; k], vec![0f64; k]),
-            |(w, g), (q, row)| {
-                for (wi, &v) in w.iter_mut().zip(row) {
-                    *wi = v as f64;
+    out.par_chunks_mut(k).zip(x.par_chunks(k)).for_each_init(
+        || (vec![0f64; k], vec![0f64; k]),
+        |(w, g), (q, row)| {
+            for (wi, &v) in w.iter_mut().zip(row) {
+                *wi = v as f64;
+            }
+            for l in 0..k {
+                let r = bf16::from_f64(w[l]);
+                q[l] = r;
+                if let Some(u) = &feedback {
+                    let e = (w[l] - r.to_f64()) / u[l * k + l];
+                    let ul = &u[l * k..(l + 1) * k];
+                    for t in l + 1..k {
+                        w[t] -= e * ul[t];
+                    }
                 }
+            }
+            if q.iter().any(|v| !v.is_finite()) {
+                // Refused by the caller's finite check.
+                return;
+            }
+            // g = H e, e = q - x.
+            for (wi, (&r, &v)) in w.iter_mut().zip(q.iter().zip(row)) {
+                *wi = r.to_f64() - v as f64;
+            }
+            for i in 0..k {
+                let hi = &hk[i * k..(i + 1) * k];
+                g[i] = hi.iter().zip(w.iter()).map(|(a, b)| a * b).sum();
+            }
+            for _ in 0..POLISH_SWEEPS {
+                let mut moved = false;
                 for l in 0..k {
-                    let r = bf16::from_f64(w[l]);
-                    q[l] = r;
-                    if let Some(u) = &feedback {
-                        let e = (w[l] - r.to_f64()) / u[l * k + l];
-                        let ul = &u[l * k..(l + 1) * k];
-                        for t in l + 1..k {
-                            w[t] -= e * ul[t];
-                        }
-                    }
-                }
-                if q.iter().any(|v| !v.is_finite()) {
-                    // Refused by the caller's finite check.
-                    return;
-                }
-                // g = H e, e = q - x.
-                for (wi, (&r, &v)) in w.iter_mut().zip(q.iter().zip(row)) {
-                    *wi = r.to_f64() - v as f64;
-                }
-                for i in 0..k {
-                    let hi = &hk[i * k..(i + 1) * k];
-                    g[i] = hi.iter().zip(w.iter()).map(|(a, b)| a * b).sum();
-                }
-                for _ in 0..POLISH_SWEEPS {
-                    let mut moved = false;
-                    for l in 0..k {
-                        let hll = hk[l * k + l];
-                        for up in [true, false] {
-                            let Some(c) = bf16_step(q[l], up) else {
-                                continue;
-                            };
-                            let d = c.to_f64() - q[l].to_f64();
-                            if 2.0 * d * g[l] + d * d * hll < 0.0 {
-                                q[l] = c;
-                                let hl = &hk[l * k..(l + 1) * k];
-                                for (gi, &hv) in g.iter_mut().zip(hl) {
-                                    *gi += d * hv;
-                                }
-                                moved = true;
-                                break;
+                    let hll = hk[l * k + l];
+                    for up in [true, false] {
+                        let Some(c) = bf16_step(q[l], up) else {
+                            continue;
+                        };
+                        let d = c.to_f64() - q[l].to_f64();
+                        if 2.0 * d * g[l] + d * d * hll < 0.0 {
+                            q[l] = c;
+                            let hl = &hk[l * k..(l + 1) * k];
+                            for (gi, &hv) in g.iter_mut().zip(hl) {
+                                *gi += d * hv;
                             }
+                            moved = true;
+                            break;
                         }
                     }
-                    if !moved {
-                        break;
-                    }
                 }
-            },
-        );
+                if !moved {
+                    break;
+                }
+            }
+        },
+    );
     out
 }
 
@@ -247,7 +245,7 @@ fn round_a(a: &[f32], k: usize, cols: usize, btb: MatRef<'_, f64>) -> Vec<bf16> 
 
 /// The cast-aware bf16 pair: `(B_q, A_q, B_0, A_0)` with $B_0 A_0 = B A$ the rotated f32
 /// factors the cast error is measured against.
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub(crate) fn cast_aware(
     module: &str,
     b: &[f32],
@@ -342,8 +340,14 @@ mod tests {
         assert_eq!(bf16_step(one, true).unwrap().to_f32(), 1.0 + 2f32.powi(-7));
         assert_eq!(bf16_step(one, false).unwrap().to_f32(), 1.0 - 2f32.powi(-8));
         let minus = bf16::from_f32(-1.0);
-        assert_eq!(bf16_step(minus, true).unwrap().to_f32(), -1.0 + 2f32.powi(-8));
-        assert_eq!(bf16_step(minus, false).unwrap().to_f32(), -1.0 - 2f32.powi(-7));
+        assert_eq!(
+            bf16_step(minus, true).unwrap().to_f32(),
+            -1.0 + 2f32.powi(-8)
+        );
+        assert_eq!(
+            bf16_step(minus, false).unwrap().to_f32(),
+            -1.0 - 2f32.powi(-7)
+        );
         let tiny = bf16::from_bits(1).to_f32();
         assert_eq!(bf16_step(bf16::ZERO, true).unwrap().to_f32(), tiny);
         assert_eq!(bf16_step(bf16::NEG_ZERO, false).unwrap().to_f32(), -tiny);
@@ -360,8 +364,12 @@ mod tests {
             let u2: f64 = rng.random::<f64>();
             (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
         };
-        let u = Mat::<f64>::from_fn(rows, k, |_, _| gauss()).qr().compute_thin_Q();
-        let v = Mat::<f64>::from_fn(cols, k, |_, _| gauss()).qr().compute_thin_Q();
+        let u = Mat::<f64>::from_fn(rows, k, |_, _| gauss())
+            .qr()
+            .compute_thin_Q();
+        let v = Mat::<f64>::from_fn(cols, k, |_, _| gauss())
+            .qr()
+            .compute_thin_Q();
         let s: Vec<f64> = (0..k)
             .map(|l| 3.0 * decay.powf(-(l as f64) / (k - 1) as f64))
             .collect();
@@ -375,7 +383,15 @@ mod tests {
     }
 
     /// $\\|B_q A_q - BA\\|_F$ entry by entry in f64 (the independent measurement).
-    fn dense_error(bq: &[bf16], aq: &[bf16], b: &[f32], a: &[f32], rows: usize, cols: usize, k: usize) -> f64 {
+    fn dense_error(
+        bq: &[bf16],
+        aq: &[bf16],
+        b: &[f32],
+        a: &[f32],
+        rows: usize,
+        cols: usize,
+        k: usize,
+    ) -> f64 {
         let mut sum = 0f64;
         for i in 0..rows {
             for j in 0..cols {
@@ -404,13 +420,19 @@ mod tests {
         // The rotated f32 pair is the same product to f32 precision.
         let rotated = dense_error(&nearest(&b0), &nearest(&a0), &b, &a, rows, cols, k);
         assert!(aware < 0.7 * plain, "cast-aware {aware} vs nearest {plain}");
-        assert!(aware < rotated, "cast-aware {aware} vs rotated nearest {rotated}");
+        assert!(
+            aware < rotated,
+            "cast-aware {aware} vs rotated nearest {rotated}"
+        );
         // With a flat spectrum there is nothing to trade: no worse than nearest.
         let (b, a) = decaying_factors(rows, cols, k, 1.0);
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
         let (bq, aq, _, _) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
-        assert!(aware < plain, "flat spectrum: cast-aware {aware} vs nearest {plain}");
+        assert!(
+            aware < plain,
+            "flat spectrum: cast-aware {aware} vs nearest {plain}"
+        );
     }
 
     /// Column weights: the weighted error of the product is what the rounding lowers.
@@ -418,7 +440,9 @@ mod tests {
     fn weighted_cast_lowers_the_weighted_error() {
         let (rows, cols, k) = (256usize, 128usize, 16usize);
         let (b, a) = decaying_factors(rows, cols, k, 10.0);
-        let weights: Vec<f32> = (0..cols).map(|j| if j % 8 == 0 { 10.0 } else { 0.5 }).collect();
+        let weights: Vec<f32> = (0..cols)
+            .map(|j| if j % 8 == 0 { 10.0 } else { 0.5 })
+            .collect();
         let weighted_error = |bq: &[bf16], aq: &[bf16]| -> f64 {
             let mut sum = 0f64;
             for i in 0..rows {

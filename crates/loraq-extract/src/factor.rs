@@ -490,7 +490,8 @@ fn cholesky_inverse_transpose(g: MatRef<'_, f64>, relative: f64) -> Option<Mat<f
     }
     let llt = g.llt(Side::Lower).ok()?;
     let l = llt.L();
-    if (0..n).any(|i| !(l[(i, i)] * l[(i, i)] > relative * largest)) {
+    // Written so that a NaN pivot fails too.
+    if !(0..n).all(|i| l[(i, i)] * l[(i, i)] > relative * largest) {
         return None;
     }
     let mut inverse = Mat::<f64>::identity(n, n);

@@ -202,7 +202,8 @@ impl PairBytes {
                     let (m, b) = (&mut m[..d.len()], &mut b[..d.len()]);
                     decode_chunk(dtype, m_bytes, m);
                     decode_chunk(dtype, b_bytes, b);
-                    let bad = |x: &[f32]| x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+                    let bad =
+                        |x: &[f32]| x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
                     let (bad_m, bad_b) = (bad(m), bad(b));
                     let (mut floor_sq, mut norm_sq) = (0f64, 0f64);
                     for ((d, &m), &b) in d.iter_mut().zip(m.iter()).zip(b.iter()) {
