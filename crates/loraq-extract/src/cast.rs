@@ -145,7 +145,7 @@ fn bf16_step(x: bf16, up: bool) -> Option<bf16> {
 /// for each row's error $e$: sequential rounding with error feedback through the upper
 /// Cholesky factor of $H^{-1}$, then sweeps of single-ulp moves that lower the loss.
 /// Plain round-to-nearest when $H$ is not positive definite to f64 precision.
-fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>) -> Vec<bf16> {
+fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>, par: Par) -> Vec<bf16> {
     // Upper Cholesky factor of H^-1: H^-1 = U^T U, U = L^T with L L^T = H^-1.
     let feedback: Option<Vec<f64>> = (|| {
         let inverse = h.llt(Side::Lower).ok()?.inverse();
@@ -160,10 +160,12 @@ fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>) -> Vec<bf16> {
         (0..k).all(|i| u[i * k + i] > 0.0).then_some(u)
     })();
     let hk: Vec<f64> = (0..k * k).map(|i| h[(i / k, i % k)]).collect();
+    let rows = x.len() / k;
+    // Sequential rounding with error feedback, row by row.
     let mut out = vec![bf16::ZERO; x.len()];
     out.par_chunks_mut(k).zip(x.par_chunks(k)).for_each_init(
-        || (vec![0f64; k], vec![0f64; k]),
-        |(w, g), (q, row)| {
+        || vec![0f64; k],
+        |w, (q, row)| {
             for (wi, &v) in w.iter_mut().zip(row) {
                 *wi = v as f64;
             }
@@ -172,24 +174,37 @@ fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>) -> Vec<bf16> {
                 q[l] = r;
                 if let Some(u) = &feedback {
                     let e = (w[l] - r.to_f64()) / u[l * k + l];
-                    let ul = &u[l * k..(l + 1) * k];
-                    for t in l + 1..k {
-                        w[t] -= e * ul[t];
+                    for (wt, &ut) in w[l + 1..].iter_mut().zip(&u[l * k + l + 1..(l + 1) * k]) {
+                        *wt -= e * ut;
                     }
                 }
             }
-            if q.iter().any(|v| !v.is_finite()) {
-                // Refused by the caller's finite check.
-                return;
-            }
-            // g = H e, e = q - x.
-            for (wi, (&r, &v)) in w.iter_mut().zip(q.iter().zip(row)) {
-                *wi = r.to_f64() - v as f64;
-            }
-            for i in 0..k {
-                let hi = &hk[i * k..(i + 1) * k];
-                g[i] = hi.iter().zip(w.iter()).map(|(a, b)| a * b).sum();
-            }
+        },
+    );
+    if out.par_iter().any(|v| !v.is_finite()) {
+        // Refused by the caller's finite check.
+        return out;
+    }
+    // g = e H for every row's error e = q - x, as one product.
+    let errors: Vec<f64> = out
+        .par_iter()
+        .zip(x.par_iter())
+        .map(|(&r, &v)| r.to_f64() - v as f64)
+        .collect();
+    let mut gradients = vec![0f64; x.len()];
+    matmul(
+        faer::MatMut::from_row_major_slice_mut(&mut gradients, rows, k),
+        Accum::Replace,
+        MatRef::from_row_major_slice(&errors, rows, k),
+        h,
+        1.0,
+        par,
+    );
+    drop(errors);
+    // Single-ulp moves that lower e H e^T, row by row.
+    out.par_chunks_mut(k)
+        .zip(gradients.par_chunks_mut(k))
+        .for_each(|(q, g)| {
             for _ in 0..POLISH_SWEEPS {
                 let mut moved = false;
                 for l in 0..k {
@@ -214,8 +229,7 @@ fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>) -> Vec<bf16> {
                     break;
                 }
             }
-        },
-    );
+        });
     out
 }
 
@@ -237,9 +251,9 @@ fn widen(x: &[bf16]) -> Vec<f32> {
 }
 
 /// Rounds A (`k x cols`) column by column with $H = B^\top B$.
-fn round_a(a: &[f32], k: usize, cols: usize, btb: MatRef<'_, f64>) -> Vec<bf16> {
+fn round_a(a: &[f32], k: usize, cols: usize, btb: MatRef<'_, f64>, par: Par) -> Vec<bf16> {
     let at = transpose(a, k, cols);
-    let qt = round_rows(&at, k, btb);
+    let qt = round_rows(&at, k, btb, par);
     transpose(&qt, cols, k)
 }
 
@@ -276,7 +290,7 @@ pub(crate) fn cast_aware(
     const WHAT_A: &str = "factor A after the bf16 cast";
     // First round: A with H = B0^T B0.
     let b0tb0 = cross_f64(&b0, &b0, rows, k, k, par);
-    let mut aq = round_a(&a0, k, cols, b0tb0.as_ref());
+    let mut aq = round_a(&a0, k, cols, b0tb0.as_ref(), par);
     finite(WHAT_A, &aq)?;
     let mut bq = refit_and_round_b(&b0, &a0, &aq, rows, cols, k, weights, par);
     finite(WHAT_B, &bq)?;
@@ -291,7 +305,7 @@ pub(crate) fn cast_aware(
         };
         let a1t = times_small(&transpose(&a0, k, cols), cols, k, t.transpose(), par);
         let a1 = transpose(&a1t, cols, k);
-        let aq1 = round_a(&a1, k, cols, btb.as_ref());
+        let aq1 = round_a(&a1, k, cols, btb.as_ref(), par);
         if finite(WHAT_A, &aq1).is_err() {
             break;
         }
@@ -327,7 +341,7 @@ fn refit_and_round_b(
         times_small(b0, rows, k, t.as_ref(), par)
     });
     let target = refit.as_deref().unwrap_or(b0);
-    round_rows(target, k, gram.as_ref())
+    round_rows(target, k, gram.as_ref(), par)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
-//! cast (round to nearest even) with finite checks, and the error the cast adds.
+//! cast (cast-aware: [`crate::cast`]) with finite checks, and the error the cast adds.
 
 use crate::cast::cast_aware;
 use crate::error::Result;
