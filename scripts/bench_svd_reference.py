@@ -13,8 +13,12 @@ and for each the rank-256 truncation residual over the bf16 rounding floor, then
 the ratios against loraq's figures. Run both on the same machine, one after the other.
 
 Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6.
+With --cast FACTOR_FILE_BIN it also runs loraq's factor_file with a factors file, reads
+the bf16 lora_B / lora_A it wrote, and gives the exact residual after the bf16 cast,
+||D - B_bf16 A_bf16||_F in f64, over torch.svd_lowrank's residual with its f32 factors.
+
 Usage: python scripts/bench_svd_reference.py [--dir DIR] [--rows 17408] [--cols 5120] [--skip-full]
-       [--repeat N] [--interleave target/release/examples/factor_file]
+       [--repeat N] [--interleave target/release/examples/factor_file] [--cast target/release/examples/factor_file]
 """
 
 import argparse
@@ -51,6 +55,9 @@ def main() -> None:
     parser.add_argument("--interleave", metavar="FACTOR_FILE_BIN", help="alternate N runs of loraq's "
                         "factor_file example (path to the built binary) with N of torch.svd_lowrank and "
                         "compare the best of each: fair on a machine shared with other work")
+    parser.add_argument("--cast", metavar="FACTOR_FILE_BIN", help="run loraq's factor_file with a "
+                        "factors file and compare the exact residual of its bf16 factors with "
+                        "torch.svd_lowrank's f32-factor residual")
     args = parser.parse_args()
     stem = os.path.join(args.dir, f"delta_{args.rows}x{args.cols}")
     summary = json.load(open(stem + ".json"))
@@ -86,6 +93,26 @@ def main() -> None:
     results["torch.svd_lowrank(q=272, niter=2)"] = (best, residual(d, u, s, v))
     print(f"torch.svd_lowrank: best of {args.repeat} {best:.3f} s; loraq {summary['randomized_seconds']:.3f} s "
           f"(ratio {summary['randomized_seconds'] / best:.3f})", flush=True)
+
+    if args.cast:
+        factors = stem + ".factors.bf16"
+        out = subprocess.run([args.cast, stem + ".f32", str(args.rows), str(args.cols), repr(floor),
+                              str(RANK), factors], check=True, capture_output=True, text=True).stdout
+        line = json.loads(out)
+        raw = np.fromfile(factors, dtype="<u2").astype(np.uint32) << 16
+        values = torch.from_numpy(raw.view(np.float32).copy())
+        b = values[:args.rows * RANK].reshape(args.rows, RANK).double()
+        a = values[args.rows * RANK:].reshape(RANK, args.cols).double()
+        total = 0.0
+        for start in range(0, args.rows, 2048):
+            block = d[start:start + 2048].double() - b[start:start + 2048] @ a
+            total += float((block ** 2).sum())
+        after_cast = total ** 0.5
+        torch_residual = results["torch.svd_lowrank(q=272, niter=2)"][1]
+        print(f"loraq bf16 factors: residual after the cast {after_cast / floor:.5f} x floor "
+              f"(report's estimate {(line['residual'] ** 2 + line['cast_error'] ** 2) ** 0.5 / floor:.5f}), "
+              f"cast error {line['cast_error'] / summary['delta_norm'] * 100:.4f}% of ||D||; "
+              f"over torch.svd_lowrank's f32-factor residual: {after_cast / torch_residual:.5f}", flush=True)
 
     if not args.skip_full:
         t = time.perf_counter()

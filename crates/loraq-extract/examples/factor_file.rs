@@ -1,18 +1,25 @@
 //! Factors a raw little-endian f32 delta file (as the `factorize` bench writes it) and
-//! prints the seconds the factorization took and its residual, as one JSON line. Used by
+//! prints the seconds the factorization took, its residual and the seconds per stage
+//! (`stages`), as one JSON line. Used by
 //! `scripts/bench_svd_reference.py --interleave` to time loraq and torch alternately on
 //! a shared machine. A tool for that script, not a usage example: the examples of the
 //! libraries are the workspace's top-level `examples/` (README.md, "Using the libraries").
 //!
-//! `cargo run --release -p loraq-extract --example factor_file -- FILE ROWS COLS FLOOR [RANK]`
+//! With FACTORS_OUT it also splits (balanced) and casts the factors to bf16 as `loraq
+//! extract` does, writes lora_B (`[ROWS, RANK]`) then lora_A (`[RANK, COLS]`) there as
+//! raw little-endian bf16, and adds the cast's seconds and error to the line, so the
+//! script can measure the exact residual after the cast against torch's.
+//!
+//! `cargo run --release -p loraq-extract --example factor_file -- FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]`
 
 use loraq_extract::factor::{FactorParams, Method, factorize};
+use loraq_extract::split::{Split, split_and_cast};
 use std::time::Instant;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 5 {
-        eprintln!("usage: factor_file FILE ROWS COLS FLOOR [RANK]");
+        eprintln!("usage: factor_file FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]");
         std::process::exit(2);
     }
     let rows: usize = args[2].parse().expect("ROWS");
@@ -33,10 +40,38 @@ fn main() {
     let started = Instant::now();
     let f = factorize("file", &delta, rows, cols, &params).expect("factorize");
     let seconds = started.elapsed().as_secs_f64();
+    // Seconds per stage, summed over iterations, in first-seen order.
+    let mut totals: Vec<(&str, f64)> = Vec::new();
+    for &(name, s) in &f.stages {
+        match totals.iter_mut().find(|(n, _)| *n == name) {
+            Some(entry) => entry.1 += s,
+            None => totals.push((name, s)),
+        }
+    }
+    let mut cast = String::new();
+    if let Some(out) = args.get(6) {
+        let started = Instant::now();
+        let factors = split_and_cast("file", &f, rank, Split::Balanced, faer::Par::rayon(0))
+            .expect("bf16 factors");
+        let cast_seconds = started.elapsed().as_secs_f64();
+        let mut bytes = factors.b_bf16.clone();
+        bytes.extend_from_slice(&factors.a_bf16);
+        std::fs::write(out, bytes).expect("write the factors");
+        totals.push(("cast", cast_seconds));
+        cast = format!(
+            ", \"cast_error\": {:e}, \"rank\": {}",
+            factors.cast_error, factors.rank
+        );
+    }
+    let stages: Vec<String> = totals
+        .iter()
+        .map(|(name, s)| format!("\"{name}\": {s:.4}"))
+        .collect();
     println!(
-        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"passes\": {}, \"converged\": {}}}",
+        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"passes\": {}, \"converged\": {}, \"stages\": {{{}}}{cast}}}",
         f.truncation_residual(rank),
         f.passes,
-        f.converged
+        f.converged,
+        stages.join(", ")
     );
 }

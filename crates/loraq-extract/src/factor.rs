@@ -5,11 +5,13 @@
 //!
 //! * **randomized** (default): a row-space estimate from a random sample of the rows of
 //!   the long side (power iteration on the sample costs about a quarter of a pass), then
-//!   two full passes: $W = D V_0$, $Q = \mathrm{orth}(W)$, $Z = D^\top Q$. The result is the
-//!   rank-$k$ truncation of the projection $Q Q^\top D$, whose residual is known exactly
-//!   without another pass: $\\|D - Q\tilde Q^\top D\\|^2 = \\|D\\|^2 - \\|Z G^{-1/2}\\|^2$ with
-//!   $G = Q^\top Q$ formed in f64, so it holds even where $Q$ is orthonormal only to f32
-//!   precision. Further iterations follow when the residual is not at the floor and
+//!   two full passes: $W = D V_0$, $Q = \mathrm{orth}(W)$ (Cholesky-QR with the Gram
+//!   matrix in f64; an eigendecomposition that drops negligible directions when W is
+//!   nearly rank-deficient), $Z = D^\top Q$. The result is the rank-$k$ truncation of the
+//!   projection $\tilde Q \tilde Q^\top D$, whose residual is known exactly without
+//!   another pass: $\\|D - \tilde Q\tilde Q^\top D\\|^2 = \\|D\\|^2 - \\|Z L^{-\top}\\|^2$ with
+//!   $\tilde Q = Q L^{-\top}$ and $G = Q^\top Q = L L^\top$ formed in f64, so it holds even
+//!   where $Q$ is orthonormal only to f32 precision. Further iterations follow when the residual is not at the floor and
 //!   still moving.
 //! * **exact**: eigendecomposition of the f64 Gram matrix of the smaller side, then the
 //!   kept directions are re-projected ($Y = D V_k$, thin SVD of $Y$) so the singular
@@ -30,6 +32,7 @@ use faer::{Accum, Mat, MatRef, Par, Side};
 use rand::{Rng, SeedableRng, seq::index::sample};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
+use std::time::Instant;
 
 /// Singular values at or below `s_0 * NUMERICAL_RANK_TOLERANCE` are not kept.
 pub const NUMERICAL_RANK_TOLERANCE: f64 = 1e-7;
@@ -128,6 +131,10 @@ pub struct Factorization {
     pub passes: f64,
     /// Whether the randomized iteration met its stopping rule (always true for exact).
     pub converged: bool,
+    /// Seconds spent per stage, in order (`check`, `sample`, `pass_w`,
+    /// `orthonormalize`, `pass_z`, `project`; `gram`, `reproject` for the exact
+    /// method): the breakdown `factor_file` prints.
+    pub stages: Vec<(&'static str, f64)>,
 }
 
 /// Residual figures of a rank-k truncation.
@@ -196,6 +203,28 @@ impl Factorization {
         let cert = self.certificate(k);
         let diff = (cert.residual.powi(2) - cert.singular_value_residual.powi(2)).abs();
         diff <= 1e-9 * self.delta_norm_sq + 1e-3 * cert.singular_value_residual.powi(2)
+    }
+}
+
+/// Stage times: each `lap` records the seconds since the previous one.
+struct StageClock {
+    last: Instant,
+    stages: Vec<(&'static str, f64)>,
+}
+
+impl StageClock {
+    fn start() -> StageClock {
+        StageClock {
+            last: Instant::now(),
+            stages: Vec::new(),
+        }
+    }
+
+    fn lap(&mut self, stage: &'static str) {
+        let now = Instant::now();
+        self.stages
+            .push((stage, now.duration_since(self.last).as_secs_f64()));
+        self.last = now;
     }
 }
 
@@ -286,7 +315,54 @@ pub fn factorize(
     cols: usize,
     params: &FactorParams,
 ) -> Result<Factorization> {
+    let mut clock = StageClock::start();
     let delta_norm_sq = check_delta(module, delta, rows, cols)?;
+    clock.lap("check");
+    factorize_checked(module, delta, rows, cols, delta_norm_sq, params, clock)
+}
+
+/// [`factorize`] of a delta the caller has already checked with [`check_delta`] (or
+/// an equivalent pass that computed $\\|D\\|^2$ and refused non-finite values, as
+/// [`crate::floor::delta_and_floor`] does): one pass over D fewer.
+pub fn factorize_prechecked(
+    module: &str,
+    delta: &[f32],
+    rows: usize,
+    cols: usize,
+    delta_norm_sq: f64,
+    params: &FactorParams,
+) -> Result<Factorization> {
+    if delta_norm_sq == 0.0 {
+        return Err(ExtractError::AllZeroDelta {
+            module: module.to_string(),
+        });
+    }
+    if rows.checked_mul(cols) != Some(delta.len()) || rows == 0 || cols == 0 {
+        return Err(ExtractError::BadShape {
+            module: module.to_string(),
+            what: format!("delta has {} values, shape {rows} x {cols}", delta.len()),
+        });
+    }
+    factorize_checked(
+        module,
+        delta,
+        rows,
+        cols,
+        delta_norm_sq,
+        params,
+        StageClock::start(),
+    )
+}
+
+fn factorize_checked(
+    module: &str,
+    delta: &[f32],
+    rows: usize,
+    cols: usize,
+    delta_norm_sq: f64,
+    params: &FactorParams,
+    mut clock: StageClock,
+) -> Result<Factorization> {
     if params.max_rank == 0 {
         return Err(ExtractError::InvalidParameter {
             name: "--rank",
@@ -302,19 +378,20 @@ pub fn factorize(
     // full-width modules (in_proj_a / in_proj_b) need to come out at ratio ~0.
     let narrow = params.max_rank + params.oversample >= rows.min(cols);
     let method = if narrow { Method::Exact } else { params.method };
-    let result = match method {
-        Method::Exact => exact(module, x, delta_norm_sq, params)?,
-        Method::Randomized => randomized(module, x, delta_norm_sq, params)?,
+    let mut result = match method {
+        Method::Exact => exact(module, x, delta_norm_sq, params, &mut clock)?,
+        Method::Randomized => randomized(module, x, delta_norm_sq, params, &mut clock)?,
         Method::Auto => {
-            let r = randomized(module, x, delta_norm_sq, params)?;
+            let r = randomized(module, x, delta_norm_sq, params, &mut clock)?;
             let ok = r.converged && r.certificate_consistent(r.kept());
             if ok {
                 r
             } else {
-                exact(module, x, delta_norm_sq, params)?
+                exact(module, x, delta_norm_sq, params, &mut clock)?
             }
         }
     };
+    result.stages = clock.stages;
     Ok(if transposed {
         result.transpose()
     } else {
@@ -343,6 +420,7 @@ impl Factorization {
             method_used: self.method_used,
             passes: self.passes,
             converged: self.converged,
+            stages: self.stages,
         }
     }
 }
@@ -376,6 +454,13 @@ fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
         par,
     );
     drop(w64);
+    // Fast path: Cholesky-QR, Q = W L^-T with G = L L^T, when no direction of W is
+    // below 1e-5 of its largest (every pivot above 1e-10 of the largest diagonal);
+    // otherwise the eigendecomposition, which drops the negligible directions.
+    if let Some(l_inv_t) = cholesky_inverse_transpose(g.as_ref(), 1e-10) {
+        let m = Mat::<f32>::from_fn(w.ncols(), w.ncols(), |i, j| l_inv_t[(i, j)] as f32);
+        return Some(f32_product(w, m.as_ref(), par));
+    }
     let eig = g.self_adjoint_eigen(Side::Lower).ok()?;
     let lambda = eig.S().column_vector();
     let n = w.ncols();
@@ -392,6 +477,28 @@ fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
         (p[(i, keep[j])] / lambda[keep[j]].sqrt()) as f32
     });
     Some(f32_product(w, m.as_ref(), par))
+}
+
+/// $L^{-\top}$ for the Cholesky factor $G = L L^\top$ of a symmetric positive definite
+/// `g`, when every squared pivot is above `relative` times the largest diagonal entry;
+/// `None` otherwise (not positive definite to that margin).
+fn cholesky_inverse_transpose(g: MatRef<'_, f64>, relative: f64) -> Option<Mat<f64>> {
+    let n = g.nrows();
+    let largest = (0..n).map(|i| g[(i, i)]).fold(0.0f64, f64::max);
+    if !(largest > 0.0 && largest.is_finite()) {
+        return None;
+    }
+    let llt = g.llt(Side::Lower).ok()?;
+    let l = llt.L();
+    // Written so that a NaN pivot fails too.
+    if !(0..n).all(|i| l[(i, i)] * l[(i, i)] > relative * largest) {
+        return None;
+    }
+    let mut inverse = Mat::<f64>::identity(n, n);
+    faer::linalg::triangular_solve::solve_lower_triangular_in_place(l, inverse.as_mut(), Par::Seq);
+    let t = inverse.transpose().to_owned();
+    let finite = t.col_iter().all(|c| c.iter().all(|v| v.is_finite()));
+    finite.then_some(t)
 }
 
 /// Widens a matrix to f64, by columns in parallel.
@@ -457,6 +564,7 @@ fn randomized(
     x: MatRef<'_, f32>,
     delta_norm_sq: f64,
     params: &FactorParams,
+    clock: &mut StageClock,
 ) -> Result<Factorization> {
     let (big, small) = (x.nrows(), x.ncols());
     let k_target = params.max_rank.min(small);
@@ -476,10 +584,15 @@ fn randomized(
     } else {
         let mut picked = sample(&mut rng, big, sample_rows).into_vec();
         picked.sort_unstable();
+        // Filled column by column (threads take contiguous ranges of columns): the
+        // sorted rows of one column are read with the cache lines of the previous
+        // columns still resident, whichever of X or X^T is row-major.
         let mut xs = Mat::<f32>::zeros(sample_rows, small);
-        for (i, &row) in picked.iter().enumerate() {
-            xs.row_mut(i).copy_from(x.row(row));
-        }
+        xs.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
+            for (i, &row) in picked.iter().enumerate() {
+                col[i] = x[(row, j)];
+            }
+        });
         passes = 4.0 * sample_rows as f64 / big as f64;
         row_space_estimate(xs.as_ref(), q, &mut rng, par)
     };
@@ -488,19 +601,23 @@ fn randomized(
         None => orthonormalize(gaussian(small, q, &mut rng).as_ref(), par)
             .expect("a random sign matrix has full rank"),
     };
+    clock.lap("sample");
 
     let mut best: Option<Factorization> = None;
     let mut iteration = 0usize;
     loop {
         // Two full passes: W = X V0, Q = orth(W), Z = X^T Q.
         let w = range_product(x, v0.as_ref(), par);
+        clock.lap("pass_w");
         let qw = orthonormalize(w.as_ref(), par).ok_or_else(|| ExtractError::Linalg {
             module: module.to_string(),
             what: "range of the sketch",
             detail: "the sketch of a non-zero delta is zero".into(),
         })?;
         drop(w);
+        clock.lap("orthonormalize");
         let z = transposed_product(x, qw.as_ref(), par);
+        clock.lap("pass_z");
         passes += 2.0;
         let current = project(
             module,
@@ -511,6 +628,7 @@ fn randomized(
             passes,
             par,
         )?;
+        clock.lap("project");
         let k = current.kept();
         let residual = current.truncation_residual(k);
         let at_floor = params.floor.is_some_and(|f| {
@@ -544,8 +662,8 @@ fn randomized(
 }
 
 /// The SVD of the projection $\tilde Q \tilde Q^\top X$ from $Q$ (`big x q`, orthonormal to
-/// f32 precision) and $Z = X^\top Q$, with $G = Q^\top Q$ in f64 correcting the basis:
-/// $\tilde Q = Q G^{-1/2}$ is orthonormal in exact arithmetic whatever Q's rounding.
+/// f32 precision) and $Z = X^\top Q$, with $G = Q^\top Q = L L^\top$ in f64 correcting the
+/// basis: $\tilde Q = Q L^{-\top}$ is orthonormal in exact arithmetic whatever Q's rounding.
 fn project(
     module: &str,
     qw: MatRef<'_, f32>,
@@ -568,45 +686,27 @@ fn project(
         par,
     );
     drop(q64);
-    let eig = g
-        .self_adjoint_eigen(Side::Lower)
-        .map_err(|e| ExtractError::Linalg {
-            module: module.to_string(),
-            what: "eigendecomposition of the basis Gram matrix",
-            detail: format!("{e:?}"),
-        })?;
-    let lambda = eig.S().column_vector();
-    let min_lambda = (0..q).map(|i| lambda[i]).fold(f64::INFINITY, f64::min);
-    if min_lambda < 0.5 {
-        return Err(ExtractError::Linalg {
+    // Q~ = Q L^-T with G = L L^T is orthonormal in exact arithmetic. Q is orthonormal
+    // to f32 precision, so every pivot must be near 1: one below 0.5 means the basis
+    // lost its orthonormality.
+    let l_inv_t =
+        cholesky_inverse_transpose(g.as_ref(), 0.5).ok_or_else(|| ExtractError::Linalg {
             module: module.to_string(),
             what: "orthonormal basis of the sketch",
-            detail: format!("Gram matrix has eigenvalue {min_lambda}"),
-        });
-    }
-    let p = eig.U();
-    let p_scaled = Mat::<f64>::from_fn(q, q, |i, l| p[(i, l)] / lambda[l].sqrt());
-    let mut g_inv_sqrt = Mat::<f64>::zeros(q, q);
-    matmul(
-        g_inv_sqrt.as_mut(),
-        Accum::Replace,
-        p_scaled.as_ref(),
-        p.transpose(),
-        1.0,
-        Par::Seq,
-    );
+            detail: "the Gram matrix of the basis has a pivot below 0.5".into(),
+        })?;
     let z64 = to_f64(z);
     let mut zt = Mat::<f64>::zeros(small, q);
     matmul(
         zt.as_mut(),
         Accum::Replace,
         z64.as_ref(),
-        g_inv_sqrt.as_ref(),
+        l_inv_t.as_ref(),
         1.0,
         par,
     );
     drop(z64);
-    // Z~ = W S X_z^T  =>  Q~ Q~^T X = (Q G^-1/2 X_z) S W^T.
+    // Z~ = Z L^-T = X^T Q~ = W S X_z^T  =>  Q~ Q~^T X = (Q L^-T X_z) S W^T.
     let svd = zt.thin_svd().map_err(|e| ExtractError::Linalg {
         module: module.to_string(),
         what: "thin SVD of the projected delta",
@@ -619,7 +719,7 @@ fn project(
     matmul(
         coeff.as_mut(),
         Accum::Replace,
-        g_inv_sqrt.as_ref(),
+        l_inv_t.as_ref(),
         svd.V().subcols(0, k),
         1.0,
         Par::Seq,
@@ -648,7 +748,7 @@ fn project(
     );
     let v = svd.U().subcols(0, k).to_owned();
     let v_gram = gram(v.as_ref(), k);
-    // U^T X = X_z^T G^-1/2 Q^T X = X_z^T G^-1/2 Z^T = (Z~ X_z)^T = S W^T.
+    // U^T X = X_z^T L^-1 Q^T X = X_z^T L^-1 Z^T = (Z~ X_z)^T = S W^T.
     let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
     Ok(Factorization {
         rows: big,
@@ -664,6 +764,7 @@ fn project(
         method_used: Method::Randomized,
         passes,
         converged: false,
+        stages: Vec::new(),
     })
 }
 
@@ -673,6 +774,7 @@ fn exact(
     x: MatRef<'_, f32>,
     delta_norm_sq: f64,
     params: &FactorParams,
+    clock: &mut StageClock,
 ) -> Result<Factorization> {
     let (big, small) = (x.nrows(), x.ncols());
     let k_target = params.max_rank.min(small);
@@ -715,6 +817,7 @@ fn exact(
         .count()
         .max(1);
     let vk = Mat::<f64>::from_fn(small, candidates, |i, j| eig.U()[(i, small - 1 - j)]);
+    clock.lap("gram");
     // Y = X V_k in f64, by blocks of rows.
     let mut y = Mat::<f64>::zeros(big, candidates);
     let mut start = 0;
@@ -757,6 +860,7 @@ fn exact(
     let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
     let u_gram = gram(u.as_ref(), k);
     let v_gram = gram(v.as_ref(), k);
+    clock.lap("reproject");
     Ok(Factorization {
         rows: big,
         cols: small,
@@ -771,6 +875,7 @@ fn exact(
         method_used: Method::Exact,
         passes: 2.0,
         converged: true,
+        stages: Vec::new(),
     })
 }
 

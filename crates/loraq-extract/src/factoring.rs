@@ -4,8 +4,8 @@
 //! thresholds checked before anything is written.
 
 use crate::error::{ExtractError, Result};
-use crate::factor::{FactorParams, Factorization, factorize};
-use crate::floor::{delta_and_floor, expected_floor_ratio};
+use crate::factor::{FactorParams, Factorization, factorize_prechecked};
+use crate::floor::{DeltaFigures, PairBytes, expected_floor_ratio, read_pair};
 use crate::options::{AUTO_RANK_CAP, AUTO_RANK_SLACK, ExtractOptions, RankChoice};
 use crate::plan::{ExtractionPlan, MAX_MODULE_RANK, ModuleRole, PlannedModule};
 use crate::quant_aware::{QaContext, qa_module};
@@ -133,7 +133,65 @@ pub fn factor(
     let total = plan.modules.len();
     let mut modules = Vec::with_capacity(total);
     let mut zero_delta = Vec::new();
+    // The reader runs one module ahead: while a module is factored, the next LoRA
+    // module's two tensors are read (a rendezvous channel: the reader holds at most one
+    // read pair while it waits, so memory stays at two modules' bytes and one delta).
+    std::thread::scope(|scope| -> Result<()> {
+        let (sender, receiver) = std::sync::mpsc::sync_channel::<Option<Result<PairBytes>>>(0);
+        let (merged_files, base_files) = (&merged_files, &base_files);
+        let (merged, base, planned_modules) = (&plan.merged, &plan.base, &plan.modules);
+        scope.spawn(move || {
+            for planned in planned_modules {
+                let pair = (planned.role == ModuleRole::Lora).then(|| {
+                    read_pair(
+                        merged,
+                        base,
+                        merged_files,
+                        base_files,
+                        &planned.projection.tensor,
+                    )
+                });
+                if sender.send(pair).is_err() {
+                    // The factor loop stopped (an error): nothing more to read.
+                    break;
+                }
+            }
+        });
+        factor_in_order(
+            plan,
+            options,
+            qa_context.as_ref(),
+            par,
+            &receiver,
+            progress,
+            &mut modules,
+            &mut zero_delta,
+        )
+    })?;
+    Ok(Factored {
+        modules,
+        zero_delta,
+    })
+}
+
+/// The factor loop of [`factor`]: every planned module in order, its read pair (LoRA
+/// modules) taken from the reader.
+#[allow(clippy::too_many_arguments)]
+fn factor_in_order(
+    plan: &ExtractionPlan,
+    options: &ExtractOptions,
+    qa_context: Option<&QaContext<'_>>,
+    par: Par,
+    pairs: &std::sync::mpsc::Receiver<Option<Result<PairBytes>>>,
+    progress: &mut (dyn FnMut(Progress<'_>) + Send),
+    modules: &mut Vec<FactoredModule>,
+    zero_delta: &mut Vec<String>,
+) -> Result<()> {
+    let total = plan.modules.len();
     for (index, planned) in plan.modules.iter().enumerate() {
+        let pair = pairs
+            .recv()
+            .expect("the reader sends one item per planned module");
         progress(Progress::ModuleStarted {
             index,
             total,
@@ -142,15 +200,15 @@ pub fn factor(
         let module_started = Instant::now();
         let factored = match planned.role {
             ModuleRole::Lora => {
-                let factored =
-                    factor_lora_module(plan, planned, options, qa_context.as_ref(), par)?;
+                let pair = pair.expect("the reader reads every LoRA module")?;
+                let factored = factor_lora_module(pair, planned, options, qa_context, par)?;
                 if factored.is_none() {
                     zero_delta.push(planned.projection.tensor.clone());
                 }
                 factored
             }
             ModuleRole::Correction => {
-                let ctx = qa_context.as_ref().expect("corrections need a target");
+                let ctx = qa_context.expect("corrections need a target");
                 factor_correction(ctx, planned, options)?
             }
         };
@@ -176,10 +234,7 @@ pub fn factor(
             factors,
         });
     }
-    Ok(Factored {
-        modules,
-        zero_delta,
-    })
+    Ok(())
 }
 
 /// One of the LoRA's modules: merged - base factored at the floor (rank fixed or
@@ -187,7 +242,7 @@ pub fn factor(
 /// target at rank + extra are what is written, and the plain ones are measured on
 /// the target beside them. `None` when the delta is zero (signed zeros only).
 fn factor_lora_module(
-    plan: &ExtractionPlan,
+    pair: PairBytes,
     planned: &PlannedModule,
     options: &ExtractOptions,
     qa_context: Option<&QaContext<'_>>,
@@ -195,7 +250,12 @@ fn factor_lora_module(
 ) -> Result<Option<(ModuleFigures, CastFactors)>> {
     let projection = &planned.projection;
     let (rows, cols) = (projection.out_features, projection.in_features);
-    let (delta, floor) = delta_and_floor(&plan.merged, &plan.base, &projection.tensor)?;
+    let DeltaFigures {
+        delta,
+        floor,
+        norm_sq,
+    } = pair.delta()?;
+    drop(pair);
     let max_rank = match options.rank {
         RankChoice::Fixed(r) => r,
         RankChoice::Auto => AUTO_RANK_CAP,
@@ -207,7 +267,14 @@ fn factor_lora_module(
         par,
         ..FactorParams::default()
     };
-    let f = match factorize(&projection.module_path, &delta, rows, cols, &params) {
+    let f = match factorize_prechecked(
+        &projection.module_path,
+        &delta,
+        rows,
+        cols,
+        norm_sq,
+        &params,
+    ) {
         Err(ExtractError::AllZeroDelta { .. }) => return Ok(None),
         other => other?,
     };

@@ -10,6 +10,7 @@ use crate::error::{ExtractError, Result};
 use crate::read::ShardFiles;
 use loraq_io::{Checkpoint, DType};
 use rayon::prelude::*;
+use std::path::PathBuf;
 
 /// The floating-point format whose rounding floor is measured: the merged tensor's dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +65,9 @@ impl FloorFormat {
             let e = exact_log2_floor(a);
             e.max(e_min)
         };
-        (2.0f64).powi(exponent - p)
+        // An exact power of two built from its exponent bits (normal in f64 for every
+        // exponent these formats reach).
+        f64::from_bits(((exponent - p + 1023) as u64) << 52)
     }
 }
 
@@ -113,75 +116,173 @@ pub fn expected_floor_ratio(rows: usize, cols: usize, rank: usize) -> f64 {
     (1.0 - r * (m + n - r) / (m * n)).max(0.0).sqrt()
 }
 
-/// $D = \mathrm{f32}(\mathrm{merged}) - \mathrm{f32}(\mathrm{base})$ and the floor of the merged tensor, in one parallel pass
-/// over both mappings; refuses a non-finite value in either input.
-pub fn delta_and_floor(
+/// The stored bytes of one tensor in a merge and its base, read with positioned reads
+/// (no growth of the resident set); [`PairBytes::delta`] turns them into the delta.
+/// Reading is split from the arithmetic so the next module's bytes can be read while
+/// this one is factored.
+pub struct PairBytes {
+    tensor: String,
+    dtype: DType,
+    merged: Vec<u8>,
+    base: Vec<u8>,
+    merged_path: PathBuf,
+    base_path: PathBuf,
+}
+
+/// $D$, the floor of the merged tensor and $\\|D\\|_F^2$, from one pass.
+#[derive(Debug)]
+pub struct DeltaFigures {
+    /// $D = \mathrm{f32}(\mathrm{merged}) - \mathrm{f32}(\mathrm{base})$, row-major.
+    pub delta: Vec<f32>,
+    /// The rounding floor of the merged tensor.
+    pub floor: f64,
+    /// $\\|D\\|_F^2$ in f64.
+    pub norm_sq: f64,
+}
+
+/// Reads `tensor` from both checkpoints (shape and dtype checked equal).
+pub fn read_pair(
     merged: &Checkpoint,
     base: &Checkpoint,
+    merged_files: &ShardFiles,
+    base_files: &ShardFiles,
     tensor: &str,
-) -> Result<(Vec<f32>, f64)> {
+) -> Result<PairBytes> {
     let info = merged.info(tensor)?;
-    let dtype = info.dtype;
-    let width = dtype.size_bytes();
     let base_info = base.info(tensor)?;
-    if base_info.dtype != dtype || base_info.shape != info.shape {
+    if base_info.dtype != info.dtype || base_info.shape != info.shape {
         return Err(ExtractError::BadShape {
             module: tensor.to_string(),
             what: format!(
                 "base is {} {:?}, merged {} {:?}",
                 base_info.dtype.as_str(),
                 base_info.shape,
-                dtype.as_str(),
+                info.dtype.as_str(),
                 info.shape
             ),
         });
     }
-    let (merged_files, base_files) = (ShardFiles::open(merged)?, ShardFiles::open(base)?);
-    let format = FloorFormat::of(dtype);
-    const CHUNK: usize = 1 << 16;
-    let mut delta = vec![0f32; info.element_count()];
-    let partials = delta
-        .par_chunks_mut(CHUNK)
-        .enumerate()
-        .map(|(c, d)| {
-            let offset = c * CHUNK * width;
-            let mut m_bytes = vec![0u8; d.len() * width];
-            let mut b_bytes = vec![0u8; d.len() * width];
-            merged_files.read(info, offset, &mut m_bytes)?;
-            base_files.read(base_info, offset, &mut b_bytes)?;
-            let mut m = vec![0f32; d.len()];
-            let mut b = vec![0f32; d.len()];
-            loraq_io::convert::decode_to_f32(dtype, &m_bytes, &mut m);
-            loraq_io::convert::decode_to_f32(dtype, &b_bytes, &mut b);
-            let bad_m = m.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
-            let bad_b = b.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
-            let mut sq = 0f64;
-            for ((d, &m), &b) in d.iter_mut().zip(&m).zip(&b) {
-                *d = m - b;
-                let u = format.ulp(m);
-                sq += u * u;
+    let mut merged_bytes = vec![0u8; info.byte_len()];
+    merged_files.read(info, 0, &mut merged_bytes)?;
+    let mut base_bytes = vec![0u8; base_info.byte_len()];
+    base_files.read(base_info, 0, &mut base_bytes)?;
+    Ok(PairBytes {
+        tensor: tensor.to_string(),
+        dtype: info.dtype,
+        merged: merged_bytes,
+        base: base_bytes,
+        merged_path: merged.shard_path(info.shard).to_path_buf(),
+        base_path: base.shard_path(base_info.shard).to_path_buf(),
+    })
+}
+
+impl PairBytes {
+    /// The tensor's name.
+    pub fn tensor(&self) -> &str {
+        &self.tensor
+    }
+
+    /// $D$, the floor and $\\|D\\|^2$ in one parallel pass; refuses a non-finite value
+    /// in either input (named by the file holding it) and a difference that overflows
+    /// f32 (two values of opposite sign near the format's largest).
+    pub fn delta(&self) -> Result<DeltaFigures> {
+        let dtype = self.dtype;
+        let width = dtype.size_bytes();
+        let format = FloorFormat::of(dtype);
+        const CHUNK: usize = 1 << 14;
+        let mut delta = vec![0f32; self.merged.len() / width];
+        let partials = delta
+            .par_chunks_mut(CHUNK)
+            .zip(self.merged.par_chunks(CHUNK * width))
+            .zip(self.base.par_chunks(CHUNK * width))
+            .enumerate()
+            .map_init(
+                || (vec![0f32; CHUNK], vec![0f32; CHUNK]),
+                |(m, b), (c, ((d, m_bytes), b_bytes))| {
+                    let (m, b) = (&mut m[..d.len()], &mut b[..d.len()]);
+                    decode_chunk(dtype, m_bytes, m);
+                    decode_chunk(dtype, b_bytes, b);
+                    let bad =
+                        |x: &[f32]| x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+                    let (bad_m, bad_b) = (bad(m), bad(b));
+                    let (mut floor_sq, mut norm_sq) = (0f64, 0f64);
+                    for ((d, &m), &b) in d.iter_mut().zip(m.iter()).zip(b.iter()) {
+                        *d = m - b;
+                        let u = format.ulp(m);
+                        floor_sq += u * u;
+                        norm_sq += (*d as f64) * (*d as f64);
+                    }
+                    let bad_d = bad(d);
+                    (bad_m, bad_b, bad_d, floor_sq, norm_sq)
+                },
+            )
+            .reduce(
+                || (None, None, None, 0.0, 0.0),
+                |x, y| {
+                    (
+                        min_index(x.0, y.0),
+                        min_index(x.1, y.1),
+                        min_index(x.2, y.2),
+                        x.3 + y.3,
+                        x.4 + y.4,
+                    )
+                },
+            );
+        let (bad_merged, bad_base, bad_delta, floor_sq, norm_sq) = partials;
+        // Named by the file that holds the value, as every refusal of an input is.
+        let non_finite = |path: &PathBuf, index: usize| {
+            ExtractError::Io(loraq_io::IoError::Tensor {
+                path: path.clone(),
+                tensor: self.tensor.clone(),
+                reason: format!("element {index} is not finite (NaN or infinite)"),
+            })
+        };
+        if let Some(index) = bad_merged {
+            return Err(non_finite(&self.merged_path, index));
+        }
+        if let Some(index) = bad_base {
+            return Err(non_finite(&self.base_path, index));
+        }
+        if let Some(index) = bad_delta {
+            return Err(ExtractError::NonFinite {
+                module: self.tensor.clone(),
+                what: "delta",
+                index,
+            });
+        }
+        Ok(DeltaFigures {
+            delta,
+            floor: (floor_sq / 12.0).sqrt(),
+            norm_sq,
+        })
+    }
+}
+
+/// Decodes one chunk of little-endian float bytes (the dtypes the scan lets through).
+fn decode_chunk(dtype: DType, src: &[u8], dst: &mut [f32]) {
+    match dtype {
+        DType::BF16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
             }
-            Ok((bad_m, bad_b, sq))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let (bad_merged, bad_base, floor_sq) = partials.into_iter().fold((None, None, 0.0), |x, y| {
-        (min_index(x.0, y.0), min_index(x.1, y.1), x.2 + y.2)
-    });
-    // Named by the file that holds the value, as every refusal of an input is.
-    let non_finite = |checkpoint: &Checkpoint, shard: usize, index: usize| {
-        ExtractError::Io(loraq_io::IoError::Tensor {
-            path: checkpoint.shard_path(shard).to_path_buf(),
-            tensor: tensor.to_string(),
-            reason: format!("element {index} is not finite (NaN or infinite)"),
-        })
-    };
-    if let Some(index) = bad_merged {
-        return Err(non_finite(merged, info.shard, index));
+        }
+        _ => {
+            let decoded = loraq_io::convert::decode_to_f32(dtype, src, dst);
+            debug_assert!(decoded, "the scan lets only float dtypes through");
+        }
     }
-    if let Some(index) = bad_base {
-        return Err(non_finite(base, base_info.shard, index));
-    }
-    Ok((delta, (floor_sq / 12.0).sqrt()))
+}
+
+/// $D = \mathrm{f32}(\mathrm{merged}) - \mathrm{f32}(\mathrm{base})$ and the floor of the merged tensor, in one parallel pass
+/// over both tensors' bytes; refuses a non-finite value in either input.
+pub fn delta_and_floor(
+    merged: &Checkpoint,
+    base: &Checkpoint,
+    tensor: &str,
+) -> Result<(Vec<f32>, f64)> {
+    let (merged_files, base_files) = (ShardFiles::open(merged)?, ShardFiles::open(base)?);
+    let figures = read_pair(merged, base, &merged_files, &base_files, tensor)?.delta()?;
+    Ok((figures.delta, figures.floor))
 }
 
 fn min_index(a: Option<usize>, b: Option<usize>) -> Option<usize> {

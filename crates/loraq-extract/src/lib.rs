@@ -5,7 +5,8 @@
 //! - [`scan`]: byte-for-byte comparison of every tensor, refusals by name.
 //! - [`floor`]: the bf16 rounding floor and the residual a perfect fit leaves.
 //! - [`factor`]: the top-r factorization (randomized with a certificate, or exact).
-//! - [`split`]: balanced / orthonormal-A split, bf16 cast, cast error.
+//! - [`split`]: balanced / orthonormal-A split, bf16 cast, cast error; [`cast`]: the
+//!   cast-aware rounding (mixing rotation, error feedback, refits).
 //! - [`extract`]: the whole `loraq extract`, written atomically, as stages over one
 //!   list of planned modules: [`options`], [`plan`] (inputs opened and scanned,
 //!   modules listed), [`factoring`] (factor, thresholds), [`output`] (write, then
@@ -19,6 +20,7 @@
 
 pub mod activation_stats;
 pub mod card;
+pub mod cast;
 pub mod check;
 pub mod error;
 pub mod extract;

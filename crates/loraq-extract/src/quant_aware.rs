@@ -294,7 +294,7 @@ pub(crate) fn qa_module(
             (b, a, k)
         }
     };
-    let factors = cast_pair(module, &b, &a, rows, cols, k, ctx.par)?;
+    let factors = cast_pair(module, &b, &a, rows, cols, k, weights.as_deref(), ctx.par)?;
     drop((b, a));
 
     let w = weights.as_deref();

@@ -32,7 +32,10 @@ pub struct ScanReport {
     pub refusals: Vec<Refusal>,
 }
 
-/// Whether two tensors' bytes are equal, read and compared in parallel blocks.
+/// Whether two tensors' bytes are equal, read and compared in parallel blocks (one
+/// pair of block buffers per worker, reused). Stops at the first differing block: a
+/// projection the LoRA changed differs almost everywhere, and the factor stage reads
+/// it again anyway, so only identical tensors are read in full.
 fn bytes_equal(
     merged: &ShardFiles,
     m: &TensorInfo,
@@ -45,16 +48,23 @@ fn bytes_equal(
         return Ok(false);
     }
     let blocks: Vec<usize> = (0..len).step_by(BLOCK).collect();
-    let differs = blocks.par_iter().map(|&start| {
-        let n = BLOCK.min(len - start);
-        let mut x = vec![0u8; n];
-        let mut y = vec![0u8; n];
-        merged.read(m, start, &mut x)?;
-        base.read(b, start, &mut y)?;
-        Ok(x != y)
-    });
-    let any: Result<bool> = differs.try_reduce(|| false, |a, b| Ok(a || b));
-    Ok(!any?)
+    let first_difference = blocks
+        .par_iter()
+        .map_init(
+            || (vec![0u8; BLOCK], vec![0u8; BLOCK]),
+            |(x, y), &start| -> Result<bool> {
+                let n = BLOCK.min(len - start);
+                merged.read(m, start, &mut x[..n])?;
+                base.read(b, start, &mut y[..n])?;
+                Ok(x[..n] != y[..n])
+            },
+        )
+        .find_any(|outcome| !matches!(outcome, Ok(false)));
+    match first_difference {
+        None => Ok(true),
+        Some(Err(e)) => Err(e),
+        Some(Ok(_)) => Ok(false),
+    }
 }
 
 enum Verdict {

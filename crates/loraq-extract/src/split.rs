@@ -1,7 +1,8 @@
 //! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
-//! cast (round to nearest even) with finite checks, and the error the cast adds.
+//! cast (cast-aware: [`crate::cast`]) with finite checks, and the error the cast adds.
 
-use crate::error::{ExtractError, Result};
+use crate::cast::cast_aware;
+use crate::error::Result;
 use crate::factor::Factorization;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -41,23 +42,12 @@ pub struct CastFactors {
     pub cast_error: f64,
 }
 
-/// Rounds f32 values to bf16 bytes (nearest even); refuses a value that is not finite
-/// after the cast (a finite f32 above bf16's range rounds to infinity).
-fn to_bf16(module: &str, what: &'static str, values: &[f32]) -> Result<(Vec<u8>, Vec<f32>)> {
-    let rounded: Vec<bf16> = values.par_iter().map(|&x| bf16::from_f32(x)).collect();
-    if let Some(index) = rounded.par_iter().position_first(|x| !x.is_finite()) {
-        return Err(ExtractError::NonFinite {
-            module: module.to_string(),
-            what,
-            index,
-        });
-    }
-    let bytes = rounded
+/// bf16 values as little-endian bytes.
+fn to_bytes(values: &[bf16]) -> Vec<u8> {
+    values
         .iter()
         .flat_map(|x| x.to_bits().to_le_bytes())
-        .collect();
-    let widened = rounded.iter().map(|x| x.to_f32()).collect();
-    Ok((bytes, widened))
+        .collect()
 }
 
 /// The f32 factors of the rank-`k` truncation: B `[rows, k]` and A `[k, cols]`, row-major.
@@ -85,8 +75,9 @@ pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<
     (b, a)
 }
 
-/// Splits, casts to bf16 and measures the cast error exactly, without touching the delta:
-/// with $E_B = B_{bf16} - B$ and $E_A = A_{bf16} - A$ (both exact in f32),
+/// Splits and casts to bf16 cast-aware ([`crate::cast`]), and measures the cast error
+/// $\\|B_{bf16} A_{bf16} - BA\\|_F$ exactly without touching the delta: with
+/// $E_B = B_{bf16} - B$ and $E_A = A_{bf16} - A$ (both exact in f32),
 /// $B_{bf16}A_{bf16} - BA = [E_B\ B]\\,[A_{bf16};\ E_A]$ and its squared norm is
 /// $\langle P^\top P, Q Q^\top\rangle$ for $P = [E_B\ B]$, $Q = [A_{bf16}; E_A]$.
 pub fn split_and_cast(
@@ -98,12 +89,15 @@ pub fn split_and_cast(
 ) -> Result<CastFactors> {
     let k = k.min(f.kept());
     let (b, a) = f32_factors(f, k, split);
-    cast_pair(module, &b, &a, f.rows, f.cols, k, par)
+    cast_pair(module, &b, &a, f.rows, f.cols, k, None, par)
 }
 
-/// Casts f32 factors B `[rows, k]` and A `[k, cols]` (row-major) to bf16 and measures
-/// the cast error as [`split_and_cast`] does; for factors that do not come straight
-/// from a [`Factorization`] (the calibration-weighted ones, $A = A^{\prime} S^{-1}$).
+/// Casts f32 factors B `[rows, k]` and A `[k, cols]` (row-major) to bf16, cast-aware
+/// ([`crate::cast`]; with `weights`, the error that counts is $(B_{bf16}A_{bf16} - BA)W$,
+/// $W = \mathrm{diag}(w)$), and measures the (unweighted) cast error as
+/// [`split_and_cast`] does; for factors that do not come straight from a
+/// [`Factorization`] (the calibration-weighted ones, $A = A^{\prime} S^{-1}$).
+#[allow(clippy::too_many_arguments)]
 pub fn cast_pair(
     module: &str,
     b: &[f32],
@@ -111,23 +105,53 @@ pub fn cast_pair(
     rows: usize,
     cols: usize,
     k: usize,
+    weights: Option<&[f32]>,
     par: Par,
 ) -> Result<CastFactors> {
-    let (b_bf16, b_round) = to_bf16(module, "factor B after the bf16 cast", b)?;
-    let (a_bf16, a_round) = to_bf16(module, "factor A after the bf16 cast", a)?;
-    // P = [E_B | B]  (rows x 2k), Q = [A_bf16 ; E_A]  (2k x cols).
+    if k == 0 {
+        return Ok(CastFactors {
+            rank: 0,
+            b_bf16: Vec::new(),
+            a_bf16: Vec::new(),
+            cast_error: 0.0,
+        });
+    }
+    let (bq, aq, b, a) = cast_aware(module, b, a, rows, cols, k, weights, par)?;
+    let cast_error = cast_error(&bq, &aq, &b, &a, rows, cols, k, par);
+    Ok(CastFactors {
+        rank: k,
+        b_bf16: to_bytes(&bq),
+        a_bf16: to_bytes(&aq),
+        cast_error,
+    })
+}
+
+/// $\\|B_q A_q - BA\\|_F$ from $\langle P^\top P, Q Q^\top\rangle$, $P = [E_B\ B]$,
+/// $Q = [A_q; E_A]$.
+#[allow(clippy::too_many_arguments)]
+fn cast_error(
+    bq: &[bf16],
+    aq: &[bf16],
+    b: &[f32],
+    a: &[f32],
+    rows: usize,
+    cols: usize,
+    k: usize,
+    par: Par,
+) -> f64 {
+    // P = [E_B | B]  (rows x 2k), Q = [A_q ; E_A]  (2k x cols).
     let p = Mat::<f32>::from_fn(rows, 2 * k, |i, l| {
         if l < k {
-            b_round[i * k + l] - b[i * k + l]
+            bq[i * k + l].to_f32() - b[i * k + l]
         } else {
             b[i * k + l - k]
         }
     });
     let q = Mat::<f32>::from_fn(2 * k, cols, |l, j| {
         if l < k {
-            a_round[l * cols + j]
+            aq[l * cols + j].to_f32()
         } else {
-            a_round[(l - k) * cols + j] - a[(l - k) * cols + j]
+            aq[(l - k) * cols + j].to_f32() - a[(l - k) * cols + j]
         }
     });
     let ptp = gram(p.as_ref().transpose(), par);
@@ -138,12 +162,7 @@ pub fn cast_pair(
             cast_sq += ptp[(i, j)] as f64 * qqt[(i, j)] as f64;
         }
     }
-    Ok(CastFactors {
-        rank: k,
-        b_bf16,
-        a_bf16,
-        cast_error: cast_sq.max(0.0).sqrt(),
-    })
+    cast_sq.max(0.0).sqrt()
 }
 
 /// $M M^\top$ in f32 for a wide `m`.
@@ -156,6 +175,7 @@ fn gram(m: MatRef<'_, f32>, par: Par) -> Mat<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ExtractError;
     use crate::factor::{FactorParams, Method, factorize};
 
     /// The cast error from the Gram identity equals the one computed entry by entry.
