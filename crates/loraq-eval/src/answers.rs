@@ -362,7 +362,10 @@ impl LineBlock {
                 None => len,
             };
             ranges.push((start, end, line));
-            line += self.bytes[start..end].iter().filter(|&&b| b == b'\n').count() as u64;
+            line += self.bytes[start..end]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count() as u64;
             start = end;
         }
         ranges
@@ -687,10 +690,7 @@ fn check_values_and_gold(
             ),
         ));
     }
-    if let Some(index) = values
-        .iter()
-        .position(|v| !v.is_some_and(f64::is_finite))
-    {
+    if let Some(index) = values.iter().position(|v| !v.is_some_and(f64::is_finite)) {
         return Err(EvalError::NonFinite {
             path: path.to_path_buf(),
             line,

@@ -14,8 +14,8 @@ use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
 use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock};
-use hashbrown::HashTable;
 use crate::error::{EvalError, FieldMismatch, Result};
+use hashbrown::HashTable;
 
 /// Pieces each block of lines is split into per thread, so that a piece of long
 /// lines does not leave the other threads idle.
@@ -254,12 +254,23 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
                 });
                 store.ids.push_str(&row.id);
                 let values = row.start..row.start + row.width;
-                store.probs.extend_from_slice(&columns.probs[values.clone()]);
-                store.log_probs.extend_from_slice(&columns.log_probs[values]);
-                let ReferenceStore { entries, ids, index: table, .. } = &mut store;
+                store
+                    .probs
+                    .extend_from_slice(&columns.probs[values.clone()]);
+                store
+                    .log_probs
+                    .extend_from_slice(&columns.log_probs[values]);
+                let ReferenceStore {
+                    entries,
+                    ids,
+                    index: table,
+                    ..
+                } = &mut store;
                 table.insert_unique(hash, index, |&i| {
                     let start = entries[i as usize].id_start;
-                    let end = entries.get(i as usize + 1).map_or(ids.len(), |e| e.id_start);
+                    let end = entries
+                        .get(i as usize + 1)
+                        .map_or(ids.len(), |e| e.id_start);
                     hash_id(&ids[start..end])
                 });
             }
@@ -297,16 +308,16 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
                     .map(|row| {
                         let index = store.find(hash_id(&row.id), &row.id);
                         let reduced = index.map(|index| {
-                                let entry = &entries[index as usize];
-                                let options = &option_lists.lists[entry.options as usize];
-                                let width = options.len();
-                                let context = PairContext {
-                                    reference_path: &reference_path,
-                                    candidate_path: &candidate_path,
-                                    options,
-                                    probs: &store.probs[entry.start..entry.start + width],
-                                    log_probs: &store.log_probs[entry.start..entry.start + width],
-                                };
+                            let entry = &entries[index as usize];
+                            let options = &option_lists.lists[entry.options as usize];
+                            let width = options.len();
+                            let context = PairContext {
+                                reference_path: &reference_path,
+                                candidate_path: &candidate_path,
+                                options,
+                                probs: &store.probs[entry.start..entry.start + width],
+                                log_probs: &store.log_probs[entry.start..entry.start + width],
+                            };
                             context.reduce(entry, &CandidateAnswer::new(columns, row), 0)
                         });
                         CandidateOutcome { index, reduced }

@@ -76,7 +76,10 @@ pub(crate) fn scan_plain_line<'a>(
     const OPTIONS: u8 = 4;
     const VALUES: u8 = 8;
     const GOLD: u8 = 16;
-    let mut c = Cursor { bytes: line, pos: 0 };
+    let mut c = Cursor {
+        bytes: line,
+        pos: 0,
+    };
     c.skip_ws();
     c.eat(b'{')?;
     let mut seen = 0u8;
@@ -243,11 +246,12 @@ impl<'a> Cursor<'a> {
         // Digits beyond 2^53 (or u64) leave the number to serde_json.
         let mut significand: u64 = 0;
         let mut exact = true;
-        let mut digit = |significand: &mut u64, d: u8| {
-            match significand.checked_mul(10).and_then(|s| s.checked_add(u64::from(d - b'0'))) {
-                Some(s) => *significand = s,
-                None => exact = false,
-            }
+        let mut digit = |significand: &mut u64, d: u8| match significand
+            .checked_mul(10)
+            .and_then(|s| s.checked_add(u64::from(d - b'0')))
+        {
+            Some(s) => *significand = s,
+            None => exact = false,
         };
         match self.next()? {
             b'0' => {}
@@ -380,8 +384,20 @@ mod tests {
     #[test]
     fn numbers_match_serde_json() {
         for token in [
-            "0.0", "-0.0", "1.5", "-3.1416", "0.1", "0.30000000000000004", "123456789.123456",
-            "9007199254740993.0", "1e5", "-2E-3", "17", "-0", "18446744073709551616", "1.25e+2",
+            "0.0",
+            "-0.0",
+            "1.5",
+            "-3.1416",
+            "0.1",
+            "0.30000000000000004",
+            "123456789.123456",
+            "9007199254740993.0",
+            "1e5",
+            "-2E-3",
+            "17",
+            "-0",
+            "18446744073709551616",
+            "1.25e+2",
             "0.0000000000000000000000001",
         ] {
             let mut c = Cursor {

@@ -114,7 +114,10 @@ fn line(rng: &mut ChaCha8Rng) -> String {
     match rng.random_range(0..20) {
         0 => {}
         1 => {
-            fields.push(format!("\"logits\": {}", value_array(rng, values_width, ws)));
+            fields.push(format!(
+                "\"logits\": {}",
+                value_array(rng, values_width, ws)
+            ));
             fields.push(format!("\"probs\": {}", probs_array(rng, values_width)));
         }
         2..=5 => fields.push(format!("\"probs\":{ws}{}", probs_array(rng, values_width))),
@@ -182,8 +185,14 @@ fn check(text: &str, path: &Path) -> bool {
         }
         (Err(expected), Err(got)) => {
             assert_eq!(got.to_string(), expected.to_string(), "{text}");
-            assert!(columns.rows.is_empty() && columns.options.is_empty(), "{text}");
-            assert!(columns.probs.is_empty() && columns.log_probs.is_empty(), "{text}");
+            assert!(
+                columns.rows.is_empty() && columns.options.is_empty(),
+                "{text}"
+            );
+            assert!(
+                columns.probs.is_empty() && columns.log_probs.is_empty(),
+                "{text}"
+            );
             false
         }
         (expected, got) => panic!("{text}: serde_json {expected:?}, fast path {got:?}"),
@@ -203,7 +212,10 @@ fn every_line_reads_as_serde_json_reads_it() {
         }
     }
     // Both outcomes must be well represented for the comparison to mean something.
-    assert!(valid > 10_000 && invalid > 10_000, "{valid} valid, {invalid} invalid");
+    assert!(
+        valid > 10_000 && invalid > 10_000,
+        "{valid} valid, {invalid} invalid"
+    );
 }
 
 #[test]

@@ -1180,7 +1180,8 @@ pub fn write_quantized(
     let mut writer =
         CheckpointWriter::new(dir, plan.specs.clone(), options.max_shard_bytes, metadata)?;
     std::thread::scope(|scope| -> Result<()> {
-        let (sender, receiver) = std::sync::mpsc::sync_channel::<(String, TensorBytes<'_>)>(WRITE_QUEUE);
+        let (sender, receiver) =
+            std::sync::mpsc::sync_channel::<(String, TensorBytes<'_>)>(WRITE_QUEUE);
         let written = scope.spawn(move || -> Result<CheckpointWriter> {
             for (name, bytes) in receiver {
                 let bytes = match &bytes {
@@ -1192,7 +1193,7 @@ pub fn write_quantized(
             Ok(writer)
         });
         // False once the writer stopped (its error is reported below).
-        let mut send = |name: String, bytes: TensorBytes<'_>| sender.send((name, bytes)).is_ok();
+        let mut send = |name, bytes| sender.send((name, bytes)).is_ok();
         let mut produced = Ok(());
         for (name, action) in &plan.actions {
             match quantize_tensor(input, plan, options, name, action, &mut send) {
@@ -1204,7 +1205,6 @@ pub fn write_quantized(
                 }
             }
         }
-        drop(send);
         drop(sender);
         let writer = written.join().expect("the writer thread does not panic")?;
         produced?;
@@ -1225,7 +1225,12 @@ fn quantize_tensor<'a>(
     send: &mut dyn FnMut(String, TensorBytes<'a>) -> bool,
 ) -> Result<bool> {
     let (out_features, in_features) = match action {
-        TensorAction::Copy => return Ok(send(name.to_string(), TensorBytes::Input(input.bytes(name)?))),
+        TensorAction::Copy => {
+            return Ok(send(
+                name.to_string(),
+                TensorBytes::Input(input.bytes(name)?),
+            ));
+        }
         TensorAction::Quantize {
             out_features,
             in_features,
@@ -1306,7 +1311,10 @@ fn quantize_tensor<'a>(
             } else {
                 emit(name.to_string(), w.packed);
                 emit(format!("{module}.weight_scale"), w.block_scales);
-                emit(format!("{module}.weight_scale_2"), global.to_le_bytes().to_vec());
+                emit(
+                    format!("{module}.weight_scale_2"),
+                    global.to_le_bytes().to_vec(),
+                );
                 if let Some(amax) = input_amax {
                     emit(
                         format!("{module}.input_scale"),

@@ -318,14 +318,14 @@ fn quantize_fp8_values<V: Values + ?Sized>(
         Fp8Granularity::Tensor => {
             let scale = fp8_scale(amax);
             scales[0] = scale;
-            codes
-                .par_chunks_mut(in_features)
-                .enumerate()
-                .for_each_init(Vec::new, |scratch, (row, c)| {
+            codes.par_chunks_mut(in_features).enumerate().for_each_init(
+                Vec::new,
+                |scratch, (row, c)| {
                     values.with_run(row * in_features, in_features, scratch, |x| {
                         runs::encode_fp8_run(x, scale, c)
                     })
-                });
+                },
+            );
         }
         Fp8Granularity::Channel => {
             codes
