@@ -379,8 +379,8 @@ impl LineBlock {
         path: &Path,
         columns: &mut AnswerColumns<'a>,
     ) -> Option<EvalError> {
-        let mut line = first_line;
-        for text in self.bytes[start..end].split_inclusive(|&b| b == b'\n') {
+        let lines = self.bytes[start..end].split_inclusive(|&b| b == b'\n');
+        for (line, text) in (first_line..).zip(lines) {
             let content = text.strip_suffix(b"\n").unwrap_or(text);
             if content.len() > MAX_JSON_LINE_BYTES {
                 return Some(line_too_long(path, line));
@@ -390,7 +390,6 @@ impl LineBlock {
                     return Some(error);
                 }
             }
-            line += 1;
         }
         None
     }

@@ -538,7 +538,7 @@ impl PairContext<'_> {
         answer: &CandidateAnswer<'_, '_>,
         group: u32,
     ) -> Result<PairStats> {
-        if !same_options(self.options, &answer.options) {
+        if !same_options(self.options, answer.options) {
             return Err(self.mismatch(
                 entry,
                 answer,
