@@ -15,8 +15,10 @@
 //! - unknown fields are ignored, blank lines are skipped.
 //!
 //! The reader streams: it holds one line ([`AnswersReader::next_view`], the
-//! iterator) or one batch of lines ([`AnswersReader::next_batch`], parsed in
-//! parallel) at a time.
+//! iterator) or one block of about 4 MiB of whole lines ([`AnswersReader::next_block`],
+//! parsed in parallel by [`LineBlock::parse`]) at a time; lines of the plain shape are
+//! scanned directly, every other line parsed by serde_json (docs/evaluation.md,
+//! "Scale").
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -408,7 +410,7 @@ fn line_too_long(path: &Path, line: u64) -> EvalError {
 }
 
 impl<R: BufRead> AnswersReader<R> {
-    /// Reads the next whole lines, about [`BLOCK_BYTES`] of them, into `block`
+    /// Reads the next whole lines, about 4 MiB of them, into `block`
     /// (replacing what it held); false at the end of the file or after an error.
     /// A line longer than [`MAX_JSON_LINE_BYTES`] is an error once that many bytes
     /// of it were read without a newline.
