@@ -15,8 +15,10 @@
 //! - unknown fields are ignored, blank lines are skipped.
 //!
 //! The reader streams: it holds one line ([`AnswersReader::next_view`], the
-//! iterator) or one batch of lines ([`AnswersReader::next_batch`], parsed in
-//! parallel) at a time.
+//! iterator) or one block of about 4 MiB of whole lines ([`AnswersReader::next_block`],
+//! parsed in parallel by [`LineBlock::parse`]) at a time; lines of the plain shape are
+//! scanned directly, every other line parsed by serde_json (docs/evaluation.md,
+//! "Scale").
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -26,6 +28,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::error::{EvalError, Result};
+use crate::plain_line::{ValuesField, scan_plain_line};
 use loraq_io::limits::{CappedLine, MAX_JSON_LINE_BYTES, elide, read_capped_line};
 
 /// How far the sum of a `probs` array may be from 1 before the record is refused.
@@ -137,6 +140,10 @@ pub struct AnswersReader<R> {
     path: PathBuf,
     line: u64,
     buf: Vec<u8>,
+    /// The unfinished line after the last block ([`AnswersReader::next_block`]).
+    carry: Vec<u8>,
+    /// An error found while reading ahead, reported after the lines before it.
+    pending: Option<EvalError>,
     failed: bool,
 }
 
@@ -160,6 +167,8 @@ impl<R: BufRead> AnswersReader<R> {
             path: path.into(),
             line: 0,
             buf: Vec::new(),
+            carry: Vec::new(),
+            pending: None,
             failed: false,
         }
     }
@@ -167,18 +176,6 @@ impl<R: BufRead> AnswersReader<R> {
     /// The file name used in error messages.
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// The error for a line over [`MAX_JSON_LINE_BYTES`] (a file without newlines,
-    /// such as /dev/zero, would otherwise be read without end).
-    fn line_too_long(&self) -> EvalError {
-        EvalError::Json {
-            path: self.path.clone(),
-            line: self.line + 1,
-            message: format!(
-                "line longer than {MAX_JSON_LINE_BYTES} bytes, the limit of an answers record (docs/formats.md)"
-            ),
-        }
     }
 
     /// The next answer, borrowing from the reader's line buffer (no iterator can
@@ -194,7 +191,7 @@ impl<R: BufRead> AnswersReader<R> {
                 Ok(CappedLine::Line) => {}
                 Ok(CappedLine::TooLong) => {
                     self.failed = true;
-                    return Some(Err(self.line_too_long()));
+                    return Some(Err(line_too_long(&self.path, self.line + 1)));
                 }
                 Err(error) => {
                     self.failed = true;
@@ -215,56 +212,223 @@ impl<R: BufRead> AnswersReader<R> {
     }
 }
 
-/// Lines read in one go, parsed in parallel by [`LineBatch::parse`].
+/// Bytes of a block of whole lines the parallel reader reads at a time: large enough
+/// that splitting it among threads costs nothing, small enough to stay in cache.
+const BLOCK_BYTES: usize = 4 << 20;
+
+/// Whole lines of an answers file read in one go ([`AnswersReader::next_block`]),
+/// parsed in parallel by [`LineBlock::parse`].
 #[derive(Debug, Default)]
-pub struct LineBatch {
+pub struct LineBlock {
     bytes: Vec<u8>,
-    /// (start, end, 1-based line number) of each non-blank line.
-    lines: Vec<(usize, usize, u64)>,
+    /// 1-based line number of the block's first line.
+    first_line: u64,
 }
 
-impl LineBatch {
-    /// Parses every line (in parallel); the first failing line, in file order, is
-    /// the error.
-    pub fn parse(&self, path: &Path) -> Result<Vec<AnswerView<'_>>> {
+/// Validated answers of a run of lines, column by column: one vector of options and
+/// one of probabilities for all of them (no allocation per line), strings borrowed
+/// from the block where they have no escapes.
+#[derive(Debug, Default)]
+pub struct AnswerColumns<'a> {
+    /// The answers in file order.
+    pub rows: Vec<AnswerRow<'a>>,
+    /// Every answer's options, in order; answer `r` has
+    /// `options[r.start..r.start + r.width]`.
+    pub options: Vec<Cow<'a, str>>,
+    /// Probabilities, indexed as `options`.
+    pub probs: Vec<f64>,
+    /// Log-probabilities, indexed as `options`.
+    pub log_probs: Vec<f64>,
+    /// Values of the line being read.
+    values: Vec<Option<f64>>,
+}
+
+/// One answer of [`AnswerColumns`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerRow<'a> {
+    /// Question id.
+    pub id: Cow<'a, str>,
+    /// Group, if given.
+    pub group: Option<Cow<'a, str>>,
+    /// Start of the answer's options, probabilities and log-probabilities.
+    pub start: usize,
+    /// Number of options.
+    pub width: usize,
+    /// Index of the gold option.
+    pub gold: Option<usize>,
+    /// 1-based line number.
+    pub line: u64,
+}
+
+impl<'a> AnswerColumns<'a> {
+    /// Parses and validates one line (with its newline) and appends its answer; the
+    /// same answer or error as [`parse_line`].
+    pub fn push_line(&mut self, bytes: &'a [u8], path: &Path, line: u64) -> Result<()> {
+        let start = self.options.len();
+        self.values.clear();
+        if let Some(plain) = scan_plain_line(bytes, &mut self.options, &mut self.values) {
+            let checked = check_id(plain.id, path, line)
+                .and_then(|()| check_options(plain.id, &self.options[start..], path, line))
+                .and_then(|()| {
+                    check_values_and_gold(
+                        plain.id,
+                        &self.options[start..],
+                        plain.field,
+                        &self.values,
+                        plain.gold,
+                        &[],
+                        path,
+                        line,
+                        &mut self.probs,
+                        &mut self.log_probs,
+                    )
+                });
+            match checked {
+                Ok(gold) => {
+                    self.rows.push(AnswerRow {
+                        id: Cow::Borrowed(plain.id),
+                        group: plain.group.map(Cow::Borrowed),
+                        start,
+                        width: self.options.len() - start,
+                        gold,
+                        line,
+                    });
+                    return Ok(());
+                }
+                Err(error) => {
+                    self.options.truncate(start);
+                    return Err(error);
+                }
+            }
+        }
+        self.options.truncate(start);
+        let view = parse_line(bytes, path, line)?;
+        self.options.extend(view.options);
+        self.probs.extend_from_slice(&view.probs);
+        self.log_probs.extend_from_slice(&view.log_probs);
+        self.rows.push(AnswerRow {
+            id: view.id,
+            group: view.group,
+            start,
+            width: self.options.len() - start,
+            gold: view.gold,
+            line,
+        });
+        Ok(())
+    }
+
+    /// The options of `row`.
+    pub fn options_of(&self, row: &AnswerRow<'_>) -> &[Cow<'a, str>] {
+        &self.options[row.start..row.start + row.width]
+    }
+}
+
+/// The answers of one piece of a block, up to its first error.
+#[derive(Debug)]
+pub struct ParsedPiece<'a> {
+    /// The answers read.
+    pub columns: AnswerColumns<'a>,
+    /// The error that stopped the piece (its line comes after every answer read).
+    pub error: Option<EvalError>,
+}
+
+impl LineBlock {
+    /// Splits the block into about `pieces` runs of whole lines and parses them in
+    /// parallel; every piece stops at its first bad line. Blank lines are skipped,
+    /// lines longer than [`MAX_JSON_LINE_BYTES`] refused.
+    pub fn parse(&self, path: &Path, pieces: usize) -> Vec<ParsedPiece<'_>> {
         use rayon::prelude::*;
-        let parsed: Vec<Result<AnswerView<'_>>> = self
-            .lines
-            .par_iter()
-            .map(|&(start, end, line)| parse_line(&self.bytes[start..end], path, line))
-            .collect();
-        parsed.into_iter().collect()
+        let ranges = self.split(pieces);
+        ranges
+            .into_par_iter()
+            .map(|(start, end, first_line)| {
+                let mut columns = AnswerColumns::default();
+                let error = self.parse_range(start, end, first_line, path, &mut columns);
+                ParsedPiece { columns, error }
+            })
+            .collect()
     }
 
-    /// Number of (non-blank) lines.
-    pub fn len(&self) -> usize {
-        self.lines.len()
+    /// (start, end, first line number) of about `pieces` runs of whole lines.
+    fn split(&self, pieces: usize) -> Vec<(usize, usize, u64)> {
+        let len = self.bytes.len();
+        let step = len.div_ceil(pieces.max(1)).max(1);
+        let mut ranges = Vec::with_capacity(pieces);
+        let (mut start, mut line) = (0, self.first_line);
+        while start < len {
+            let end = match self.bytes[(start + step).min(len)..]
+                .iter()
+                .position(|&b| b == b'\n')
+            {
+                Some(i) => (start + step).min(len) + i + 1,
+                None => len,
+            };
+            ranges.push((start, end, line));
+            line += self.bytes[start..end]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count() as u64;
+            start = end;
+        }
+        ranges
     }
 
-    /// No lines.
-    pub fn is_empty(&self) -> bool {
-        self.lines.is_empty()
+    fn parse_range<'a>(
+        &'a self,
+        start: usize,
+        end: usize,
+        first_line: u64,
+        path: &Path,
+        columns: &mut AnswerColumns<'a>,
+    ) -> Option<EvalError> {
+        let lines = self.bytes[start..end].split_inclusive(|&b| b == b'\n');
+        for (line, text) in (first_line..).zip(lines) {
+            let content = text.strip_suffix(b"\n").unwrap_or(text);
+            if content.len() > MAX_JSON_LINE_BYTES {
+                return Some(line_too_long(path, line));
+            }
+            if !text.iter().all(u8::is_ascii_whitespace) {
+                if let Err(error) = columns.push_line(text, path, line) {
+                    return Some(error);
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The error for a line over [`MAX_JSON_LINE_BYTES`] (a file without newlines,
+/// such as /dev/zero, would otherwise be read without end).
+fn line_too_long(path: &Path, line: u64) -> EvalError {
+    EvalError::Json {
+        path: path.to_path_buf(),
+        line,
+        message: format!(
+            "line longer than {MAX_JSON_LINE_BYTES} bytes, the limit of an answers record (docs/formats.md)"
+        ),
     }
 }
 
 impl<R: BufRead> AnswersReader<R> {
-    /// Reads up to `max_lines` non-blank lines into `batch` (cleared first); false at
-    /// the end of the file (or after an error).
-    pub fn next_batch(&mut self, batch: &mut LineBatch, max_lines: usize) -> Result<bool> {
-        batch.bytes.clear();
-        batch.lines.clear();
+    /// Reads the next whole lines, about 4 MiB of them, into `block`
+    /// (replacing what it held); false at the end of the file or after an error.
+    /// A line longer than [`MAX_JSON_LINE_BYTES`] is an error once that many bytes
+    /// of it were read without a newline.
+    pub fn next_block(&mut self, block: &mut LineBlock) -> Result<bool> {
+        block.bytes.clear();
+        if let Some(error) = self.pending.take() {
+            return Err(error);
+        }
         if self.failed {
             return Ok(false);
         }
-        while batch.lines.len() < max_lines {
-            let start = batch.bytes.len();
-            match read_capped_line(&mut self.reader, &mut batch.bytes, MAX_JSON_LINE_BYTES) {
-                Ok(CappedLine::End) => break,
-                Ok(CappedLine::Line) => {}
-                Ok(CappedLine::TooLong) => {
-                    self.failed = true;
-                    return Err(self.line_too_long());
-                }
+        block.first_line = self.line + 1;
+        block.bytes.append(&mut self.carry);
+        let mut end_of_file = false;
+        loop {
+            let available = match self.reader.fill_buf() {
+                Ok(available) => available,
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(error) => {
                     self.failed = true;
                     return Err(EvalError::Io {
@@ -272,15 +436,54 @@ impl<R: BufRead> AnswersReader<R> {
                         error,
                     });
                 }
+            };
+            if available.is_empty() {
+                end_of_file = true;
+                break;
             }
-            self.line += 1;
-            if batch.bytes[start..].iter().all(u8::is_ascii_whitespace) {
-                batch.bytes.truncate(start);
-                continue;
+            let searched = block.bytes.len();
+            block.bytes.extend_from_slice(available);
+            let taken = available.len();
+            self.reader.consume(taken);
+            if block.bytes.len() >= BLOCK_BYTES {
+                match block.bytes[searched..].iter().rposition(|&b| b == b'\n') {
+                    Some(_) => break,
+                    None => {
+                        // One unfinished line since the last newline.
+                        let line_start = block.bytes[..searched]
+                            .iter()
+                            .rposition(|&b| b == b'\n')
+                            .map_or(0, |i| i + 1);
+                        if block.bytes.len() - line_start > MAX_JSON_LINE_BYTES {
+                            // The lines before it come first, then the error.
+                            block.bytes.truncate(line_start);
+                            self.line += block.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+                            self.failed = true;
+                            let error = line_too_long(&self.path, self.line + 1);
+                            if block.bytes.is_empty() {
+                                return Err(error);
+                            }
+                            self.pending = Some(error);
+                            return Ok(true);
+                        }
+                    }
+                }
             }
-            batch.lines.push((start, batch.bytes.len(), self.line));
         }
-        Ok(!batch.lines.is_empty())
+        if !end_of_file {
+            let last = block
+                .bytes
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .expect("the loop stops after a newline");
+            self.carry.extend_from_slice(&block.bytes[last + 1..]);
+            block.bytes.truncate(last + 1);
+        }
+        self.line += block.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+        if end_of_file && block.bytes.last().is_some_and(|&b| b != b'\n') {
+            self.line += 1;
+        }
+        Ok(!block.bytes.is_empty())
     }
 }
 
@@ -380,71 +583,41 @@ fn validate<'a>(
         field,
     };
     let id = raw.id.ok_or_else(|| missing("id"))?.0;
-    let invalid = |reason: String| EvalError::InvalidRecord {
-        path: path.to_path_buf(),
-        line,
-        id: id.to_string(),
-        reason,
-    };
-    if id.is_empty() {
-        return Err(invalid("empty id".into()));
-    }
+    check_id(&id, path, line)?;
     let options: Vec<Cow<'a, str>> = raw
         .options
         .ok_or_else(|| missing("options"))?
         .into_iter()
         .map(|o| o.0)
         .collect();
-    check_question(&id, &options, None).map_err(invalid)?;
+    check_options(&id, &options, path, line)?;
     let (field, values) = match (raw.logits, raw.probs) {
-        (Some(logits), None) => ("logits", logits),
-        (None, Some(probs)) => ("probs", probs),
-        (Some(_), Some(_)) => return Err(invalid("both `logits` and `probs` given".into())),
+        (Some(logits), None) => (ValuesField::Logits, logits),
+        (None, Some(probs)) => (ValuesField::Probs, probs),
+        (Some(_), Some(_)) => {
+            return Err(invalid_record(
+                &id,
+                path,
+                line,
+                "both `logits` and `probs` given".into(),
+            ));
+        }
         (None, None) => return Err(missing("logits")),
     };
-    if values.len() != options.len() {
-        return Err(invalid(format!(
-            "{field} has {} entries but options has {}",
-            values.len(),
-            options.len()
-        )));
-    }
-    let mut finite = Vec::with_capacity(values.len());
-    for (index, value) in values.iter().enumerate() {
-        match value {
-            Some(v) if v.is_finite() => finite.push(*v),
-            _ => {
-                return Err(EvalError::NonFinite {
-                    path: path.to_path_buf(),
-                    line,
-                    id: id.into_owned(),
-                    field,
-                    index,
-                    value: replaced.first().cloned().unwrap_or_else(|| "null".into()),
-                });
-            }
-        }
-    }
-    let (probs, log_probs) = if field == "logits" {
-        softmax_and_log(&finite)
-    } else {
-        if let Some((index, v)) = finite.iter().enumerate().find(|(_, v)| **v < 0.0) {
-            return Err(invalid(format!("probs[{index}] = {v} is negative")));
-        }
-        let sum: f64 = finite.iter().sum();
-        if (sum - 1.0).abs() > PROBS_SUM_TOLERANCE {
-            return Err(invalid(format!(
-                "probs sum to {sum}, not 1 (tolerance {PROBS_SUM_TOLERANCE})"
-            )));
-        }
-        let probs: Vec<f64> = finite.iter().map(|p| p / sum).collect();
-        let log_probs = probs.iter().map(|p| p.ln()).collect();
-        (probs, log_probs)
-    };
-    let gold = match raw.gold {
-        None => None,
-        Some(JsonStr(gold)) => check_question(&id, &options, Some(&gold)).map_err(invalid)?,
-    };
+    let mut probs = Vec::with_capacity(values.len());
+    let mut log_probs = Vec::with_capacity(values.len());
+    let gold = check_values_and_gold(
+        &id,
+        &options,
+        field,
+        &values,
+        raw.gold.as_ref().map(|g| g.0.as_ref()),
+        replaced,
+        path,
+        line,
+        &mut probs,
+        &mut log_probs,
+    )?;
     Ok(AnswerView {
         id,
         group: raw.group.map(|g| g.0),
@@ -456,17 +629,146 @@ fn validate<'a>(
     })
 }
 
+fn invalid_record(id: &str, path: &Path, line: u64, reason: String) -> EvalError {
+    EvalError::InvalidRecord {
+        path: path.to_path_buf(),
+        line,
+        id: id.to_string(),
+        reason,
+    }
+}
+
+/// The id rule of [`check_question`], before the options are looked at.
+fn check_id(id: &str, path: &Path, line: u64) -> Result<()> {
+    if id.is_empty() {
+        return Err(invalid_record(id, path, line, "empty id".into()));
+    }
+    Ok(())
+}
+
+/// The option rules of [`check_question`]; short lists are checked pair by pair
+/// without allocating, and only a failing list goes through `check_question` for
+/// its message.
+fn check_options(id: &str, options: &[Cow<'_, str>], path: &Path, line: u64) -> Result<()> {
+    const PAIRWISE: usize = 16;
+    let valid = options.len() >= 2
+        && (options.len() > PAIRWISE
+            || (1..options.len()).all(|i| !options[..i].contains(&options[i])));
+    if valid && options.len() <= PAIRWISE {
+        return Ok(());
+    }
+    check_question(id, options, None)
+        .map(drop)
+        .map_err(|reason| invalid_record(id, path, line, reason))
+}
+
+/// The rules on the values and the gold label (after those on id and options), in
+/// the order the errors are reported; appends the probabilities and their logarithms
+/// (module docs) and returns the gold's index.
+#[allow(clippy::too_many_arguments)]
+fn check_values_and_gold(
+    id: &str,
+    options: &[Cow<'_, str>],
+    field: ValuesField,
+    values: &[Option<f64>],
+    gold: Option<&str>,
+    replaced: &[String],
+    path: &Path,
+    line: u64,
+    probs: &mut Vec<f64>,
+    log_probs: &mut Vec<f64>,
+) -> Result<Option<usize>> {
+    let name = field.name();
+    if values.len() != options.len() {
+        return Err(invalid_record(
+            id,
+            path,
+            line,
+            format!(
+                "{name} has {} entries but options has {}",
+                values.len(),
+                options.len()
+            ),
+        ));
+    }
+    if let Some(index) = values.iter().position(|v| !v.is_some_and(f64::is_finite)) {
+        return Err(EvalError::NonFinite {
+            path: path.to_path_buf(),
+            line,
+            id: id.to_string(),
+            field: name,
+            index,
+            value: replaced.first().cloned().unwrap_or_else(|| "null".into()),
+        });
+    }
+    let finite = values.iter().map(|v| v.expect("checked finite"));
+    let (probs_start, log_probs_start) = (probs.len(), log_probs.len());
+    match field {
+        ValuesField::Logits => {
+            log_probs.extend(finite);
+            softmax_and_log_in_place(&mut log_probs[log_probs_start..], probs);
+        }
+        ValuesField::Probs => {
+            probs.extend(finite);
+            let given = &mut probs[probs_start..];
+            if let Some((index, v)) = given.iter().enumerate().find(|(_, v)| **v < 0.0) {
+                let reason = format!("probs[{index}] = {v} is negative");
+                probs.truncate(probs_start);
+                return Err(invalid_record(id, path, line, reason));
+            }
+            let sum: f64 = given.iter().sum();
+            if (sum - 1.0).abs() > PROBS_SUM_TOLERANCE {
+                probs.truncate(probs_start);
+                return Err(invalid_record(
+                    id,
+                    path,
+                    line,
+                    format!("probs sum to {sum}, not 1 (tolerance {PROBS_SUM_TOLERANCE})"),
+                ));
+            }
+            given.iter_mut().for_each(|p| *p /= sum);
+            log_probs.extend(given.iter().map(|p| p.ln()));
+        }
+    }
+    match gold {
+        None => Ok(None),
+        Some(gold) => match options.iter().position(|o| o.as_ref() == gold) {
+            Some(index) => Ok(Some(index)),
+            None => {
+                probs.truncate(probs_start);
+                log_probs.truncate(log_probs_start);
+                Err(invalid_record(
+                    id,
+                    path,
+                    line,
+                    check_question(id, options, Some(gold)).expect_err("gold not found"),
+                ))
+            }
+        },
+    }
+}
+
 /// p = softmax(l) as exp(l - max) / sum, and log p = (l - max) - ln(sum).
 pub fn softmax_and_log(logits: &[f64]) -> (Vec<f64>, Vec<f64>) {
-    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut log_probs = logits.to_vec();
+    let mut probs = Vec::with_capacity(logits.len());
+    softmax_and_log_in_place(&mut log_probs, &mut probs);
+    (probs, log_probs)
+}
+
+/// [`softmax_and_log`] with the logits given in `log_probs`, which receive log p,
+/// and p appended to `probs`.
+fn softmax_and_log_in_place(log_probs: &mut [f64], probs: &mut Vec<f64>) {
+    let max = log_probs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     // log_probs holds l - max and probs exp(l - max) until both are normalized.
-    let mut log_probs: Vec<f64> = logits.iter().map(|l| l - max).collect();
-    let mut probs: Vec<f64> = log_probs.iter().map(|s| s.exp()).collect();
+    log_probs.iter_mut().for_each(|l| *l -= max);
+    let start = probs.len();
+    probs.extend(log_probs.iter().map(|s| s.exp()));
+    let probs = &mut probs[start..];
     let sum: f64 = probs.iter().sum();
     let log_sum = sum.ln();
     probs.iter_mut().for_each(|e| *e /= sum);
     log_probs.iter_mut().for_each(|s| *s -= log_sum);
-    (probs, log_probs)
 }
 
 /// Replaces the bare tokens `NaN`, `Infinity` and `-Infinity` outside strings by

@@ -90,7 +90,10 @@ pub fn adaptive_calibration_error(
         return None;
     }
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| confidence[a].total_cmp(&confidence[b]));
+    // Stable, in parallel: ties keep their input order as a sequential stable sort.
+    rayon::slice::ParallelSliceMut::par_sort_by(&mut order[..], |&a, &b| {
+        confidence[a].total_cmp(&confidence[b])
+    });
     let (base, larger) = (n / bins, n % bins);
     let mut start = 0;
     let mut ece = 0.0;

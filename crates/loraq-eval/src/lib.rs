@@ -17,6 +17,7 @@ pub mod compare;
 pub mod error;
 pub mod hidden;
 pub mod pair;
+mod plain_line;
 pub mod render;
 pub mod stats;
 

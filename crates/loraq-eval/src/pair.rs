@@ -13,11 +13,13 @@ use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
-use crate::answers::{AnswerView, AnswersReader, LineBatch};
+use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock};
 use crate::error::{EvalError, FieldMismatch, Result};
+use hashbrown::HashTable;
 
-/// Lines parsed together (in parallel) before they are paired in order.
-const BATCH_LINES: usize = 1 << 14;
+/// Pieces each block of lines is split into per thread, so that a piece of long
+/// lines does not leave the other threads idle.
+const PIECES_PER_THREAD: usize = 4;
 
 /// Name of the group of questions that have no `group` field.
 pub const UNGROUPED: &str = "(ungrouped)";
@@ -71,7 +73,8 @@ pub struct PairedAnswers {
 }
 
 /// A reference answer waiting for its candidate. Its probabilities live in one
-/// shared vector (a million small allocations cost more than the parsing).
+/// shared vector and its id in one shared string (a million small allocations cost
+/// more than the parsing).
 struct ReferenceEntry {
     line: u64,
     options: u32,
@@ -79,6 +82,8 @@ struct ReferenceEntry {
     gold: Option<u32>,
     /// Start of the probabilities in [`ReferenceStore::probs`] (and log-probs).
     start: usize,
+    /// Start of the id in [`ReferenceStore::ids`] (it ends where the next begins).
+    id_start: usize,
 }
 
 /// The reference side, held whole while the candidate streams past.
@@ -87,6 +92,33 @@ struct ReferenceStore {
     entries: Vec<ReferenceEntry>,
     probs: Vec<f64>,
     log_probs: Vec<f64>,
+    /// Every id, one after the other.
+    ids: String,
+    /// Index of each entry, by its id's [`hash_id`].
+    index: HashTable<u32>,
+}
+
+impl ReferenceStore {
+    fn id(&self, index: usize) -> &str {
+        let end = self
+            .entries
+            .get(index + 1)
+            .map_or(self.ids.len(), |next| next.id_start);
+        &self.ids[self.entries[index].id_start..end]
+    }
+
+    /// The entry of `id`, given its [`hash_id`].
+    fn find(&self, hash: u64, id: &str) -> Option<u32> {
+        self.index
+            .find(hash, |&i| self.id(i as usize) == id)
+            .copied()
+    }
+}
+
+fn hash_id(id: &str) -> u64 {
+    let mut hasher = FastHasher::default();
+    hasher.write(id.as_bytes());
+    hasher.finish()
 }
 
 /// Option lists shared by many questions ("A".."D") are stored once.
@@ -155,7 +187,30 @@ impl Hasher for FastHasher {
 
 type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
 
+/// A candidate slot of each reference entry: the candidate's line (0 while none came)
+/// and the pair's figures.
+#[derive(Clone, Copy)]
+struct Slot {
+    candidate_line: u64,
+    stats: PairStats,
+}
+
+/// What the parallel pass found for one candidate answer.
+struct CandidateOutcome {
+    /// The reference entry with the same id.
+    index: Option<u32>,
+    /// The pair reduced, when paired (its group is set in order, see
+    /// [`PairContext::agreed_group`]).
+    reduced: Option<Result<PairStats>>,
+}
+
 /// Reads both files and pairs them by id.
+///
+/// Both files are read in blocks of whole lines, each parsed in parallel; the
+/// reference's answers are then stored in file order, the candidate's looked up and
+/// reduced in parallel and placed in file order, so that the error reported is the
+/// first in file order (reference first) and the result does not depend on the
+/// number of threads.
 ///
 /// Errors (each naming file and line): anything [`AnswersReader`] refuses, an id twice
 /// in one file, a paired question whose options (same labels, same order), gold or
@@ -166,118 +221,189 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
     mut candidate: AnswersReader<R2>,
     allow_unpaired: bool,
 ) -> Result<PairedAnswers> {
+    use rayon::prelude::*;
     let reference_path = reference.path().to_path_buf();
     let candidate_path = candidate.path().to_path_buf();
+    let pieces = rayon::current_num_threads().saturating_mul(PIECES_PER_THREAD);
 
     let mut option_lists = OptionLists::default();
     let mut groups = Interner::default();
-    let mut index_of: FastMap<Box<str>, u32> = FastMap::default();
     let mut store = ReferenceStore::default();
-    let mut batch = LineBatch::default();
-    while reference.next_batch(&mut batch, BATCH_LINES)? {
-        for answer in batch.parse(&reference_path)? {
-            let entries = &store.entries;
-            let index = u32::try_from(entries.len()).expect("fewer than 2^32 questions");
-            match index_of.entry(Box::from(answer.id.as_ref())) {
-                Entry::Occupied(seen) => {
+    let mut block = LineBlock::default();
+    while reference.next_block(&mut block)? {
+        for piece in block.parse(&reference_path, pieces) {
+            let columns = &piece.columns;
+            for row in &columns.rows {
+                let hash = hash_id(&row.id);
+                if let Some(first) = store.find(hash, &row.id) {
                     return Err(EvalError::DuplicateId {
                         path: reference_path,
-                        line: answer.line,
-                        id: seen.key().to_string(),
-                        first_line: entries[*seen.get() as usize].line,
+                        line: row.line,
+                        id: row.id.to_string(),
+                        first_line: store.entries[first as usize].line,
                     });
                 }
-                Entry::Vacant(slot) => {
-                    slot.insert(index);
-                }
-            }
-            store.entries.push(ReferenceEntry {
-                line: answer.line,
-                options: option_lists.intern(&answer.options),
-                group: answer.group.map(|g| groups.intern(&g)),
-                gold: answer.gold.map(|g| g as u32),
-                start: store.probs.len(),
-            });
-            store.probs.extend_from_slice(&answer.probs);
-            store.log_probs.extend_from_slice(&answer.log_probs);
-        }
-    }
-    let entries = &store.entries;
-
-    let mut slots: Vec<Option<PairStats>> = vec![None; entries.len()];
-    let mut candidate_line_of: Vec<u64> = vec![0; entries.len()];
-    let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
-    while candidate.next_batch(&mut batch, BATCH_LINES)? {
-        for answer in batch.parse(&candidate_path)? {
-            let Some(&index) = index_of.get(answer.id.as_ref()) else {
-                if !allow_unpaired {
-                    return Err(EvalError::UnpairedCandidate {
-                        path: candidate_path,
-                        line: answer.line,
-                        id: answer.id.into_owned(),
-                        other_path: reference_path,
-                    });
-                }
-                match candidate_only_ids.entry(answer.id.into_owned()) {
-                    Entry::Occupied(seen) => {
-                        return Err(EvalError::DuplicateId {
-                            path: candidate_path,
-                            line: answer.line,
-                            id: seen.key().clone(),
-                            first_line: *seen.get(),
-                        });
-                    }
-                    Entry::Vacant(slot) => {
-                        slot.insert(answer.line);
-                    }
-                }
-                continue;
-            };
-            let index = index as usize;
-            if candidate_line_of[index] != 0 {
-                return Err(EvalError::DuplicateId {
-                    path: candidate_path,
-                    line: answer.line,
-                    id: answer.id.into_owned(),
-                    first_line: candidate_line_of[index],
+                let index = u32::try_from(store.entries.len()).expect("fewer than 2^32 questions");
+                store.entries.push(ReferenceEntry {
+                    line: row.line,
+                    options: option_lists.intern(columns.options_of(row)),
+                    group: row.group.as_ref().map(|g| groups.intern(g)),
+                    gold: row.gold.map(|g| g as u32),
+                    start: store.probs.len(),
+                    id_start: store.ids.len(),
+                });
+                store.ids.push_str(&row.id);
+                let values = row.start..row.start + row.width;
+                store
+                    .probs
+                    .extend_from_slice(&columns.probs[values.clone()]);
+                store
+                    .log_probs
+                    .extend_from_slice(&columns.log_probs[values]);
+                let ReferenceStore {
+                    entries,
+                    ids,
+                    index: table,
+                    ..
+                } = &mut store;
+                table.insert_unique(hash, index, |&i| {
+                    let start = entries[i as usize].id_start;
+                    let end = entries
+                        .get(i as usize + 1)
+                        .map_or(ids.len(), |e| e.id_start);
+                    hash_id(&ids[start..end])
                 });
             }
-            candidate_line_of[index] = answer.line;
-            let entry = &entries[index];
-            let options = &option_lists.lists[entry.options as usize];
-            let width = options.len();
-            let context = PairContext {
-                reference_path: &reference_path,
-                candidate_path: &candidate_path,
-                options,
-                probs: &store.probs[entry.start..entry.start + width],
-                log_probs: &store.log_probs[entry.start..entry.start + width],
-            };
-            let group = context.agreed_group(entry, &answer, &mut groups)?;
-            slots[index] = Some(context.reduce(entry, &answer, group)?);
+            if let Some(error) = piece.error {
+                return Err(error);
+            }
+        }
+    }
+    let store = store;
+    let entries = &store.entries;
+
+    let empty = Slot {
+        candidate_line: 0,
+        stats: PairStats {
+            kl: 0.0,
+            flip: false,
+            reference_confidence: 0.0,
+            candidate_confidence: 0.0,
+            reference_margin: 0.0,
+            group: 0,
+            gold: None,
+        },
+    };
+    let mut slots: Vec<Slot> = vec![empty; entries.len()];
+    let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
+    while candidate.next_block(&mut block)? {
+        let parsed = block.parse(&candidate_path, pieces);
+        let outcomes: Vec<Vec<CandidateOutcome>> = parsed
+            .par_iter()
+            .map(|piece| {
+                let columns = &piece.columns;
+                columns
+                    .rows
+                    .iter()
+                    .map(|row| {
+                        let index = store.find(hash_id(&row.id), &row.id);
+                        let reduced = index.map(|index| {
+                            let entry = &entries[index as usize];
+                            let options = &option_lists.lists[entry.options as usize];
+                            let width = options.len();
+                            let context = PairContext {
+                                reference_path: &reference_path,
+                                candidate_path: &candidate_path,
+                                options,
+                                probs: &store.probs[entry.start..entry.start + width],
+                                log_probs: &store.log_probs[entry.start..entry.start + width],
+                            };
+                            context.reduce(entry, &CandidateAnswer::new(columns, row), 0)
+                        });
+                        CandidateOutcome { index, reduced }
+                    })
+                    .collect()
+            })
+            .collect();
+        for (piece, outcomes) in parsed.into_iter().zip(outcomes) {
+            let columns = &piece.columns;
+            for (row, outcome) in columns.rows.iter().zip(outcomes) {
+                let Some(index) = outcome.index else {
+                    if !allow_unpaired {
+                        return Err(EvalError::UnpairedCandidate {
+                            path: candidate_path,
+                            line: row.line,
+                            id: row.id.to_string(),
+                            other_path: reference_path,
+                        });
+                    }
+                    match candidate_only_ids.entry(row.id.to_string()) {
+                        Entry::Occupied(seen) => {
+                            return Err(EvalError::DuplicateId {
+                                path: candidate_path,
+                                line: row.line,
+                                id: seen.key().clone(),
+                                first_line: *seen.get(),
+                            });
+                        }
+                        Entry::Vacant(slot) => {
+                            slot.insert(row.line);
+                        }
+                    }
+                    continue;
+                };
+                let slot = &mut slots[index as usize];
+                if slot.candidate_line != 0 {
+                    return Err(EvalError::DuplicateId {
+                        path: candidate_path,
+                        line: row.line,
+                        id: row.id.to_string(),
+                        first_line: slot.candidate_line,
+                    });
+                }
+                let entry = &entries[index as usize];
+                let options = &option_lists.lists[entry.options as usize];
+                let context = PairContext {
+                    reference_path: &reference_path,
+                    candidate_path: &candidate_path,
+                    options,
+                    probs: &[],
+                    log_probs: &[],
+                };
+                let answer = CandidateAnswer::new(columns, row);
+                let group = context.agreed_group(entry, &answer, &mut groups)?;
+                let mut stats = outcome.reduced.expect("paired answers are reduced")?;
+                stats.group = group;
+                *slot = Slot {
+                    candidate_line: row.line,
+                    stats,
+                };
+            }
+            if let Some(error) = piece.error {
+                return Err(error);
+            }
         }
     }
 
-    let reference_only = slots.iter().filter(|s| s.is_none()).count();
+    let reference_only = slots.iter().filter(|s| s.candidate_line == 0).count();
     if reference_only > 0 && !allow_unpaired {
         let first = slots
             .iter()
-            .position(Option::is_none)
+            .position(|s| s.candidate_line == 0)
             .expect("counted above");
-        let id = index_of
-            .iter()
-            .find(|(_, i)| **i as usize == first)
-            .map(|(id, _)| id.to_string())
-            .expect("every entry has an id");
         return Err(EvalError::UnpairedReference {
             path: reference_path,
             line: entries[first].line,
-            id,
+            id: store.id(first).to_string(),
             other_path: candidate_path,
             count: reference_only,
         });
     }
-    let pairs: Vec<PairStats> = slots.into_iter().flatten().collect();
+    let pairs: Vec<PairStats> = slots
+        .into_iter()
+        .filter(|s| s.candidate_line != 0)
+        .map(|s| s.stats)
+        .collect();
     if pairs.is_empty() {
         return Err(EvalError::NoPairs {
             reference: reference_path,
@@ -292,6 +418,32 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
         reference_only,
         candidate_only: candidate_only_ids.len(),
     })
+}
+
+/// A candidate answer as the pairing reads it.
+struct CandidateAnswer<'r, 'a> {
+    id: &'r str,
+    group: Option<&'r str>,
+    options: &'r [Cow<'a, str>],
+    probs: &'r [f64],
+    log_probs: &'r [f64],
+    gold: Option<usize>,
+    line: u64,
+}
+
+impl<'r, 'a> CandidateAnswer<'r, 'a> {
+    fn new(columns: &'r AnswerColumns<'a>, row: &'r AnswerRow<'a>) -> Self {
+        let values = row.start..row.start + row.width;
+        Self {
+            id: &row.id,
+            group: row.group.as_deref(),
+            options: &columns.options[values.clone()],
+            probs: &columns.probs[values.clone()],
+            log_probs: &columns.log_probs[values],
+            gold: row.gold,
+            line: row.line,
+        }
+    }
 }
 
 /// Opens and pairs two answers files ([`pair_answers`]).
@@ -345,7 +497,7 @@ impl PairContext<'_> {
     fn mismatch(
         &self,
         entry: &ReferenceEntry,
-        answer: &AnswerView<'_>,
+        answer: &CandidateAnswer<'_, '_>,
         field: &'static str,
         ours: String,
         theirs: String,
@@ -366,7 +518,7 @@ impl PairContext<'_> {
     fn agreed_group(
         &self,
         entry: &ReferenceEntry,
-        answer: &AnswerView<'_>,
+        answer: &CandidateAnswer<'_, '_>,
         groups: &mut Interner,
     ) -> Result<u32> {
         match (entry.group, &answer.group) {
@@ -383,10 +535,10 @@ impl PairContext<'_> {
     fn reduce(
         &self,
         entry: &ReferenceEntry,
-        answer: &AnswerView<'_>,
+        answer: &CandidateAnswer<'_, '_>,
         group: u32,
     ) -> Result<PairStats> {
-        if !same_options(self.options, &answer.options) {
+        if !same_options(self.options, answer.options) {
             return Err(self.mismatch(
                 entry,
                 answer,
@@ -409,7 +561,7 @@ impl PairContext<'_> {
             (None, c) => c,
         };
         let (p, log_p) = (self.probs, self.log_probs);
-        let (q, log_q) = (&answer.probs[..], &answer.log_probs[..]);
+        let (q, log_q) = (answer.probs, answer.log_probs);
         let mut kl = 0.0;
         for k in 0..p.len() {
             if p[k] > 0.0 {

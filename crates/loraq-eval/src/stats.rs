@@ -55,9 +55,12 @@ pub fn percentile_sorted(sorted: &[f64], q: f64) -> Option<f64> {
 }
 
 /// Sorts a copy ascending (total order; inputs are finite) for [`percentile_sorted`].
+/// In parallel: values equal in the total order have the same bits, so the result
+/// is the one any sort gives.
 pub fn sorted_copy(values: &[f64]) -> Vec<f64> {
+    use rayon::slice::ParallelSliceMut;
     let mut sorted = values.to_vec();
-    sorted.sort_unstable_by(f64::total_cmp);
+    sorted.par_sort_unstable_by(f64::total_cmp);
     sorted
 }
 

@@ -27,7 +27,7 @@ use crate::format::{
     WeightFormat, blocks, fp8_scale_shape,
 };
 use crate::ggml::{GgmlType, GgmlWeight};
-use crate::scheme::{Scheme, WeightView};
+use crate::scheme::{Bf16WeightView, Scheme, WeightView};
 use crate::weight::{
     Bf16Weight, Fp8Weight, Nvfp4Weight, QuantizedWeight, dequantize_fp8_into, dequantize_nvfp4_into,
 };
@@ -1145,11 +1145,29 @@ fn compressed_tensors_nvfp4_config(not_converted: &[String], calibrated: bool) -
     })
 }
 
+/// Output tensors quantized ahead of the writer: one being written, this many
+/// waiting, one being quantized.
+const WRITE_QUEUE: usize = 2;
+
+/// A tensor's bytes on their way to the writer thread.
+enum TensorBytes<'a> {
+    /// Copied from the input's mapping as they are.
+    Input(&'a [u8]),
+    /// Computed.
+    Owned(Vec<u8>),
+}
+
 /// Writes the planned checkpoint into `dir` (an empty directory, normally an
-/// [`loraq_io::AtomicDir`]'s path): the tensors, one input tensor in memory at a
-/// time, sharded past `options.max_shard_bytes` with an index, then config.json with
-/// `quantization_config` (and, for NVFP4, ModelOpt's `hf_quant_config.json`).
-/// `progress` is called after every input tensor with its name.
+/// [`loraq_io::AtomicDir`]'s path): the tensors, sharded past `options.max_shard_bytes`
+/// with an index, then config.json with `quantization_config` (and, for NVFP4,
+/// ModelOpt's `hf_quant_config.json`). `progress` is called after every input tensor
+/// with its name.
+///
+/// A writer thread writes each tensor while the next is quantized (on every core),
+/// with at most a few tensors' output in memory. BF16 weights are quantized straight
+/// from the input's bytes (FP8 and NVFP4 convert run by run, never the whole matrix
+/// to f32). Errors come in tensor order: a write that failed is reported before a
+/// later tensor's refusal.
 pub fn write_quantized(
     input: &Checkpoint,
     plan: &QuantizePlan,
@@ -1161,98 +1179,158 @@ pub fn write_quantized(
     metadata.insert("format".to_string(), "pt".to_string());
     let mut writer =
         CheckpointWriter::new(dir, plan.specs.clone(), options.max_shard_bytes, metadata)?;
-    for (name, action) in &plan.actions {
-        match action {
-            TensorAction::Copy => writer.write_tensor(name, input.bytes(name)?)?,
-            TensorAction::Quantize {
-                out_features,
-                in_features,
-            } => {
-                // Refused by file and tensor before the scheme sees a NaN.
-                let values = input.read_f32_finite(name)?;
-                let view = WeightView::new(name, *out_features, *in_features, &values)?;
-                let module = name.trim_end_matches(".weight");
-                if options.layout == Layout::Bf16Emulated {
-                    let dequantized = options.scheme.fake_quant(view)?;
-                    drop(values);
-                    writer
-                        .write_tensor(name, &loraq_io::convert::f32_to_bf16_bytes(&dequantized))?;
-                } else {
-                    // compressed-tensors' divisor is computed from the amax itself,
-                    // as generate_gparam does, not from the rounded multiplier.
-                    let weight_amax = if options.layout == Layout::Nvfp4CompressedTensors {
-                        view.finite_abs_max()?
-                    } else {
-                        0.0
-                    };
-                    match options.scheme.quantize(view)? {
-                        QuantizedWeight::Fp8(w) => {
-                            writer.write_tensor(name, &w.codes)?;
-                            let scale_name = if options.layout == Layout::Fp8Block128 {
-                                format!("{module}.weight_scale_inv")
-                            } else {
-                                format!("{module}.weight_scale")
-                            };
-                            writer.write_tensor(&scale_name, &le_bytes(&w.scales))?;
-                        }
-                        QuantizedWeight::Nvfp4(w) => {
-                            let Nvfp4GlobalScale::Multiplier(global) = w.global_scale else {
-                                unreachable!("quantize_nvfp4 writes a multiplier");
-                            };
-                            let input_amax = plan.input_abs_max.get(module).copied();
-                            if options.layout == Layout::Nvfp4CompressedTensors {
-                                // The same codes and block scales as the ModelOpt layout
-                                // (the canonical formula); the global scale is stored as
-                                // compressed-tensors' divisor 2688 / amax.
-                                let divisor = nvfp4_global_divisor(weight_amax);
-                                writer
-                                    .write_tensor(&format!("{module}.weight_packed"), &w.packed)?;
-                                writer.write_tensor(
-                                    &format!("{module}.weight_scale"),
-                                    &w.block_scales,
-                                )?;
-                                writer.write_tensor(
-                                    &format!("{module}.weight_global_scale"),
-                                    &divisor.to_le_bytes(),
-                                )?;
-                                if let Some(amax) = input_amax {
-                                    writer.write_tensor(
-                                        &format!("{module}.input_global_scale"),
-                                        &nvfp4_global_divisor(amax).to_le_bytes(),
-                                    )?;
-                                }
-                            } else {
-                                writer.write_tensor(name, &w.packed)?;
-                                writer.write_tensor(
-                                    &format!("{module}.weight_scale"),
-                                    &w.block_scales,
-                                )?;
-                                writer.write_tensor(
-                                    &format!("{module}.weight_scale_2"),
-                                    &global.to_le_bytes(),
-                                )?;
-                                if let Some(amax) = input_amax {
-                                    writer.write_tensor(
-                                        &format!("{module}.input_scale"),
-                                        &nvfp4_input_scale(amax).to_le_bytes(),
-                                    )?;
-                                }
-                            }
-                        }
-                        QuantizedWeight::Bf16(_)
-                        | QuantizedWeight::Mxfp4(_)
-                        | QuantizedWeight::Int4(_)
-                        | QuantizedWeight::Ggml(_) => {
-                            unreachable!("plan_quantization only allows native layouts")
-                        }
-                    }
+    std::thread::scope(|scope| -> Result<()> {
+        let (sender, receiver) =
+            std::sync::mpsc::sync_channel::<(String, TensorBytes<'_>)>(WRITE_QUEUE);
+        let written = scope.spawn(move || -> Result<CheckpointWriter> {
+            for (name, bytes) in receiver {
+                let bytes = match &bytes {
+                    TensorBytes::Input(bytes) => bytes,
+                    TensorBytes::Owned(bytes) => bytes.as_slice(),
+                };
+                writer.write_tensor(&name, bytes)?;
+            }
+            Ok(writer)
+        });
+        // False once the writer stopped (its error is reported below).
+        let mut send = |name, bytes| sender.send((name, bytes)).is_ok();
+        let mut produced = Ok(());
+        for (name, action) in &plan.actions {
+            match quantize_tensor(input, plan, options, name, action, &mut send) {
+                Ok(true) => progress(name),
+                Ok(false) => break,
+                Err(error) => {
+                    produced = Err(error);
+                    break;
                 }
             }
         }
-        progress(name);
-    }
-    writer.finish()?;
+        drop(sender);
+        let writer = written.join().expect("the writer thread does not panic")?;
+        produced?;
+        writer.finish()?;
+        Ok(())
+    })?;
     write_configs(input, plan, dir)
+}
+
+/// Quantizes (or copies) one input tensor and hands its output tensors to `send`;
+/// false when `send` found the writer stopped.
+fn quantize_tensor<'a>(
+    input: &'a Checkpoint,
+    plan: &QuantizePlan,
+    options: &QuantizeOptions,
+    name: &str,
+    action: &TensorAction,
+    send: &mut dyn FnMut(String, TensorBytes<'a>) -> bool,
+) -> Result<bool> {
+    let (out_features, in_features) = match action {
+        TensorAction::Copy => {
+            return Ok(send(
+                name.to_string(),
+                TensorBytes::Input(input.bytes(name)?),
+            ));
+        }
+        TensorAction::Quantize {
+            out_features,
+            in_features,
+        } => (*out_features, *in_features),
+    };
+    let module = name.trim_end_matches(".weight");
+    let owned = |bytes: Vec<u8>| TensorBytes::Owned(bytes);
+    let bf16 = input.info(name)?.dtype == DType::BF16;
+    let (quantized, weight_amax) = if bf16 && options.layout != Layout::Bf16Emulated {
+        let bytes = input.bytes(name)?;
+        let view = Bf16WeightView::new(name, out_features, in_features, bytes)?;
+        // Refused by file and tensor before the scheme sees a NaN.
+        if let Some((index, value)) = view.first_non_finite() {
+            return Err(input.non_finite_error(name, index, value).into());
+        }
+        // compressed-tensors' divisor is computed from the amax itself, as
+        // generate_gparam does, not from the rounded multiplier.
+        let weight_amax = if options.layout == Layout::Nvfp4CompressedTensors {
+            view.finite_abs_max()?
+        } else {
+            0.0
+        };
+        (options.scheme.quantize_bf16(view)?, weight_amax)
+    } else {
+        // Refused by file and tensor before the scheme sees a NaN.
+        let values = input.read_f32_finite(name)?;
+        let view = WeightView::new(name, out_features, in_features, &values)?;
+        if options.layout == Layout::Bf16Emulated {
+            let dequantized = options.scheme.fake_quant(view)?;
+            drop(values);
+            return Ok(send(
+                name.to_string(),
+                owned(loraq_io::convert::f32_to_bf16_bytes(&dequantized)),
+            ));
+        }
+        let weight_amax = if options.layout == Layout::Nvfp4CompressedTensors {
+            view.finite_abs_max()?
+        } else {
+            0.0
+        };
+        (options.scheme.quantize(view)?, weight_amax)
+    };
+    let mut sent = true;
+    let mut emit = |name: String, bytes: Vec<u8>| sent = sent && send(name, owned(bytes));
+    match quantized {
+        QuantizedWeight::Fp8(w) => {
+            let scale_name = if options.layout == Layout::Fp8Block128 {
+                format!("{module}.weight_scale_inv")
+            } else {
+                format!("{module}.weight_scale")
+            };
+            let scales = le_bytes(&w.scales);
+            emit(name.to_string(), w.codes);
+            emit(scale_name, scales);
+        }
+        QuantizedWeight::Nvfp4(w) => {
+            let Nvfp4GlobalScale::Multiplier(global) = w.global_scale else {
+                unreachable!("quantize_nvfp4 writes a multiplier");
+            };
+            let input_amax = plan.input_abs_max.get(module).copied();
+            if options.layout == Layout::Nvfp4CompressedTensors {
+                // The same codes and block scales as the ModelOpt layout (the
+                // canonical formula); the global scale is stored as
+                // compressed-tensors' divisor 2688 / amax.
+                let divisor = nvfp4_global_divisor(weight_amax);
+                emit(format!("{module}.weight_packed"), w.packed);
+                emit(format!("{module}.weight_scale"), w.block_scales);
+                emit(
+                    format!("{module}.weight_global_scale"),
+                    divisor.to_le_bytes().to_vec(),
+                );
+                if let Some(amax) = input_amax {
+                    emit(
+                        format!("{module}.input_global_scale"),
+                        nvfp4_global_divisor(amax).to_le_bytes().to_vec(),
+                    );
+                }
+            } else {
+                emit(name.to_string(), w.packed);
+                emit(format!("{module}.weight_scale"), w.block_scales);
+                emit(
+                    format!("{module}.weight_scale_2"),
+                    global.to_le_bytes().to_vec(),
+                );
+                if let Some(amax) = input_amax {
+                    emit(
+                        format!("{module}.input_scale"),
+                        nvfp4_input_scale(amax).to_le_bytes().to_vec(),
+                    );
+                }
+            }
+        }
+        QuantizedWeight::Bf16(_)
+        | QuantizedWeight::Mxfp4(_)
+        | QuantizedWeight::Int4(_)
+        | QuantizedWeight::Ggml(_) => {
+            unreachable!("plan_quantization only allows native layouts")
+        }
+    }
+    Ok(sent)
 }
 
 fn le_bytes(values: &[f32]) -> Vec<u8> {

@@ -51,7 +51,7 @@ pub use ggml::{GgmlType, GgmlWeight};
 pub use layout::{Layout, LinearWeight, QuantizedBase, StoredWeight};
 pub use quantize_dir::{QuantizeProgress, QuantizeRequest, QuantizeSummary, quantize_to_dir};
 pub use report::{MeasureProgress, QuantErrorRequest};
-pub use scheme::{Scheme, WeightView};
+pub use scheme::{Bf16WeightView, Scheme, WeightView};
 pub use weight::{
     Bf16Weight, Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight,
     dequantize_fp8_into, dequantize_nvfp4_into,

@@ -182,3 +182,24 @@ multiversion! {
         }
     }
 }
+
+multiversion! {
+    /// Largest `|x|` of little-endian bf16 values, as the bits of the f32 it converts
+    /// to: the bf16 bits shifted into place, so the same integer order and the same
+    /// non-finite flag as [`abs_max_bits`] on the converted values.
+    pub fn bf16_abs_max_bits(bytes: &[u8]) -> u32 {
+        let max = bytes
+            .chunks_exact(2)
+            .fold(0u16, |max, b| max.max(u16::from_le_bytes([b[0], b[1]]) & 0x7FFF));
+        u32::from(max) << 16
+    }
+}
+
+multiversion! {
+    /// `out[i]` = the little-endian bf16 value `i` of `bytes` as f32 (exact).
+    pub fn bf16_to_f32_run(bytes: &[u8], out: &mut [f32]) {
+        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+            *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+        }
+    }
+}

@@ -240,65 +240,281 @@ impl<'a> WeightView<'a> {
 /// all-zero groups) and $q = \mathrm{e4m3}(\mathrm{clamp}(x / s, -448, 448))$.
 pub fn quantize_fp8(weight: WeightView<'_>, granularity: Fp8Granularity) -> Result<Fp8Weight> {
     let amax = weight.finite_abs_max()?;
-    let (out_features, in_features) = (weight.out_features, weight.in_features);
-    let mut codes = vec![0u8; weight.data.len()];
+    Ok(quantize_fp8_values(
+        weight.data,
+        weight.out_features,
+        weight.in_features,
+        amax,
+        granularity,
+    ))
+}
+
+/// A weight's row-major values as the quantizers read them, one run at a time: f32
+/// in memory, or the bf16 of a checkpoint converted run by run (never the whole
+/// matrix as f32).
+trait Values: Sync {
+    /// Calls `f` on values `start..start + len` as f32, converted into `scratch`
+    /// where they are stored otherwise.
+    fn with_run<R>(
+        &self,
+        start: usize,
+        len: usize,
+        scratch: &mut Vec<f32>,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> R;
+}
+
+impl Values for [f32] {
+    fn with_run<R>(
+        &self,
+        start: usize,
+        len: usize,
+        _scratch: &mut Vec<f32>,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> R {
+        f(&self[start..start + len])
+    }
+}
+
+/// Little-endian bf16 values.
+struct Bf16Values<'a>(&'a [u8]);
+
+impl Values for Bf16Values<'_> {
+    fn with_run<R>(
+        &self,
+        start: usize,
+        len: usize,
+        scratch: &mut Vec<f32>,
+        f: impl FnOnce(&[f32]) -> R,
+    ) -> R {
+        scratch.resize(len, 0.0);
+        runs::bf16_to_f32_run(&self.0[2 * start..2 * (start + len)], scratch);
+        f(scratch)
+    }
+}
+
+/// [`quantize_fp8`] of checked values whose largest magnitude is `amax`.
+fn quantize_fp8_values<V: Values + ?Sized>(
+    values: &V,
+    out_features: usize,
+    in_features: usize,
+    amax: f32,
+    granularity: Fp8Granularity,
+) -> Fp8Weight {
+    let mut codes = vec![0u8; out_features * in_features];
     let [scale_rows, scale_cols] = fp8_scale_shape(granularity, out_features, in_features);
     let mut scales = vec![0.0f32; scale_rows * scale_cols];
     if in_features == 0 || out_features == 0 {
         scales.fill(1.0);
-        return Ok(Fp8Weight {
+        return Fp8Weight {
             out_features,
             in_features,
             granularity,
             codes,
             scales,
-        });
+        };
     }
     match granularity {
         Fp8Granularity::Tensor => {
             let scale = fp8_scale(amax);
             scales[0] = scale;
-            codes
-                .par_chunks_mut(in_features)
-                .zip(weight.data.par_chunks(in_features))
-                .for_each(|(c, x)| runs::encode_fp8_run(x, scale, c));
+            codes.par_chunks_mut(in_features).enumerate().for_each_init(
+                Vec::new,
+                |scratch, (row, c)| {
+                    values.with_run(row * in_features, in_features, scratch, |x| {
+                        runs::encode_fp8_run(x, scale, c)
+                    })
+                },
+            );
         }
         Fp8Granularity::Channel => {
             codes
                 .par_chunks_mut(in_features)
-                .zip(weight.data.par_chunks(in_features))
                 .zip(scales.par_iter_mut())
-                .for_each(|((c, x), s)| {
-                    *s = fp8_scale(f32::from_bits(abs_max_bits(x)));
-                    runs::encode_fp8_run(x, *s, c);
+                .enumerate()
+                .for_each_init(Vec::new, |scratch, (row, (c, s))| {
+                    values.with_run(row * in_features, in_features, scratch, |x| {
+                        *s = fp8_scale(f32::from_bits(abs_max_bits(x)));
+                        runs::encode_fp8_run(x, *s, c);
+                    })
                 });
         }
         Fp8Granularity::Block128 => {
             codes
                 .par_chunks_mut(FP8_BLOCK * in_features)
-                .zip(weight.data.par_chunks(FP8_BLOCK * in_features))
                 .zip(scales.par_chunks_mut(scale_cols))
-                .for_each(|((c, x), s)| {
-                    s.copy_from_slice(&fp8_tile_scales(x, in_features, scale_cols));
-                    for (code_row, row) in c.chunks_mut(in_features).zip(x.chunks(in_features)) {
-                        for ((code_run, run), &scale) in code_row
-                            .chunks_mut(FP8_BLOCK)
-                            .zip(row.chunks(FP8_BLOCK))
-                            .zip(s.iter())
+                .enumerate()
+                .for_each_init(Vec::new, |scratch, (band, (c, s))| {
+                    let start = band * FP8_BLOCK * in_features;
+                    values.with_run(start, c.len(), scratch, |x| {
+                        s.copy_from_slice(&fp8_tile_scales(x, in_features, scale_cols));
+                        for (code_row, row) in c.chunks_mut(in_features).zip(x.chunks(in_features))
                         {
-                            runs::encode_fp8_run(run, scale, code_run);
+                            for ((code_run, run), &scale) in code_row
+                                .chunks_mut(FP8_BLOCK)
+                                .zip(row.chunks(FP8_BLOCK))
+                                .zip(s.iter())
+                            {
+                                runs::encode_fp8_run(run, scale, code_run);
+                            }
                         }
-                    }
+                    })
                 });
         }
     }
-    Ok(Fp8Weight {
+    Fp8Weight {
         out_features,
         in_features,
         granularity,
         codes,
         scales,
-    })
+    }
+}
+
+/// A weight matrix stored as little-endian bf16 (a checkpoint's bytes), quantized by
+/// [`Scheme::quantize_bf16`] without an f32 copy of the whole matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16WeightView<'a> {
+    /// Tensor name, used in error messages.
+    pub name: &'a str,
+    /// Output features.
+    pub out_features: usize,
+    /// Input features.
+    pub in_features: usize,
+    /// `2 * out_features * in_features` bytes.
+    pub bytes: &'a [u8],
+}
+
+impl<'a> Bf16WeightView<'a> {
+    /// A view after checking that `bytes` holds exactly `out_features * in_features`
+    /// bf16 values.
+    pub fn new(
+        name: &'a str,
+        out_features: usize,
+        in_features: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self> {
+        if out_features
+            .checked_mul(in_features)
+            .and_then(|n| n.checked_mul(2))
+            != Some(bytes.len())
+        {
+            return Err(QuantError::ShapeMismatch {
+                tensor: name.to_string(),
+                out_features,
+                in_features,
+                len: bytes.len() / 2,
+            });
+        }
+        Ok(Self {
+            name,
+            out_features,
+            in_features,
+            bytes,
+        })
+    }
+
+    /// The index and value of the first NaN or infinite entry, if any (in parallel:
+    /// one pass at memory speed when there is none).
+    pub fn first_non_finite(&self) -> Option<(usize, f32)> {
+        if self.abs_max_bits() < 0x7F80_0000 {
+            return None;
+        }
+        let values = Bf16Values(self.bytes);
+        let mut scratch = Vec::new();
+        let len = self.bytes.len() / 2;
+        (0..len).step_by(1 << 16).find_map(|start| {
+            let run = (1 << 16).min(len - start);
+            values.with_run(start, run, &mut scratch, |x| {
+                x.iter()
+                    .position(|v| !v.is_finite())
+                    .map(|i| (start + i, x[i]))
+            })
+        })
+    }
+
+    fn abs_max_bits(&self) -> u32 {
+        self.bytes
+            .par_chunks(1 << 17)
+            .map(runs::bf16_abs_max_bits)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The largest magnitude, or the first non-finite entry as an error (as
+    /// [`WeightView::finite_abs_max`] on the values converted to f32).
+    pub fn finite_abs_max(&self) -> Result<f32> {
+        let max_bits = self.abs_max_bits();
+        if max_bits >= 0x7F80_0000 {
+            let (index, value) = self.first_non_finite().expect("a non-finite entry exists");
+            return Err(QuantError::NonFinite {
+                tensor: self.name.to_string(),
+                row: index / self.in_features.max(1),
+                col: index % self.in_features.max(1),
+                value,
+            });
+        }
+        Ok(f32::from_bits(max_bits))
+    }
+
+    /// The values as f32 (exact).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.bytes.len() / 2];
+        out.par_chunks_mut(1 << 16)
+            .zip(self.bytes.par_chunks(2 << 16))
+            .for_each(|(o, b)| runs::bf16_to_f32_run(b, o));
+        out
+    }
+}
+
+impl Scheme {
+    /// [`Scheme::quantize`] of bf16 values, bit-identical to it on the values converted
+    /// to f32: FP8 and NVFP4 convert run by run inside the quantizer (no f32 copy of the
+    /// matrix: a third of the memory traffic), the other schemes convert the whole
+    /// matrix first.
+    pub fn quantize_bf16(self, weight: Bf16WeightView<'_>) -> Result<QuantizedWeight> {
+        let values = Bf16Values(weight.bytes);
+        let (out_features, in_features) = (weight.out_features, weight.in_features);
+        match self.format() {
+            WeightFormat::Fp8(granularity) => {
+                let amax = weight.finite_abs_max()?;
+                Ok(QuantizedWeight::Fp8(quantize_fp8_values(
+                    &values,
+                    out_features,
+                    in_features,
+                    amax,
+                    granularity,
+                )))
+            }
+            WeightFormat::Nvfp4 => {
+                if in_features % NVFP4_BLOCK != 0 {
+                    return Err(QuantError::InputDimNotDivisible {
+                        tensor: weight.name.to_string(),
+                        scheme: self.name(),
+                        multiple: NVFP4_BLOCK,
+                        in_features,
+                    });
+                }
+                let amax = weight.finite_abs_max()?;
+                let global = nvfp4_global_scale(amax);
+                Ok(QuantizedWeight::Nvfp4(quantize_nvfp4_values(
+                    &values,
+                    out_features,
+                    in_features,
+                    global,
+                )))
+            }
+            _ => {
+                let data = weight.to_f32();
+                self.quantize(WeightView::new(
+                    weight.name,
+                    out_features,
+                    in_features,
+                    &data,
+                )?)
+            }
+        }
+    }
 }
 
 /// Fused FP8 fake-quant: the scales of [`quantize_fp8`], then
@@ -376,14 +592,28 @@ pub fn quantize_nvfp4(weight: WeightView<'_>) -> Result<Nvfp4Weight> {
 /// NVFP4 quantization under a given global scale (dequantization direction); the
 /// weight must already be checked (finite, input dimension a multiple of 16).
 pub(crate) fn quantize_nvfp4_with_global(weight: WeightView<'_>, global: f32) -> Nvfp4Weight {
-    let (out_features, in_features) = (weight.out_features, weight.in_features);
-    let mut packed = vec![0u8; weight.data.len() / 2];
-    let mut block_scales = vec![0u8; weight.data.len() / NVFP4_BLOCK];
+    quantize_nvfp4_values(weight.data, weight.out_features, weight.in_features, global)
+}
+
+/// [`quantize_nvfp4_with_global`] of any [`Values`].
+fn quantize_nvfp4_values<V: Values + ?Sized>(
+    values: &V,
+    out_features: usize,
+    in_features: usize,
+    global: f32,
+) -> Nvfp4Weight {
+    let len = out_features * in_features;
+    let mut packed = vec![0u8; len / 2];
+    let mut block_scales = vec![0u8; len / NVFP4_BLOCK];
     packed
         .par_chunks_mut(NVFP4_RUN / 2)
         .zip(block_scales.par_chunks_mut(NVFP4_RUN / NVFP4_BLOCK))
-        .zip(weight.data.par_chunks(NVFP4_RUN))
-        .for_each(|((p, s), x)| runs::nvfp4_quantize_run(x, global, p, s));
+        .enumerate()
+        .for_each_init(Vec::new, |scratch, (run, (p, s))| {
+            values.with_run(run * NVFP4_RUN, 2 * p.len(), scratch, |x| {
+                runs::nvfp4_quantize_run(x, global, p, s)
+            })
+        });
     Nvfp4Weight {
         out_features,
         in_features,

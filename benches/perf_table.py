@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Inputs and references of benches/perf_table.sh (benches/README.md).
+
+  perf_table.py answers DIR N           two answers files of N four-option questions, as
+                                        the compare_answers_1m bench writes them (random
+                                        logits; the candidate the reference plus noise,
+                                        shuffled; gold; four groups): DIR/reference.jsonl,
+                                        DIR/candidate.jsonl
+  perf_table.py records FILE VOCAB N T  N random prompts of T tokens with four option
+                                        tokens, in the records format of `loraq run`
+  perf_table.py cast-residual BASE MERGED REPORT TENSOR
+                                        loraq's residual after the bf16 cast of module
+                                        TENSOR (extraction_report.json) over the residual
+                                        of torch.svd_lowrank(q=r+16, niter=2) on the same
+                                        delta with f32 factors; prints one JSON line
+
+Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6, safetensors (scripts/requirements-model.txt).
+"""
+
+import json
+import os
+import random
+import sys
+
+
+def answers(out_dir: str, n: int) -> None:
+    rng = random.Random(1)
+    groups = ["arc", "mmlu", "gsm", "piqa"]
+    letters = ["A", "B", "C", "D"]
+    os.makedirs(out_dir, exist_ok=True)
+
+    def line(i, logits, gold):
+        values = ", ".join(f"{x:.4f}" for x in logits)
+        return (f'{{"id": "q{i}", "group": "{groups[i % 4]}", "options": ["A", "B", "C", "D"], '
+                f'"logits": [{values}], "gold": "{gold}"}}')
+
+    reference, candidate = [], []
+    for i in range(n):
+        logits = [rng.uniform(-4.0, 4.0) for _ in range(4)]
+        noisy = [x + rng.uniform(-0.5, 0.5) for x in logits]
+        gold = letters[rng.randrange(4)]
+        reference.append(line(i, logits, gold))
+        candidate.append(line(i, noisy, gold))
+    rng.shuffle(candidate)
+    with open(os.path.join(out_dir, "reference.jsonl"), "w") as f:
+        f.write("\n".join(reference) + "\n")
+    with open(os.path.join(out_dir, "candidate.jsonl"), "w") as f:
+        f.write("\n".join(candidate) + "\n")
+
+
+def records(path: str, vocab: int, n: int, tokens: int) -> None:
+    rng = random.Random(tokens * 1000 + n)
+    with open(path, "w") as f:
+        for i in range(n):
+            options = rng.sample(range(vocab), 4)
+            f.write(json.dumps({
+                "id": f"p{i}",
+                "tokens": [rng.randrange(vocab) for _ in range(tokens)],
+                "options": ["A", "B", "C", "D"],
+                "option_tokens": options,
+            }) + "\n")
+
+
+def cast_residual(base_dir: str, merged_dir: str, report_path: str, tensor: str) -> None:
+    import torch
+    from safetensors import safe_open
+
+    def load(directory):
+        index = os.path.join(directory, "model.safetensors.index.json")
+        name = (json.load(open(index))["weight_map"][tensor] if os.path.exists(index)
+                else "model.safetensors")
+        with safe_open(os.path.join(directory, name), "pt") as f:
+            return f.get_tensor(tensor).to(torch.float32)
+
+    delta = load(merged_dir) - load(base_dir)
+    report = json.load(open(report_path))
+    module = tensor.removesuffix(".weight")
+    entry = next(m for m in report["modules"] if m["module"] == module)
+    rank = entry["rank"]
+    torch.manual_seed(0)
+    u, s, v = torch.svd_lowrank(delta, q=rank + 16, niter=2)
+    approx = (u[:, :rank].double() * s[:rank].double()) @ v[:, :rank].double().T
+    torch_residual = float(torch.linalg.norm(delta.double() - approx))
+    print(json.dumps({
+        "module": module,
+        "rank": rank,
+        "loraq_residual": entry["residual"],
+        "loraq_residual_after_cast": entry["residual_after_cast"],
+        "torch_residual": torch_residual,
+        "ratio_after_cast": entry["residual_after_cast"] / torch_residual,
+    }))
+
+
+def main() -> None:
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "answers":
+        answers(args[0], int(args[1]))
+    elif command == "records":
+        records(args[0], int(args[1]), int(args[2]), int(args[3]))
+    elif command == "cast-residual":
+        cast_residual(*args)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

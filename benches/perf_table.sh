@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# Re-measures every row of loraq's performance table side by side with its reference,
+# in one run, and writes the table as Markdown (benches/README.md, "The performance
+# table"). Run it on an idle machine: the load average is printed at the start and the
+# end and written under the table.
+#
+#   benches/perf_table.sh [--quick] [--out FILE]
+#
+# --quick: one run of each instead of three (a check that every row works; the figures
+# mean nothing then). Inputs (synthetic checkpoints, answers, records, the bench delta)
+# are generated once into $LORAQ_PERF_INPUTS (default target/perf-inputs) and reused.
+# Python: $LORAQ_ORACLE_PYTHON (default python3), with torch, transformers, numpy and
+# safetensors (scripts/requirements-model.txt).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+REPEATS=3
+OUT="$ROOT/target/perf-table.md"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) REPEATS=1 ;;
+        --out) OUT="$2"; shift ;;
+        *) echo "usage: benches/perf_table.sh [--quick] [--out FILE]" >&2; exit 2 ;;
+    esac
+    shift
+done
+INPUTS="${LORAQ_PERF_INPUTS:-$ROOT/target/perf-inputs}"
+PY="${LORAQ_ORACLE_PYTHON:-python3}"
+THREADS=2
+LORAQ="$ROOT/target/release/loraq"
+FACTOR_FILE="$ROOT/target/release/examples/factor_file"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/loraq-perf.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$INPUTS" "$(dirname "$OUT")"
+
+log() { echo "[perf_table $(date +%H:%M:%S)] $*" >&2; }
+loadavg() { cut -d' ' -f1-3 /proc/loadavg; }
+now() { date +%s.%N; }
+# Seconds since $1.
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.3f", b - a }'; }
+# Minimum and median of the numbers given, as "min / median".
+min_median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { printf "%.3g / %.3g", v[1], v[int((NR + 1) / 2)] }'; }
+min_of() { printf '%s\n' "$@" | sort -g | head -n 1; }
+median_of() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2fx", a / b }'; }
+
+START_LOAD="$(loadavg)"
+log "load average at start: $START_LOAD; $REPEATS run(s) per row; inputs in $INPUTS"
+
+log "building the release binary and the factor_file example"
+cargo build --release --quiet --bin loraq
+cargo build --release --quiet -p loraq-extract --example factor_file
+
+ROWS=()
+row() { ROWS+=("| $1 | $2 | $3 | $4 | $5 |"); log "row: $1 | $2 | $3 | $4 | $5"; }
+
+# --- inputs ------------------------------------------------------------------------
+SLICE="$INPUTS/27b-slice"
+if [ ! -f "$SLICE/done" ]; then
+    log "generating the 27b-slice pair (loraq synth --preset 27b-slice --seed 1)"
+    rm -rf "$SLICE"
+    "$LORAQ" synth --preset 27b-slice --seed 1 --out "$SLICE" > /dev/null
+    touch "$SLICE/done"
+fi
+DEMO_PAIR="$INPUTS/demo-pair"
+if [ ! -f "$DEMO_PAIR/done" ]; then
+    log "generating the demo-sized pair (loraq synth --preset demo)"
+    rm -rf "$DEMO_PAIR"
+    "$LORAQ" synth --preset demo --seed 0 --out "$DEMO_PAIR" > /dev/null
+    touch "$DEMO_PAIR/done"
+fi
+VOCAB="$("$PY" -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c.get("text_config", c)["vocab_size"])' "$DEMO_PAIR/merged/config.json")"
+PREFILL_SHAPES=("240 20" "16 512" "2 4096")
+for shape in "${PREFILL_SHAPES[@]}"; do
+    read -r n t <<< "$shape"
+    [ -f "$INPUTS/records-${n}x${t}.jsonl" ] || "$PY" benches/perf_table.py records "$INPUTS/records-${n}x${t}.jsonl" "$VOCAB" "$n" "$t"
+done
+ANSWERS="$INPUTS/answers-1m"
+if [ ! -f "$ANSWERS/candidate.jsonl" ]; then
+    log "generating two answers files of 1,000,000 questions"
+    "$PY" benches/perf_table.py answers "$ANSWERS" 1000000
+fi
+DELTA="$INPUTS/delta_17408x5120"
+if [ ! -f "$DELTA.json" ]; then
+    log "generating the bench delta (cargo bench -p loraq-extract --bench factorize, setup only)"
+    LORAQ_BENCH_DIR="$INPUTS" cargo bench --quiet -p loraq-extract --bench factorize -- --exact no-such-bench > /dev/null
+fi
+
+# --- extract one projection: loraq's factorization vs torch.svd_lowrank, interleaved ---
+log "extract one 17408x5120 rank-256 projection: factor_file vs torch.svd_lowrank, interleaved"
+SVD_OUT="$("$PY" scripts/bench_svd_reference.py --dir "$INPUTS" --skip-full --repeat "$REPEATS" --interleave "$FACTOR_FILE" 2>&1)"
+echo "$SVD_OUT" >&2
+read -r OURS_MIN THEIRS_MIN OURS_MED THEIRS_MED < <(echo "$SVD_OUT" | awk '/^best:/ {
+    gsub(/[,;]/, ""); print $3, $6, $12, $15 }')
+row "extract one 17408x5120 rank-256 projection: factorization (\`factor_file\`), min / median" \
+    "$OURS_MIN / $OURS_MED s" "torch.svd_lowrank(q=272, niter=2) on the same delta: $THEIRS_MIN / $THEIRS_MED s" \
+    "$(ratio "$OURS_MIN" "$THEIRS_MIN") / $(ratio "$OURS_MED" "$THEIRS_MED")" "<= 0.5x torch"
+
+log "extract one projection, whole run (cargo bench --bench extract_projection)"
+BENCH_OUT="$(cargo bench --quiet --bench extract_projection -- --noplot 2>&1 || true)"
+echo "$BENCH_OUT" | tail -n 5 >&2
+WHOLE="$(echo "$BENCH_OUT" | awk '/time:/ { gsub(/\[/, ""); print $(NF - 3), $(NF - 2); exit }')"
+row "extract one projection, whole run (delta, floor, factors, cast; criterion mean)" \
+    "${WHOLE:-?}" "torch.svd_lowrank alone (row above): $THEIRS_MIN s" "-" "<= 0.5x torch"
+
+# --- 27b-slice extraction, and the residual after the cast against torch -------------
+log "27b-slice extraction (loraq extract), $REPEATS run(s)"
+EXTRACT_TIMES=()
+for _ in $(seq "$REPEATS"); do
+    t0="$(now)"
+    RAYON_NUM_THREADS=$THREADS "$LORAQ" extract --merged "$SLICE/merged" --base "$SLICE/base" \
+        --out "$WORK/adapter" --force > /dev/null 2>&1
+    EXTRACT_TIMES+=("$(since "$t0")")
+done
+PROJECTIONS="$("$PY" -c 'import json,sys; print(len(json.load(open(sys.argv[1]))["modules"]))' "$WORK/adapter/extraction_report.json")"
+# The disk's sequential read rate, bypassing the page cache (O_DIRECT).
+BASE_SHARD="$(ls "$SLICE"/base/*.safetensors | head -n 1)"
+DISK_BPS="$(dd if="$BASE_SHARD" of=/dev/null bs=16M iflag=direct 2>&1 | awk '/copied/ { for (i = 1; i <= NF; i++) if ($i ~ /copied/) { bytes = $1; secs = $(i + 1) } } END { printf "%.0f", bytes / secs }')"
+EXTRACT_MIN="$(min_of "${EXTRACT_TIMES[@]}")"
+SCALED="$(awk -v t="$EXTRACT_MIN" -v p="$PROJECTIONS" -v bps="$DISK_BPS" 'BEGIN { printf "%.0f", t * 186 / p + 2 * 54e9 / bps }')"
+row "27b-slice extraction ($PROJECTIONS projections of Qwen3.8-27B's shapes), \`loraq extract\` wall, min / median" \
+    "$(min_median "${EXTRACT_TIMES[@]}") s; Clef-shaped (186 projections) t x 186 / $PROJECTIONS + 2 x 54 GB / $(awk -v b="$DISK_BPS" 'BEGIN { printf "%.2f", b / 1e9 }') GB/s (dd iflag=direct) = $SCALED s" \
+    "seed's receipt: 773 s on 32 threads" "-" "< 300 s including I/O"
+
+UP_PROJ="$("$PY" -c 'import json,sys; print(next(m["module"] for m in json.load(open(sys.argv[1]))["modules"] if m["shape"] == [17408, 5120]))' "$WORK/adapter/extraction_report.json")"
+log "residual after the bf16 cast of $UP_PROJ against torch.svd_lowrank's f32 factors"
+CAST="$("$PY" benches/perf_table.py cast-residual "$SLICE/base" "$SLICE/merged" "$WORK/adapter/extraction_report.json" "$UP_PROJ.weight")"
+echo "$CAST" >&2
+CAST_RATIO="$(echo "$CAST" | "$PY" -c 'import json,sys; print("%.4f" % json.load(sys.stdin)["ratio_after_cast"])')"
+row "residual after the bf16 cast, 27b-slice $UP_PROJ (17408x5120)" \
+    "${CAST_RATIO}x torch's f32-factor residual" "torch.svd_lowrank(q=r+16, niter=2), f32 factors" "$CAST_RATIO" "<= 1.003x"
+rm -rf "$WORK/adapter"
+
+# --- the demo --------------------------------------------------------------------------
+log "loraq demo, $REPEATS run(s)"
+DEMO_TIMES=()
+for _ in $(seq "$REPEATS"); do
+    t0="$(now)"
+    RAYON_NUM_THREADS=$THREADS "$LORAQ" demo --out "$WORK/demo-out" > /dev/null 2>&1
+    DEMO_TIMES+=("$(since "$t0")")
+    rm -rf "$WORK/demo-out"
+done
+row "\`loraq demo\` wall, min / median" "$(min_median "${DEMO_TIMES[@]}") s" "-" "-" "< 60 s on 2 cores"
+
+# --- prefill against transformers, interleaved -----------------------------------------
+for shape in "${PREFILL_SHAPES[@]}"; do
+    read -r n t <<< "$shape"
+    records="$INPUTS/records-${n}x${t}.jsonl"
+    log "prefill, $n prompts of $t tokens: loraq run vs transformers, interleaved"
+    OURS=()
+    THEIRS=()
+    for _ in $(seq "$REPEATS"); do
+        OURS+=("$("$LORAQ" run --model "$DEMO_PAIR/merged" --records "$records" --out "$WORK/answers.jsonl" \
+            --threads $THREADS --force 2>&1 >/dev/null | awk '/tokens\/s/ { for (i = 1; i <= NF; i++) if ($i ~ /^tokens\/s/) { v = $(i - 1); gsub(/[(,]/, "", v); print v } }' | tail -n 1)")
+        THEIRS+=("$("$PY" scripts/model_oracle.py bench --model "$DEMO_PAIR/merged" --records "$records" --threads $THREADS \
+            | awk '/tokens\/s/ { v = $0; sub(/.*\(/, "", v); sub(/ tokens\/s.*/, "", v); print v }')")
+    done
+    row "prefill, demo-sized model, $n prompts of $t tokens (tokens/s, best / median)" \
+        "$(printf '%s\n' "${OURS[@]}" | sort -gr | head -n 1) / $(median_of "${OURS[@]}")" \
+        "transformers f32 eager, $THREADS threads: $(printf '%s\n' "${THEIRS[@]}" | sort -gr | head -n 1) / $(median_of "${THEIRS[@]}")" \
+        "$(ratio "$(printf '%s\n' "${OURS[@]}" | sort -gr | head -n 1)" "$(printf '%s\n' "${THEIRS[@]}" | sort -gr | head -n 1)")" \
+        ">= 2x transformers"
+done
+
+# --- quantize the 27b-slice base --------------------------------------------------------
+BASE_BYTES="$(du -cb "$SLICE"/base/*.safetensors | tail -n 1 | cut -f1)"
+for scheme in fp8-block128 nvfp4; do
+    log "quantize the 27b-slice base with $scheme, $REPEATS run(s)"
+    TIMES=()
+    RATES=()
+    for _ in $(seq "$REPEATS"); do
+        t0="$(now)"
+        RAYON_NUM_THREADS=$THREADS "$LORAQ" quantize --in "$SLICE/base" --out "$WORK/quantized" \
+            --scheme "$scheme" --force > /dev/null 2>&1
+        secs="$(since "$t0")"
+        TIMES+=("$secs")
+        RATES+=("$(awk -v b="$BASE_BYTES" -v s="$secs" 'BEGIN { printf "%.3f", b / s / 1e9 }')")
+        rm -rf "$WORK/quantized"
+    done
+    row "quantize the 27b-slice base ($(awk -v b="$BASE_BYTES" 'BEGIN { printf "%.2f", b / 1e9 }') GB bf16), $scheme, whole run" \
+        "$(printf '%s\n' "${RATES[@]}" | sort -gr | head -n 1) / $(median_of "${RATES[@]}") GB/s (best / median; $(min_median "${TIMES[@]}") s)" \
+        "-" "-" ">= 1 GB/s"
+done
+
+# --- compare one million questions ------------------------------------------------------
+log "loraq compare on 1,000,000 questions, $REPEATS run(s)"
+TIMES=()
+for _ in $(seq "$REPEATS"); do
+    t0="$(now)"
+    RAYON_NUM_THREADS=$THREADS "$LORAQ" compare --reference "$ANSWERS/reference.jsonl" \
+        --candidate "$ANSWERS/candidate.jsonl" > /dev/null
+    TIMES+=("$(since "$t0")")
+done
+row "\`loraq compare\`, 1,000,000 four-option questions, min / median" "$(min_median "${TIMES[@]}") s" "-" "-" "< 1.5 s"
+
+END_LOAD="$(loadavg)"
+log "load average at end: $END_LOAD"
+{
+    echo "| what | loraq | reference | ratio | goal |"
+    echo "|---|---|---|---|---|"
+    printf '%s\n' "${ROWS[@]}"
+    echo
+    echo "Measured $(date -u '+%Y-%m-%d %H:%M UTC') by benches/perf_table.sh ($REPEATS run(s) per row) on" \
+        "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) logical cores," \
+        "$THREADS threads; load average $START_LOAD at the start, $END_LOAD at the end."
+} > "$OUT"
+cat "$OUT"
+log "table written to $OUT"
