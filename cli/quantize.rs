@@ -36,12 +36,15 @@ impl FromStr for QuantizeScheme {
                     )
                 });
         }
-        Scheme::from_str(name).map(QuantizeScheme::Checkpoint).map_err(|e| {
-            format!(
-                "{e}, {}",
-                GgufFileType::ALL.map(GgufFileType::scheme).join(", ")
-            )
-        })
+        Scheme::from_str(name)
+            .map(QuantizeScheme::Checkpoint)
+            .map_err(|_| {
+                format!(
+                    "unknown quantization scheme {name:?} (known: {}, {})",
+                    Scheme::ALL.map(Scheme::name).join(", "),
+                    GgufFileType::ALL.map(GgufFileType::scheme).join(", ")
+                )
+            })
     }
 }
 

@@ -626,12 +626,11 @@ pub fn hyperparameters(arch: GgufArch, config: &ModelConfig, path: &Path) -> Res
     if let Some(sections) = rope.get("mrope_section") {
         let mut sections: Vec<i32> = sections
             .as_array()
-            .map(|s| {
+            .and_then(|s| {
                 s.iter()
                     .map(|v| v.as_i64().and_then(|v| i32::try_from(v).ok()))
                     .collect::<Option<Vec<i32>>>()
             })
-            .flatten()
             .ok_or_else(|| convert_error(path, "mrope_section is not a list of integers"))?;
         while sections.len() < 4 {
             sections.push(0);
@@ -1000,8 +999,8 @@ fn special_vocab(
         ("cls", None),
         ("mask", Some("tokenizer.ggml.mask_token_id")),
     ];
-    let mut ids: Vec<(&str, u64)> = Vec::new();
-    let mut set_id = |ids: &mut Vec<(&'static str, u64)>, typ: &'static str, id: Option<i64>| -> Result<()> {
+    let mut ids: Vec<(&'static str, u64)> = Vec::new();
+    let set_id = |ids: &mut Vec<(&'static str, u64)>, typ: &'static str, id: Option<i64>| -> Result<()> {
         let Some(id) = id else { return Ok(()) };
         if id < 0 {
             return Err(convert_error(
@@ -1067,10 +1066,10 @@ fn special_vocab(
             Some(_) => {}
         }
         for (typ, _) in TYPES {
-            if let Some(Value::Bool(add)) = tc.get(format!("add_{typ}_token")) {
-                if !add_special.iter().any(|(t, _)| *t == typ) {
-                    add_special.push((typ, *add));
-                }
+            if let Some(Value::Bool(add)) = tc.get(format!("add_{typ}_token"))
+                && !add_special.iter().any(|(t, _)| *t == typ)
+            {
+                add_special.push((typ, *add));
             }
             let content = match tc.get(format!("{typ}_token")) {
                 Some(Value::String(s)) => s.clone(),
@@ -1261,8 +1260,11 @@ pub fn convert_values(
         }
     };
     if name.ends_with(".A_log") {
+        // exp in f64 rounded once: the correctly rounded f32 (torch's f32 exp, MKL's
+        // vsExp where torch has MKL, is within one unit in the last place of it and
+        // depends on the CPU; docs/gguf.md).
         for v in values.iter_mut() {
-            *v = -round(v.exp());
+            *v = -round(f64::from(*v).exp() as f32);
         }
     } else if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
         for v in values.iter_mut() {

@@ -86,16 +86,6 @@ impl GgufWriter {
     ) -> Result<()> {
         let name = name.into();
         let here = Path::new("<gguf writer>");
-        if name.len() >= MAX_TENSOR_NAME_BYTES {
-            return Err(refused(
-                here,
-                &name,
-                format!(
-                    "name longer than ggml's {} bytes",
-                    MAX_TENSOR_NAME_BYTES - 1
-                ),
-            ));
-        }
         if self.names.contains(&name) {
             return Err(refused(here, &name, "added twice".into()));
         }
