@@ -87,7 +87,7 @@ pub fn general_metadata(
         else {
             continue;
         };
-        let value = match kind {
+        let converted = match kind {
             SamplingKind::String => value.as_str().map(|s| MetadataValue::String(s.into())),
             SamplingKind::I32 => value
                 .as_i64()
@@ -95,7 +95,7 @@ pub fn general_metadata(
                 .map(MetadataValue::I32),
             SamplingKind::F32 => value.as_f64().map(|v| MetadataValue::F32(v as f32)),
         };
-        let value = value.ok_or_else(|| {
+        let value = converted.ok_or_else(|| {
             convert_error(
                 &dir.join("generation_config.json"),
                 format!("{key}: {value} is not the type GGUF stores"),
