@@ -26,10 +26,10 @@ use loraq_extract::verify::{DEFAULT_MAX_RESIDUAL_RATIO, VerifyOptions, VerifyRep
 use loraq_model::{LinearBackend, LoadOptions, Model};
 use loraq_quant::ActivationQuantKind;
 use loraq_quant::Scheme;
+use loraq_quant::ggml::mix::GgufFileType;
 use loraq_quant::quantize_dir::DEFAULT_MAX_SHARD_BYTES;
 use loraq_quant::report::measure;
 use loraq_quant::report::{QuantErrorTotals, totals};
-use loraq_quant::ggml::mix::GgufFileType;
 use loraq_quant::{
     GgufQuantizeRequest, QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir,
     quantize_to_gguf,

@@ -569,10 +569,7 @@ pub fn hyperparameters(arch: GgufArch, config: &ModelConfig, path: &Path) -> Res
         }
     }
     if hp.get("is_causal") == Some(&Value::Bool(false)) {
-        out.push((
-            format!("{a}.attention.causal"),
-            MetadataValue::Bool(false),
-        ));
+        out.push((format!("{a}.attention.causal"), MetadataValue::Bool(false)));
     }
     let rope = rope_parameters(hp);
     let rope_params = rope.get("full_attention").unwrap_or(&rope);
@@ -735,7 +732,10 @@ pub fn hyperparameters(arch: GgufArch, config: &ModelConfig, path: &Path) -> Res
             Some(d) => d,
             None => {
                 need("hidden_size")?.as_u64().unwrap_or(0)
-                    / need("num_attention_heads")?.as_u64().filter(|&n| n > 0).unwrap_or(1)
+                    / need("num_attention_heads")?
+                        .as_u64()
+                        .filter(|&n| n > 0)
+                        .unwrap_or(1)
             }
         };
         let partial = rope
@@ -800,7 +800,11 @@ fn rope_parameters(hp: &Value) -> Value {
 /// model `gpt2`, the pre-tokenizer, the token list padded to `vocab_size` with
 /// `[PAD{i}]`, token types, merges, special token ids, add_bos / add_eos, the chat
 /// template. A missing tokenizer.json is refused, as the converter refuses it.
-pub fn tokenizer_metadata(arch: GgufArch, dir: &Path, config: &ModelConfig) -> Result<MetadataList> {
+pub fn tokenizer_metadata(
+    arch: GgufArch,
+    dir: &Path,
+    config: &ModelConfig,
+) -> Result<MetadataList> {
     let tokenizer_path = dir.join("tokenizer.json");
     let text = std::fs::read_to_string(&tokenizer_path).map_err(|e| {
         convert_error(
@@ -855,7 +859,10 @@ pub fn tokenizer_metadata(arch: GgufArch, dir: &Path, config: &ModelConfig) -> R
             id,
             Added {
                 content: content.to_string(),
-                special: entry.get("special").and_then(Value::as_bool).unwrap_or(false),
+                special: entry
+                    .get("special")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
             },
         );
     }
@@ -1000,19 +1007,20 @@ fn special_vocab(
         ("mask", Some("tokenizer.ggml.mask_token_id")),
     ];
     let mut ids: Vec<(&'static str, u64)> = Vec::new();
-    let set_id = |ids: &mut Vec<(&'static str, u64)>, typ: &'static str, id: Option<i64>| -> Result<()> {
-        let Some(id) = id else { return Ok(()) };
-        if id < 0 {
-            return Err(convert_error(
-                dir,
-                format!("invalid value for special token type {typ}: {id}"),
-            ));
-        }
-        if (id as u64) < vocab_size && !ids.iter().any(|(t, _)| *t == typ) {
-            ids.push((typ, id as u64));
-        }
-        Ok(())
-    };
+    let set_id =
+        |ids: &mut Vec<(&'static str, u64)>, typ: &'static str, id: Option<i64>| -> Result<()> {
+            let Some(id) = id else { return Ok(()) };
+            if id < 0 {
+                return Err(convert_error(
+                    dir,
+                    format!("invalid value for special token type {typ}: {id}"),
+                ));
+            }
+            if (id as u64) < vocab_size && !ids.iter().any(|(t, _)| *t == typ) {
+                ids.push((typ, id as u64));
+            }
+            Ok(())
+        };
     let mut add_special: Vec<(&str, bool)> = Vec::new();
     let mut chat_template: Option<MetadataValue> = None;
     let mut lowercase: Option<bool> = None;
@@ -1147,13 +1155,14 @@ fn chat_template_alternative(dir: &Path) -> Result<Option<Value>> {
                 "additional_chat_templates: loraq embeds a single template",
             ));
         }
-        let text = std::fs::read_to_string(&jinja)
-            .map_err(|e| convert_error(&jinja, e.to_string()))?;
+        let text =
+            std::fs::read_to_string(&jinja).map_err(|e| convert_error(&jinja, e.to_string()))?;
         return Ok(Some(Value::String(text)));
     }
     let json = dir.join("chat_template.json");
     if json.is_file() {
-        let text = std::fs::read_to_string(&json).map_err(|e| convert_error(&json, e.to_string()))?;
+        let text =
+            std::fs::read_to_string(&json).map_err(|e| convert_error(&json, e.to_string()))?;
         let value: Value = serde_json::from_str(&text)
             .map_err(|e| convert_error(&json, format!("not JSON: {e}")))?;
         return Ok(value.get("chat_template").cloned());
@@ -1222,11 +1231,14 @@ pub fn converted_name_and_shape(
     name: &str,
     shape: &[usize],
 ) -> Result<(String, Vec<usize>)> {
-    let gguf_name = crate::names::gguf_tensor_name(arch, name).ok_or_else(|| GgufError::Tensor {
-        path: path.to_path_buf(),
-        tensor: name.to_string(),
-        reason: format!("llama.cpp's {arch} has no tensor for it (the converter refuses it too)"),
-    })?;
+    let gguf_name =
+        crate::names::gguf_tensor_name(arch, name).ok_or_else(|| GgufError::Tensor {
+            path: path.to_path_buf(),
+            tensor: name.to_string(),
+            reason: format!(
+                "llama.cpp's {arch} has no tensor for it (the converter refuses it too)"
+            ),
+        })?;
     let shape = if gguf_name.ends_with("ssm_conv1d.weight") {
         // torch's squeeze(): every dimension of 1 goes
         shape.iter().copied().filter(|&d| d != 1).collect()

@@ -170,7 +170,12 @@ impl GgufWriter {
         data: &mut dyn FnMut(usize) -> std::result::Result<Vec<u8>, E>,
     ) -> std::result::Result<(), E> {
         if let Some(t) = self.tensors.first() {
-            return Err(refused(path, &t.name, "added with add_tensor to a streamed file".into()).into());
+            return Err(refused(
+                path,
+                &t.name,
+                "added with add_tensor to a streamed file".into(),
+            )
+            .into());
         }
         let mut names = HashSet::new();
         let mut sizes = Vec::with_capacity(specs.len());
@@ -179,7 +184,8 @@ impl GgufWriter {
             if !names.insert(spec.name.as_str()) {
                 return Err(refused(path, &spec.name, "added twice".into()).into());
             }
-            let (dims, bytes) = tensor_dims_and_bytes(path, &spec.name, spec.ggml_type, &spec.shape)?;
+            let (dims, bytes) =
+                tensor_dims_and_bytes(path, &spec.name, spec.ggml_type, &spec.shape)?;
             sizes.push(bytes);
             infos.push(dims);
         }
@@ -217,7 +223,8 @@ impl GgufWriter {
             }
             out.write_all(&tensor).map_err(os(path))?;
             let padding = pad(bytes, alignment).expect("checked above") - bytes;
-            out.write_all(&zeros[..padding as usize]).map_err(os(path))?;
+            out.write_all(&zeros[..padding as usize])
+                .map_err(os(path))?;
         }
         out.into_inner()
             .map_err(|e| GgufError::Os {

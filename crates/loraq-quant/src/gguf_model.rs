@@ -129,10 +129,12 @@ pub fn quantize_to_gguf(
         ))
     })?;
     let dir = convert::checkpoint_dir(request.input);
-    let config = checkpoint.config().ok_or_else(|| QuantError::UnsupportedConfig {
-        path: dir.join(loraq_io::CONFIG_FILE),
-        reason: "no config.json: the architecture and hyperparameters come from it".into(),
-    })?;
+    let config = checkpoint
+        .config()
+        .ok_or_else(|| QuantError::UnsupportedConfig {
+            path: dir.join(loraq_io::CONFIG_FILE),
+            reason: "no config.json: the architecture and hyperparameters come from it".into(),
+        })?;
     let arch = GgufArch::from_architecture(&config.architecture).ok_or_else(|| {
         QuantError::UnsupportedConfig {
             path: dir.join(loraq_io::CONFIG_FILE),
@@ -221,13 +223,7 @@ pub fn quantize_to_gguf(
             through_stored_type(t.stored_type, &mut values);
             let in_features = t.shape.last().copied().unwrap_or(1).max(1);
             let out_features = values.len() / in_features;
-            let bytes = quantize(
-                &t.gguf_name,
-                target,
-                out_features,
-                in_features,
-                &values,
-            )?;
+            let bytes = quantize(&t.gguf_name, target, out_features, in_features, &values)?;
             tensor_bytes += bytes.len() as u64;
             progress(QuantizeProgress::Wrote(&t.gguf_name));
             Ok(bytes)
