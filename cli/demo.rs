@@ -1210,14 +1210,16 @@ mod tests {
 
         // Answers: every setup answered every question; the extracted adapter is far
         // closer to the merged reference than the bare base.
-        assert_eq!(r.answer_rows.len(), 10);
+        // The trained pair has a tokenizer and so the two Q4_K_M GGUF rows.
+        let gguf_rows = if kind == PairKind::Trained { 2 } else { 0 };
+        assert_eq!(r.answer_rows.len(), 10 + gguf_rows);
         for row in &r.answer_rows {
             assert_eq!(row.report.n, sizes.questions, "{}", row.setup);
         }
         assert!(kl(&r, "bf16 base + extracted adapter") < 0.1 * kl(&r, "bf16 base, no adapter"));
         let questions = std::fs::read_to_string(out.join("questions.jsonl")).unwrap();
         assert_eq!(questions.lines().count(), sizes.questions);
-        assert_eq!(r.group_accuracy.len(), 11);
+        assert_eq!(r.group_accuracy.len(), 11 + gguf_rows);
         (dir, r)
     }
 
