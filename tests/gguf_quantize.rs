@@ -406,6 +406,7 @@ fn llama_server_loads_loraq_q4_k_m_and_answers_as_loraq_run() {
                 s(&out),
                 "--act-quant",
                 act_quant,
+                "--force",
             ];
             if with_adapter {
                 args.extend(["--adapter", s(&adapter)]);
