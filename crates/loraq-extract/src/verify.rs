@@ -190,19 +190,27 @@ pub fn verify(
     // each ratio measures the quantization error the adapter runs on. A GGUF base
     // (llama.cpp) is read in the checkpoint's terms, its block-type linears in their
     // type (docs/gguf.md), and decoded the same way.
-    let (quantized_base, scanned) = if loraq_gguf::base::is_gguf(&options.base) {
-        (Some(loraq_quant::QuantizedBase::open(&options.base)?), None)
+    let (quantized_base, scanned, base_quantization) = if loraq_gguf::base::is_gguf(&options.base) {
+        (
+            Some(loraq_quant::QuantizedBase::open(&options.base)?),
+            None,
+            None,
+        )
     } else {
         let base = Checkpoint::open(&options.base)?;
-        if base
+        let base_quantization = base
             .config()
             .and_then(|c| c.quantization.as_ref())
-            .is_some()
-        {
-            (Some(loraq_quant::QuantizedBase::new(base)?), None)
+            .map(|q| q.scheme_name());
+        if base_quantization.is_some() {
+            (
+                Some(loraq_quant::QuantizedBase::new(base)?),
+                None,
+                base_quantization,
+            )
         } else {
             let scanned = scan(&merged, &base)?;
-            (None, Some((base, scanned)))
+            (None, Some((base, scanned)), None)
         }
     };
     let mut modules = Vec::new();
