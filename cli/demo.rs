@@ -26,10 +26,14 @@ use loraq_extract::verify::{DEFAULT_MAX_RESIDUAL_RATIO, VerifyOptions, VerifyRep
 use loraq_model::{LinearBackend, LoadOptions, Model};
 use loraq_quant::ActivationQuantKind;
 use loraq_quant::Scheme;
+use loraq_quant::ggml::mix::GgufFileType;
 use loraq_quant::quantize_dir::DEFAULT_MAX_SHARD_BYTES;
 use loraq_quant::report::measure;
 use loraq_quant::report::{QuantErrorTotals, totals};
-use loraq_quant::{QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir};
+use loraq_quant::{
+    GgufQuantizeRequest, QuantErrorRequest, QuantizeProgress, QuantizeRequest, quantize_to_dir,
+    quantize_to_gguf,
+};
 use loraq_synth::merge::{MergeSummary, merge_adapter};
 use loraq_synth::questions::{
     NextTokenModel, RecordSetSpec, calibration_set, question_set, to_json_lines,
@@ -48,6 +52,11 @@ const SCHEMES: [(&str, Scheme); 3] = [
     ("nvfp4", Scheme::Nvfp4),
     ("int4-g128", Scheme::Int4G128Sym),
 ];
+
+/// The GGUF base the demo writes (llama-quantize's Q4_K_M, what llama.cpp users run).
+const GGUF_BASE: &str = "base-q4_k_m.gguf";
+/// Its label in the tables.
+const GGUF_LABEL: &str = "Q4_K_M GGUF";
 
 /// Size of the random pair's question set: enough for the paired test to mean
 /// something, small enough for a few seconds per forward run.
@@ -703,6 +712,36 @@ fn run_steps(out: &Path, kind: PairKind, seed: u64, sizes: DemoSizes) -> Result<
         });
     }
 
+    // 3b. The GGUF Q4_K_M base llama.cpp users run, written as llama.cpp's converter
+    //     and llama-quantize write it (its tokenizer embedded: the random pair has
+    //     none, and no GGUF row).
+    let gguf_base = out.join(GGUF_BASE);
+    let has_gguf = base.join("tokenizer.json").is_file();
+    if has_gguf {
+        announce(&[
+            "quantize",
+            "--in",
+            path_str(&base)?,
+            "--out",
+            path_str(&gguf_base)?,
+            "--scheme",
+            "gguf-q4_k_m",
+        ]);
+        quantize_to_gguf(
+            &GgufQuantizeRequest {
+                input: &base,
+                out: &gguf_base,
+                file_type: GgufFileType::Q4_K_M,
+                force: false,
+            },
+            &mut |event| {
+                if let QuantizeProgress::StaleSiblings(stale) = event {
+                    crate::outputs::report_stale(stale);
+                }
+            },
+        )?;
+    }
+
     // 4. Calibration statistics on prompts that are not the questions, taken on the
     //    merged model (the activations the adapter must reproduce), and for each
     //    quantized base an adapter that also repairs that base's error, at the same
@@ -778,6 +817,18 @@ fn run_steps(out: &Path, kind: PairKind, seed: u64, sizes: DemoSizes) -> Result<
         allow_residual,
     )?;
 
+    let qa_gguf = out.join("adapter-qa-q4_k_m");
+    if has_gguf {
+        run_extract(
+            &merged,
+            &base,
+            &qa_gguf,
+            rank,
+            Some((&gguf_base, &calibration, 0)),
+            allow_residual,
+        )?;
+    }
+
     // 5. Answers: the merged reference, then the adapter on each base.
     let records = out.join("questions.jsonl");
     let question_count = match kind {
@@ -831,7 +882,9 @@ fn run_steps(out: &Path, kind: PairKind, seed: u64, sizes: DemoSizes) -> Result<
         adapter,
         act_quant,
     };
-    let setups = [
+    let gguf_label = format!("{GGUF_LABEL} + adapter");
+    let gguf_qa_label = format!("{GGUF_LABEL} + QA adapter");
+    let mut setups = vec![
         setup("bf16 base, no adapter", "base-only", &base, None, none),
         setup(
             match kind {
@@ -903,6 +956,24 @@ fn run_steps(out: &Path, kind: PairKind, seed: u64, sizes: DemoSizes) -> Result<
             none,
         ),
     ];
+    // llama.cpp's CPU backend quantizes the activations of its block-typed linears:
+    // the GGUF rows run with the same quantization (--act-quant ggml).
+    if has_gguf {
+        setups.push(setup(
+            &gguf_label,
+            "q4_k_m",
+            &gguf_base,
+            Some(&adapter),
+            ActivationQuantKind::Ggml,
+        ));
+        setups.push(setup(
+            &gguf_qa_label,
+            "q4_k_m-qa",
+            &gguf_base,
+            Some(&qa_gguf),
+            ActivationQuantKind::Ggml,
+        ));
+    }
     let mut answer_rows = Vec::new();
     let mut group_accuracies = vec![("merged reference".to_string(), group_accuracy(&reference)?)];
     for Setup {
@@ -1072,6 +1143,11 @@ fn print_tables(results: &DemoResults, sizes: DemoSizes, out: &Path) {
             "int4-g128 W4A16 + adapter",
             "int4-g128 W4A16 + QA adapter",
         ),
+        (
+            "Q4_K_M",
+            &format!("{GGUF_LABEL} + adapter"),
+            &format!("{GGUF_LABEL} + QA adapter"),
+        ),
     ]
     .iter()
     .filter_map(|(name, plain, qa)| {
@@ -1134,14 +1210,16 @@ mod tests {
 
         // Answers: every setup answered every question; the extracted adapter is far
         // closer to the merged reference than the bare base.
-        assert_eq!(r.answer_rows.len(), 10);
+        // The trained pair has a tokenizer and so the two Q4_K_M GGUF rows.
+        let gguf_rows = if kind == PairKind::Trained { 2 } else { 0 };
+        assert_eq!(r.answer_rows.len(), 10 + gguf_rows);
         for row in &r.answer_rows {
             assert_eq!(row.report.n, sizes.questions, "{}", row.setup);
         }
         assert!(kl(&r, "bf16 base + extracted adapter") < 0.1 * kl(&r, "bf16 base, no adapter"));
         let questions = std::fs::read_to_string(out.join("questions.jsonl")).unwrap();
         assert_eq!(questions.lines().count(), sizes.questions);
-        assert_eq!(r.group_accuracy.len(), 11);
+        assert_eq!(r.group_accuracy.len(), 11 + gguf_rows);
         (dir, r)
     }
 

@@ -1,6 +1,7 @@
-//! Helpers of the collect tests that run a real llama-server: the fixture (a tiny
-//! Qwen3.5 GGUF and a LoRA GGUF written by llama.cpp's own converters), records, a
-//! server process that is killed when dropped, and reading answers files.
+//! Helpers of the tests that run a real llama-server (collect, GGUF export, GGUF
+//! quantize): the fixture (a tiny Qwen3.5 GGUF and a LoRA GGUF written by llama.cpp's
+//! own converters), records, the one llama-server process helper (spawned, waited
+//! until healthy, killed when dropped), and reading answers files.
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::collections::HashMap;
@@ -118,14 +119,38 @@ impl Server {
         log_name: &str,
         extra: &[&str],
     ) -> Server {
-        let log = dir.join(log_name);
-        let log_file = std::fs::File::create(&log).expect("server log");
-        let child = Command::new(binary)
-            .arg("-m")
-            .arg(dir.join("base-f32.gguf"))
-            .arg("--lora")
-            .arg(dir.join("adapter-f32.gguf"))
-            .args(["--lora-init-without-apply", "--alias", "fixture"])
+        let mut args = vec!["--lora-init-without-apply", "--alias", "fixture"];
+        args.extend_from_slice(extra);
+        Server::launch(
+            binary,
+            &dir.join("base-f32.gguf"),
+            &[&dir.join("adapter-f32.gguf")],
+            &dir.join(log_name),
+            port,
+            &args,
+        )
+    }
+
+    /// Starts llama-server on `port` serving `model` with the LoRA adapters `loras`
+    /// (ids 0, 1, ... in order), a context of 128, 2 slots, 2 threads, no web UI and
+    /// no warm-up, its stderr in `log`, `extra` arguments after those; waits until
+    /// /health answers 200 (panicking with the log if the server exits or takes more
+    /// than 120 s).
+    pub fn launch(
+        binary: &Path,
+        model: &Path,
+        loras: &[&Path],
+        log: &Path,
+        port: u16,
+        extra: &[&str],
+    ) -> Server {
+        let log_file = std::fs::File::create(log).expect("server log");
+        let mut command = Command::new(binary);
+        command.arg("-m").arg(model);
+        for lora in loras {
+            command.arg("--lora").arg(lora);
+        }
+        let child = command
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args([
                 "-c",
@@ -145,7 +170,7 @@ impl Server {
         let mut server = Server {
             child,
             url: format!("http://127.0.0.1:{port}"),
-            log,
+            log: log.to_path_buf(),
         };
         server.wait_healthy();
         server

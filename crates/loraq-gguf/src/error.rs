@@ -56,6 +56,15 @@ pub enum GgufError {
         /// What is wrong.
         reason: String,
     },
+    /// A checkpoint (its config, tokenizer or a tensor) that cannot be converted to a
+    /// GGUF model as llama.cpp's converter would.
+    #[error("{path}: {reason}")]
+    Convert {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// An error from loraq-io (checkpoints, adapters, atomic outputs).
     #[error(transparent)]
     Io(#[from] loraq_io::IoError),

@@ -6,9 +6,12 @@
 //! - [`names`]: checkpoint tensor names <-> GGUF names for `qwen3` and `qwen35`.
 //! - [`vhead`]: the value-head order llama.cpp's converter gives `qwen35` tensors.
 //! - [`base`]: a GGUF model opened as a checkpoint in the checkpoint's terms.
+//! - [`convert`]: what llama.cpp's converter writes for a checkpoint besides the
+//!   tensor bytes (metadata, tokenizer, value changes).
 //! - [`lora`]: a PEFT adapter exported as a llama.cpp LoRA (`loraq export-gguf`).
 
 pub mod base;
+pub mod convert;
 pub mod error;
 pub mod ggml_type;
 pub mod lora;
@@ -25,4 +28,4 @@ pub use names::GgufArch;
 pub use reader::{GgufFile, GgufModel, GgufTensorInfo};
 pub use value::{MetadataArray, MetadataValue, ValueType};
 pub use vhead::VHeadLayout;
-pub use writer::GgufWriter;
+pub use writer::{GgufWriter, TensorSpec};

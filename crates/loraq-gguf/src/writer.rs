@@ -86,40 +86,10 @@ impl GgufWriter {
     ) -> Result<()> {
         let name = name.into();
         let here = Path::new("<gguf writer>");
-        if name.len() >= MAX_TENSOR_NAME_BYTES {
-            return Err(refused(
-                here,
-                &name,
-                format!(
-                    "name longer than ggml's {} bytes",
-                    MAX_TENSOR_NAME_BYTES - 1
-                ),
-            ));
-        }
         if self.names.contains(&name) {
             return Err(refused(here, &name, "added twice".into()));
         }
-        if shape.len() > MAX_DIMS {
-            return Err(refused(
-                here,
-                &name,
-                format!("{} dimensions, ggml has at most {MAX_DIMS}", shape.len()),
-            ));
-        }
-        let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
-        let row = dims.first().copied().unwrap_or(1);
-        let rows = dims.iter().skip(1).try_fold(1u64, |a, &d| a.checked_mul(d));
-        let expected = ggml_type
-            .row_bytes(row)
-            .zip(rows)
-            .and_then(|(r, n)| r.checked_mul(n))
-            .ok_or_else(|| {
-                refused(
-                    here,
-                    &name,
-                    format!("shape {shape:?} is not whole {ggml_type} blocks"),
-                )
-            })?;
+        let (dims, expected) = tensor_dims_and_bytes(here, &name, ggml_type, shape)?;
         if expected != data.len() as u64 {
             return Err(refused(
                 here,
@@ -154,16 +124,7 @@ impl GgufWriter {
     pub fn write(&self, path: &Path) -> Result<()> {
         let file = std::fs::File::create(path).map_err(os(path))?;
         let mut out = BufWriter::new(file);
-        let mut header = Vec::new();
-        header.extend_from_slice(&GGUF_MAGIC.to_le_bytes());
-        header.extend_from_slice(&GGUF_VERSION.to_le_bytes());
-        header.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
-        header.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
-        for (key, value) in &self.metadata {
-            put_string(&mut header, key);
-            header.extend_from_slice(&value.value_type().id().to_le_bytes());
-            put_value(&mut header, value);
-        }
+        let mut header = self.metadata_header(self.tensors.len());
         let alignment = self.alignment();
         let mut offset = 0u64;
         for t in &self.tensors {
@@ -196,11 +157,160 @@ impl GgufWriter {
             .map_err(os(path))
     }
 
+    /// Writes the metadata added so far and the tensors `specs` (none may have been
+    /// added with [`GgufWriter::add_tensor`]) at `path`, asking `data` for each tensor's
+    /// bytes in order, one at a time, so that a model larger than memory streams
+    /// through: the header is complete before the first byte of data (every tensor's
+    /// size follows from its type and shape). A tensor whose bytes do not have the
+    /// size its spec implies is refused.
+    pub fn write_streamed<E: From<GgufError>>(
+        &self,
+        path: &Path,
+        specs: &[TensorSpec],
+        data: &mut dyn FnMut(usize) -> std::result::Result<Vec<u8>, E>,
+    ) -> std::result::Result<(), E> {
+        if let Some(t) = self.tensors.first() {
+            return Err(refused(
+                path,
+                &t.name,
+                "added with add_tensor to a streamed file".into(),
+            )
+            .into());
+        }
+        let mut names = HashSet::new();
+        let mut sizes = Vec::with_capacity(specs.len());
+        let mut infos = Vec::with_capacity(specs.len());
+        for spec in specs {
+            if !names.insert(spec.name.as_str()) {
+                return Err(refused(path, &spec.name, "added twice".into()).into());
+            }
+            let (dims, bytes) =
+                tensor_dims_and_bytes(path, &spec.name, spec.ggml_type, &spec.shape)?;
+            sizes.push(bytes);
+            infos.push(dims);
+        }
+        let file = std::fs::File::create(path).map_err(os(path))?;
+        let mut out = BufWriter::new(file);
+        let alignment = self.alignment();
+        let mut header = self.metadata_header(specs.len());
+        let mut offset = 0u64;
+        for ((spec, dims), &bytes) in specs.iter().zip(&infos).zip(&sizes) {
+            put_string(&mut header, &spec.name);
+            header.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                header.extend_from_slice(&d.to_le_bytes());
+            }
+            header.extend_from_slice(&spec.ggml_type.id().to_le_bytes());
+            header.extend_from_slice(&offset.to_le_bytes());
+            offset = offset
+                .checked_add(bytes)
+                .and_then(|end| pad(end, alignment))
+                .ok_or_else(|| refused(path, &spec.name, "file size overflows 64 bits".into()))?;
+        }
+        let data_start = pad(header.len() as u64, alignment).expect("in-memory sizes fit in u64");
+        header.resize(data_start as usize, 0);
+        out.write_all(&header).map_err(os(path))?;
+        let zeros = vec![0u8; alignment as usize];
+        for (index, (spec, &bytes)) in specs.iter().zip(&sizes).enumerate() {
+            let tensor = data(index)?;
+            if tensor.len() as u64 != bytes {
+                return Err(refused(
+                    path,
+                    &spec.name,
+                    format!("{} bytes of data, its spec needs {bytes}", tensor.len()),
+                )
+                .into());
+            }
+            out.write_all(&tensor).map_err(os(path))?;
+            let padding = pad(bytes, alignment).expect("checked above") - bytes;
+            out.write_all(&zeros[..padding as usize])
+                .map_err(os(path))?;
+        }
+        out.into_inner()
+            .map_err(|e| GgufError::Os {
+                path: path.to_path_buf(),
+                source: e.into_error(),
+            })?
+            .sync_all()
+            .map_err(os(path))?;
+        Ok(())
+    }
+
+    /// Magic, version, counts and metadata pairs of a file of `tensor_count` tensors.
+    fn metadata_header(&self, tensor_count: usize) -> Vec<u8> {
+        let mut header = Vec::new();
+        header.extend_from_slice(&GGUF_MAGIC.to_le_bytes());
+        header.extend_from_slice(&GGUF_VERSION.to_le_bytes());
+        header.extend_from_slice(&(tensor_count as u64).to_le_bytes());
+        header.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
+        for (key, value) in &self.metadata {
+            put_string(&mut header, key);
+            header.extend_from_slice(&value.value_type().id().to_le_bytes());
+            put_value(&mut header, value);
+        }
+        header
+    }
+
     /// Writes the file so that `path` appears only when complete
     /// ([`loraq_io::write_file_atomically`]).
     pub fn write_atomically(&self, path: &Path) -> Result<()> {
         loraq_io::write_file_atomically(path, |temp| self.write(temp))
     }
+}
+
+/// ggml's dimensions (innermost first) and the byte size of a tensor of `shape`
+/// (outermost first) in `ggml_type`, refusing more than 4 dimensions and rows that are
+/// not whole blocks.
+fn tensor_dims_and_bytes(
+    path: &Path,
+    name: &str,
+    ggml_type: GgmlType,
+    shape: &[usize],
+) -> Result<(Vec<u64>, u64)> {
+    if name.len() >= MAX_TENSOR_NAME_BYTES {
+        return Err(refused(
+            path,
+            name,
+            format!(
+                "name longer than ggml's {} bytes",
+                MAX_TENSOR_NAME_BYTES - 1
+            ),
+        ));
+    }
+    if shape.len() > MAX_DIMS {
+        return Err(refused(
+            path,
+            name,
+            format!("{} dimensions, ggml has at most {MAX_DIMS}", shape.len()),
+        ));
+    }
+    let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
+    let row = dims.first().copied().unwrap_or(1);
+    let rows = dims.iter().skip(1).try_fold(1u64, |a, &d| a.checked_mul(d));
+    let bytes = ggml_type
+        .row_bytes(row)
+        .zip(rows)
+        .and_then(|(r, n)| r.checked_mul(n))
+        .ok_or_else(|| {
+            refused(
+                path,
+                name,
+                format!("shape {shape:?} is not whole {ggml_type} blocks"),
+            )
+        })?;
+    Ok((dims, bytes))
+}
+
+/// One tensor of a file written by [`GgufWriter::write_streamed`]: its data comes
+/// later.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// GGUF name.
+    pub name: String,
+    /// Stored type.
+    pub ggml_type: GgmlType,
+    /// Shape, outermost first (`[out_features, in_features]` for a linear's weight).
+    pub shape: Vec<usize>,
 }
 
 fn put_string(out: &mut Vec<u8>, s: &str) {

@@ -20,6 +20,8 @@
 //! * [`ggml`]: the ggml block types of GGUF files (Q8_0, Q4_K, IQ4_XS, ...): decode,
 //!   quantization and llama-quantize's per-tensor type choice, bit-exact with
 //!   llama.cpp.
+//! * [`gguf_model`]: a checkpoint written as a quantized GGUF model, as llama.cpp's
+//!   converter and llama-quantize write it (`loraq quantize --scheme gguf-*`).
 //! * [`activation`]: activation fake-quant ([`ActivationQuant`] picks one per linear) (FP8 per token / per 1x128 group / static,
 //!   NVFP4 dynamic per 16 under a static global scale, with the weight formula or
 //!   exactly as vLLM's W4A4 linears apply it).
@@ -32,6 +34,7 @@ pub mod element;
 pub mod error;
 pub mod format;
 pub mod ggml;
+pub mod gguf_model;
 pub mod layout;
 mod multiversion;
 pub mod quantize_dir;
@@ -48,6 +51,7 @@ pub use format::{
     WeightFormat,
 };
 pub use ggml::{GgmlType, GgmlWeight};
+pub use gguf_model::{GgufQuantizeRequest, GgufQuantizeSummary, quantize_to_gguf};
 pub use layout::{Layout, LinearWeight, QuantizedBase, StoredWeight};
 pub use quantize_dir::{QuantizeProgress, QuantizeRequest, QuantizeSummary, quantize_to_dir};
 pub use report::{MeasureProgress, QuantErrorRequest};

@@ -80,6 +80,18 @@ impl GgufFileType {
             .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 
+    /// The file type of a `loraq quantize` scheme name: `gguf-` and the file type's
+    /// name (`gguf-q4_k_m`), case-insensitive.
+    pub fn from_scheme(scheme: &str) -> Option<Self> {
+        let lower = scheme.to_ascii_lowercase();
+        lower.strip_prefix("gguf-").and_then(Self::from_name)
+    }
+
+    /// The `loraq quantize` scheme name (`gguf-q4_k_m`).
+    pub fn scheme(self) -> String {
+        format!("gguf-{}", self.name().to_ascii_lowercase())
+    }
+
     /// The type of the tensors no rule singles out
     /// (`llama_ftype_get_default_type`).
     pub fn default_type(self) -> GgmlType {
