@@ -325,14 +325,20 @@ fn gguf_quantize_refuses_what_llama_cpp_cannot_load() {
 const SERVER_RECORDS: usize = 100;
 
 /// Largest |difference| of per-option log-softmax allowed between llama-server and
-/// `loraq run` on the same Q4_K_M GGUF (docs/gguf.md, "Checked against llama.cpp").
-/// Both decode the same weights exactly; llama.cpp's CPU backend also quantizes each
-/// activation to Q8_K / Q8_0 blocks before its integer dot products, which `loraq
-/// run` does not do on a GGUF base decoded to f32 (`--act-quant ggml` acts on
-/// ggml-typed linears only), and sums in another order. Measured: qwen3 3.6e-3,
-/// qwen35 0.096 (base) and 0.113 (adapter); the Gated DeltaNet layer's recurrence
-/// carries the activation rounding further.
-const Q4_K_M_TOLERANCE: f64 = 0.15;
+/// `loraq run --act-quant ggml` on the same Q4_K_M GGUF (docs/gguf.md, "Checked
+/// against llama.cpp"). Both decode the same weights exactly, and `--act-quant ggml`
+/// rounds each activation to Q8_K / Q8_0 blocks as llama.cpp's CPU backend does
+/// before its integer dot products; what remains is the summation order (ggml sums
+/// integer block products, loraq f32 products of the rounded values) and the
+/// linears llama.cpp keeps in F16 / F32 with other activation handling. Measured:
+/// qwen3 2.7e-3, qwen35 3.2e-2 (base) and 4.6e-2 (adapter); the Gated DeltaNet
+/// layer's recurrence carries the rounding further.
+const Q4_K_M_TOLERANCE: f64 = 0.06;
+
+/// The same bound for plain `loraq run` (activations unrounded), which differs from
+/// llama.cpp by the activation rounding too. Measured: qwen3 3.0e-3, qwen35 7.7e-2
+/// (base) and 8.3e-2 (adapter).
+const Q4_K_M_UNROUNDED_TOLERANCE: f64 = 0.15;
 
 #[test]
 fn llama_server_loads_loraq_q4_k_m_and_answers_as_loraq_run() {
@@ -417,14 +423,18 @@ fn llama_server_loads_loraq_q4_k_m_and_answers_as_loraq_run() {
         let (llama_base, llama_lora) = (collect(false), collect(true));
         drop(server);
         for (with_adapter, llama) in [(false, &llama_base), (true, &llama_lora)] {
-            let (diff, same) = agreement(&run(with_adapter, "none"), llama);
-            let (ggml_diff, _) = agreement(&run(with_adapter, "ggml"), llama);
+            let (diff, _) = agreement(&run(with_adapter, "none"), llama);
+            let (ggml_diff, same) = agreement(&run(with_adapter, "ggml"), llama);
             eprintln!(
-                "{model} Q4_K_M, adapter {with_adapter}: llama-server vs loraq run: max |d log-softmax| {diff:.3e}, same top {same}; with --act-quant ggml {ggml_diff:.3e}"
+                "{model} Q4_K_M, adapter {with_adapter}: llama-server vs loraq run --act-quant ggml: max |d log-softmax| {ggml_diff:.3e}, same top {same}; without activation rounding {diff:.3e}"
             );
             assert!(
-                diff <= Q4_K_M_TOLERANCE && same >= 0.97,
-                "{model} adapter {with_adapter}: {diff} {same}"
+                ggml_diff <= Q4_K_M_TOLERANCE && same >= 0.97,
+                "{model} adapter {with_adapter}: {ggml_diff} {same}"
+            );
+            assert!(
+                diff <= Q4_K_M_UNROUNDED_TOLERANCE,
+                "{model} adapter {with_adapter}, --act-quant none: {diff}"
             );
         }
         // The adapter, applied by llama.cpp from loraq's GGUF LoRA, moves the answers
