@@ -99,13 +99,41 @@ pub struct Args {
     json: bool,
 }
 
+/// The progress bar of a quantize run (stderr, hidden when not a terminal), driven by
+/// the library's events; the checkpoint and the GGUF paths share it.
+#[derive(Default)]
+struct QuantizeBar(Option<indicatif::ProgressBar>);
+
+impl QuantizeBar {
+    fn on(&mut self, event: QuantizeProgress<'_>) {
+        match event {
+            QuantizeProgress::StaleSiblings(stale) => crate::outputs::report_stale(stale),
+            QuantizeProgress::Planned { tensors } => {
+                self.0 = Some(progress::bar(tensors as u64, "quantize"));
+            }
+            QuantizeProgress::Wrote(name) => {
+                if let Some(bar) = &self.0 {
+                    bar.set_message(name.to_string());
+                    bar.inc(1);
+                }
+            }
+        }
+    }
+
+    fn finish(self) {
+        if let Some(bar) = self.0 {
+            bar.finish_and_clear();
+        }
+    }
+}
+
 /// Runs `loraq quantize`.
 pub fn run(args: Args) -> Result<()> {
     let scheme = match args.scheme {
         QuantizeScheme::Gguf(file_type) => return run_gguf(&args, file_type),
         QuantizeScheme::Checkpoint(scheme) => scheme,
     };
-    let mut bar = None;
+    let mut bar = QuantizeBar::default();
     let summary = quantize_to_dir(
         &QuantizeRequest {
             input: &args.input,
@@ -118,22 +146,9 @@ pub fn run(args: Args) -> Result<()> {
             max_shard_bytes: args.max_shard_bytes,
             force: args.force,
         },
-        &mut |event| match event {
-            QuantizeProgress::StaleSiblings(stale) => crate::outputs::report_stale(stale),
-            QuantizeProgress::Planned { tensors } => {
-                bar = Some(progress::bar(tensors as u64, "quantize"));
-            }
-            QuantizeProgress::Wrote(name) => {
-                if let Some(bar) = &bar {
-                    bar.set_message(name.to_string());
-                    bar.inc(1);
-                }
-            }
-        },
+        &mut |event| bar.on(event),
     )?;
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
+    bar.finish();
     if args.json {
         let value = serde_json::json!({
             "out": summary.out.display().to_string(),
@@ -185,7 +200,7 @@ fn run_gguf(args: &Args, file_type: GgufFileType) -> Result<()> {
             file_type.scheme()
         );
     }
-    let mut bar = None;
+    let mut bar = QuantizeBar::default();
     let summary = quantize_to_gguf(
         &GgufQuantizeRequest {
             input: &args.input,
@@ -193,22 +208,9 @@ fn run_gguf(args: &Args, file_type: GgufFileType) -> Result<()> {
             file_type,
             force: args.force,
         },
-        &mut |event| match event {
-            QuantizeProgress::StaleSiblings(stale) => crate::outputs::report_stale(stale),
-            QuantizeProgress::Planned { tensors } => {
-                bar = Some(progress::bar(tensors as u64, "quantize"));
-            }
-            QuantizeProgress::Wrote(name) => {
-                if let Some(bar) = &bar {
-                    bar.set_message(name.to_string());
-                    bar.inc(1);
-                }
-            }
-        },
+        &mut |event| bar.on(event),
     )?;
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
+    bar.finish();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
         return Ok(());
