@@ -8,6 +8,8 @@
 //! alpha A[m, k] B[k, n]`, all row-major.
 
 /// The widest vector instruction set the mixers' loops are compiled for.
+// Only x86_64 builds dispatch on it; elsewhere the portable loops run directly.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Simd {
     /// Portable code (whatever the build's baseline target vectorizes to).
@@ -22,6 +24,7 @@ pub(crate) enum Simd {
 
 impl Simd {
     /// The widest set this CPU has (the detection is cached by the standard library).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn detect() -> Simd {
         #[cfg(target_arch = "x86_64")]
         {
