@@ -356,10 +356,7 @@ impl LineBlock {
         let mut ranges = Vec::with_capacity(pieces);
         let (mut start, mut line) = (0, self.first_line);
         while start < len {
-            let end = match self.bytes[(start + step).min(len)..]
-                .iter()
-                .position(|&b| b == b'\n')
-            {
+            let end = match memchr::memchr(b'\n', &self.bytes[(start + step).min(len)..]) {
                 Some(i) => (start + step).min(len) + i + 1,
                 None => len,
             };
@@ -381,8 +378,16 @@ impl LineBlock {
         path: &Path,
         columns: &mut AnswerColumns<'a>,
     ) -> Option<EvalError> {
-        let lines = self.bytes[start..end].split_inclusive(|&b| b == b'\n');
-        for (line, text) in (first_line..).zip(lines) {
+        let bytes = &self.bytes[start..end];
+        let mut line_start = 0;
+        for line in first_line.. {
+            if line_start == bytes.len() {
+                break;
+            }
+            let line_end = memchr::memchr(b'\n', &bytes[line_start..])
+                .map_or(bytes.len(), |i| line_start + i + 1);
+            let text = &bytes[line_start..line_end];
+            line_start = line_end;
             let content = text.strip_suffix(b"\n").unwrap_or(text);
             if content.len() > MAX_JSON_LINE_BYTES {
                 return Some(line_too_long(path, line));
