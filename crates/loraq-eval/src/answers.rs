@@ -361,10 +361,7 @@ impl LineBlock {
                 None => len,
             };
             ranges.push((start, end, line));
-            line += self.bytes[start..end]
-                .iter()
-                .filter(|&&b| b == b'\n')
-                .count() as u64;
+            line += count_newlines(&self.bytes[start..end]);
             start = end;
         }
         ranges
@@ -400,6 +397,12 @@ impl LineBlock {
         }
         None
     }
+}
+
+/// Newlines in `bytes` (SIMD: a byte-by-byte count was a tenth of the instructions of
+/// a comparison).
+fn count_newlines(bytes: &[u8]) -> u64 {
+    memchr::memchr_iter(b'\n', bytes).count() as u64
 }
 
 /// The error for a line over [`MAX_JSON_LINE_BYTES`] (a file without newlines,
@@ -462,7 +465,7 @@ impl<R: BufRead> AnswersReader<R> {
                         if block.bytes.len() - line_start > MAX_JSON_LINE_BYTES {
                             // The lines before it come first, then the error.
                             block.bytes.truncate(line_start);
-                            self.line += block.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+                            self.line += count_newlines(&block.bytes);
                             self.failed = true;
                             let error = line_too_long(&self.path, self.line + 1);
                             if block.bytes.is_empty() {
@@ -484,7 +487,7 @@ impl<R: BufRead> AnswersReader<R> {
             self.carry.extend_from_slice(&block.bytes[last + 1..]);
             block.bytes.truncate(last + 1);
         }
-        self.line += block.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+        self.line += count_newlines(&block.bytes);
         if end_of_file && block.bytes.last().is_some_and(|&b| b != b'\n') {
             self.line += 1;
         }

@@ -276,7 +276,9 @@ struct CandidateOutcome {
     index: Option<u32>,
     /// The pair reduced, when paired (its group is set in order, see
     /// [`PairContext::agreed_group`]).
-    reduced: Option<Result<PairStats>>,
+    /// (The error boxed: moving a full `Result` per answer cost more than the rare
+    /// allocation.)
+    reduced: Option<std::result::Result<PairStats, Box<EvalError>>>,
 }
 
 /// Reads both files and pairs them by id.
@@ -383,7 +385,9 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                                     probs: &store.probs[entry.start..entry.start + width],
                                     log_probs: &store.log_probs[entry.start..entry.start + width],
                                 };
-                                context.reduce(entry, &CandidateAnswer::new(columns, row), 0)
+                                context
+                                    .reduce(entry, &CandidateAnswer::new(columns, row), 0)
+                                    .map_err(Box::new)
                             });
                             CandidateOutcome { index, reduced }
                         })
@@ -439,7 +443,10 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                     };
                     let answer = CandidateAnswer::new(columns, row);
                     let group = context.agreed_group(entry, &answer, &mut groups)?;
-                    let mut stats = outcome.reduced.expect("paired answers are reduced")?;
+                    let mut stats = outcome
+                        .reduced
+                        .expect("paired answers are reduced")
+                        .map_err(|e| *e)?;
                     stats.group = group;
                     *slot = Slot {
                         candidate_line: row.line,
@@ -578,7 +585,13 @@ impl Interner {
                 return (self.names.len() - 1) as u32;
             }
         }
-        if let Some(&id) = self.ids.get(name) {
+        // A few names are compared in place; hashing costs more.
+        let found = if self.names.len() <= 8 {
+            self.names.iter().position(|n| n == name).map(|i| i as u32)
+        } else {
+            self.ids.get(name).copied()
+        };
+        if let Some(id) = found {
             return id;
         }
         let id = u32::try_from(self.names.len()).expect("fewer than 2^32 groups");
