@@ -12,6 +12,7 @@ use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock, ParsedPiece};
 use crate::error::{EvalError, FieldMismatch, Result};
@@ -204,29 +205,41 @@ struct OptionLists {
 }
 
 impl OptionLists {
-    fn intern(&mut self, options: &[Cow<'_, str>]) -> u32 {
+    /// The id of a list already stored.
+    fn find(&self, options: &[Cow<'_, str>]) -> Option<u32> {
         // Most files repeat one list on every line: check the last one first.
         if let Some(last) = self.lists.last() {
             if same_options(last, options) {
-                return (self.lists.len() - 1) as u32;
+                return Some((self.lists.len() - 1) as u32);
             }
         }
-        let mut hasher = FastHasher::default();
-        for option in options {
-            option.as_ref().hash(&mut hasher);
-        }
-        let ids = self.by_hash.entry(hasher.finish()).or_default();
-        if let Some(&id) = ids
+        self.by_hash
+            .get(&Self::hash(options))?
             .iter()
             .find(|&&id| same_options(&self.lists[id as usize], options))
-        {
+            .copied()
+    }
+
+    fn intern(&mut self, options: &[Cow<'_, str>]) -> u32 {
+        if let Some(id) = self.find(options) {
             return id;
         }
         let id = u32::try_from(self.lists.len()).expect("fewer than 2^32 option lists");
         self.lists
             .push(options.iter().map(|o| o.to_string()).collect());
-        ids.push(id);
+        self.by_hash
+            .entry(Self::hash(options))
+            .or_default()
+            .push(id);
         id
+    }
+
+    fn hash(options: &[Cow<'_, str>]) -> u64 {
+        let mut hasher = FastHasher::default();
+        for option in options {
+            option.as_ref().hash(&mut hasher);
+        }
+        hasher.finish()
     }
 }
 
@@ -270,6 +283,24 @@ struct Slot {
     stats: PairStats,
 }
 
+/// What the parallel pass finds for one reference answer: its id's hash, and its
+/// option list's and group's ids when they were interned before its block.
+struct ReferenceKeys {
+    hash: IdHash,
+    options: Option<u32>,
+    group: Option<u32>,
+}
+
+/// A read lock, whether or not another thread panicked holding it.
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A write lock, whether or not another thread panicked holding it.
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// What the parallel pass found for one candidate answer.
 struct CandidateOutcome {
     /// The reference entry with the same id.
@@ -303,30 +334,44 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     let candidate_path = candidate.path().to_path_buf();
     let pieces = rayon::current_num_threads().saturating_mul(PIECES_PER_THREAD);
 
-    let mut option_lists = OptionLists::default();
-    let mut groups = Interner::default();
     let mut store = ReferenceStore::default();
-    // Hashing is parallel, with the parsing of the next block; storing and
-    // indexing, in file order, is not.
+    // Hashing, and finding option lists and groups already seen, is parallel (the
+    // lists are only read then); storing and indexing, in file order, is not.
+    let option_lists = RwLock::new(OptionLists::default());
+    let groups = RwLock::new(Interner::default());
     for_each_block(
         &mut reference,
         pieces,
-        |parsed| -> Vec<Vec<IdHash>> {
+        |parsed| -> Vec<Vec<ReferenceKeys>> {
+            let (option_lists, groups) = (read(&option_lists), read(&groups));
             parsed
                 .par_iter()
                 .map(|piece| {
-                    let rows = &piece.columns.rows;
-                    rows.iter().map(|row| IdHash::of(&row.id)).collect()
+                    let columns = &piece.columns;
+                    let keys = |row: &AnswerRow<'_>| ReferenceKeys {
+                        hash: IdHash::of(&row.id),
+                        options: option_lists.find(columns.options_of(row)),
+                        group: row.group.as_ref().and_then(|g| groups.find(g)),
+                    };
+                    columns.rows.iter().map(keys).collect()
                 })
                 .collect()
         },
-        |parsed, hashes| {
-            for (piece, hashes) in parsed.into_iter().zip(hashes) {
+        |parsed, keys| {
+            let mut option_lists = write(&option_lists);
+            let mut groups = write(&groups);
+            for (piece, keys) in parsed.into_iter().zip(keys) {
                 let columns = &piece.columns;
-                for (row, hash) in columns.rows.iter().zip(hashes) {
-                    let options = option_lists.intern(columns.options_of(row));
-                    let group = row.group.as_ref().map(|g| groups.intern(g));
-                    if let Err(first_line) = store.push(hash, row, columns, options, group) {
+                for (row, keys) in columns.rows.iter().zip(keys) {
+                    let options = keys
+                        .options
+                        .unwrap_or_else(|| option_lists.intern(columns.options_of(row)));
+                    let group = row
+                        .group
+                        .as_ref()
+                        .map(|g| keys.group.unwrap_or_else(|| groups.intern(g)));
+                    let pushed = store.push(keys.hash, row, columns, options, group);
+                    if let Err(first_line) = pushed {
                         return Err(EvalError::DuplicateId {
                             path: reference_path.clone(),
                             line: row.line,
@@ -342,6 +387,10 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
             Ok(())
         },
     )?;
+    let option_lists = option_lists
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
+    let mut groups = groups.into_inner().unwrap_or_else(PoisonError::into_inner);
     let store = store;
     let entries = &store.entries;
 
@@ -578,20 +627,24 @@ struct Interner {
 }
 
 impl Interner {
-    fn intern(&mut self, name: &str) -> u32 {
+    /// The id of a name already stored.
+    fn find(&self, name: &str) -> Option<u32> {
         // Files often list a group's questions together: try the last one first.
         if let Some(last) = self.names.last() {
             if last == name {
-                return (self.names.len() - 1) as u32;
+                return Some((self.names.len() - 1) as u32);
             }
         }
         // A few names are compared in place; hashing costs more.
-        let found = if self.names.len() <= 8 {
+        if self.names.len() <= 8 {
             self.names.iter().position(|n| n == name).map(|i| i as u32)
         } else {
             self.ids.get(name).copied()
-        };
-        if let Some(id) = found {
+        }
+    }
+
+    fn intern(&mut self, name: &str) -> u32 {
+        if let Some(id) = self.find(name) {
             return id;
         }
         let id = u32::try_from(self.names.len()).expect("fewer than 2^32 groups");
