@@ -310,6 +310,9 @@ struct CandidateOutcome {
     /// (The error boxed: moving a full `Result` per answer cost more than the rare
     /// allocation.)
     reduced: Option<std::result::Result<PairStats, Box<EvalError>>>,
+    /// The pair's group when paired and known without interning a new name
+    /// ([`PairContext::known_group`]).
+    group: Option<std::result::Result<u32, Box<EvalError>>>,
 }
 
 /// Reads both files and pairs them by id.
@@ -390,7 +393,6 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     let option_lists = option_lists
         .into_inner()
         .unwrap_or_else(PoisonError::into_inner);
-    let mut groups = groups.into_inner().unwrap_or_else(PoisonError::into_inner);
     let store = store;
     let entries = &store.entries;
 
@@ -414,6 +416,7 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
         &mut candidate,
         pieces,
         |parsed| -> Vec<Vec<CandidateOutcome>> {
+            let groups = read(&groups);
             parsed
                 .par_iter()
                 .map(|piece| {
@@ -423,22 +426,31 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                         .iter()
                         .map(|row| {
                             let index = store.find(IdHash::of(&row.id), &row.id);
-                            let reduced = index.map(|index| {
-                                let entry = &entries[index as usize];
-                                let options = &option_lists.lists[entry.options as usize];
-                                let width = options.len();
-                                let context = PairContext {
-                                    reference_path: &reference_path,
-                                    candidate_path: &candidate_path,
-                                    options,
-                                    probs: &store.probs[entry.start..entry.start + width],
-                                    log_probs: &store.log_probs[entry.start..entry.start + width],
+                            let Some(index) = index else {
+                                return CandidateOutcome {
+                                    index,
+                                    reduced: None,
+                                    group: None,
                                 };
-                                context
-                                    .reduce(entry, &CandidateAnswer::new(columns, row), 0)
-                                    .map_err(Box::new)
-                            });
-                            CandidateOutcome { index, reduced }
+                            };
+                            let entry = &entries[index as usize];
+                            let options = &option_lists.lists[entry.options as usize];
+                            let width = options.len();
+                            let context = PairContext {
+                                reference_path: &reference_path,
+                                candidate_path: &candidate_path,
+                                options,
+                                probs: &store.probs[entry.start..entry.start + width],
+                                log_probs: &store.log_probs[entry.start..entry.start + width],
+                            };
+                            let answer = CandidateAnswer::new(columns, row);
+                            CandidateOutcome {
+                                index: Some(index),
+                                reduced: Some(context.reduce(entry, &answer, 0).map_err(Box::new)),
+                                group: context
+                                    .known_group(entry, &answer, &groups)
+                                    .map(|group| group.map_err(Box::new)),
+                            }
                         })
                         .collect()
                 })
@@ -481,17 +493,21 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                             first_line: slot.candidate_line,
                         });
                     }
-                    let entry = &entries[index as usize];
-                    let options = &option_lists.lists[entry.options as usize];
-                    let context = PairContext {
-                        reference_path: &reference_path,
-                        candidate_path: &candidate_path,
-                        options,
-                        probs: &[],
-                        log_probs: &[],
+                    let group = match outcome.group {
+                        Some(group) => group.map_err(|e| *e)?,
+                        None => {
+                            let entry = &entries[index as usize];
+                            let context = PairContext {
+                                reference_path: &reference_path,
+                                candidate_path: &candidate_path,
+                                options: &option_lists.lists[entry.options as usize],
+                                probs: &[],
+                                log_probs: &[],
+                            };
+                            let answer = CandidateAnswer::new(columns, row);
+                            context.agreed_group(entry, &answer, &mut write(&groups))?
+                        }
                     };
-                    let answer = CandidateAnswer::new(columns, row);
-                    let group = context.agreed_group(entry, &answer, &mut groups)?;
                     let mut stats = outcome
                         .reduced
                         .expect("paired answers are reduced")
@@ -539,7 +555,10 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
         reference_path,
         candidate_path,
         pairs,
-        groups: groups.names,
+        groups: groups
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .names,
         reference_only,
         candidate_only: candidate_only_ids.len(),
     })
@@ -699,6 +718,30 @@ impl PairContext<'_> {
             (Some(r), _) => Ok(r),
             (None, Some(c)) => Ok(groups.intern(c)),
             (None, None) => Ok(groups.intern(UNGROUPED)),
+        }
+    }
+
+    /// [`PairContext::agreed_group`] where no new name is interned: `None` when the
+    /// group is one not seen yet (interned in file order by `agreed_group`).
+    fn known_group(
+        &self,
+        entry: &ReferenceEntry,
+        answer: &CandidateAnswer<'_, '_>,
+        groups: &Interner,
+    ) -> Option<Result<u32>> {
+        match (entry.group, &answer.group) {
+            (Some(r), Some(c)) if groups.names[r as usize] != *c => {
+                let theirs = json_string(&groups.names[r as usize]);
+                Some(Err(self.mismatch(
+                    entry,
+                    answer,
+                    "group",
+                    json_string(c),
+                    theirs,
+                )))
+            }
+            (Some(r), _) => Some(Ok(r)),
+            (None, c) => groups.find(c.unwrap_or(UNGROUPED)).map(Ok),
         }
     }
 
