@@ -7,6 +7,7 @@
 mod common;
 
 use common::{loraq, ok, oracle_python, run_oracle, s};
+use loraq_eval::AnswersReader;
 use loraq_io::Checkpoint;
 use loraq_io::convert::bf16_bits_to_f32;
 use loraq_model::{read_records, tokenize_records};
@@ -107,35 +108,16 @@ fn the_merge_matches_peft_merge_and_unload() {
     );
 }
 
-/// One answers file: id -> (group, option logits, gold).
-fn answers(path: &Path) -> BTreeMap<String, (String, Vec<f64>, String)> {
-    std::fs::read_to_string(path)
+/// One answers file, read by loraq-eval's reader: id -> (group, log-softmax of the
+/// option logits, index of the gold option).
+fn answers(path: &Path) -> BTreeMap<String, (String, Vec<f64>, usize)> {
+    AnswersReader::open(path)
         .unwrap()
-        .lines()
-        .map(|line| {
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            let logits = v["logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect();
-            let options: Vec<&str> = v["options"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|o| o.as_str().unwrap())
-                .collect();
-            let gold = v["gold"].as_str().unwrap();
-            assert!(options.contains(&gold));
-            (
-                v["id"].as_str().unwrap().to_string(),
-                (
-                    v["group"].as_str().unwrap().to_string(),
-                    logits,
-                    options.iter().position(|o| *o == gold).unwrap().to_string(),
-                ),
-            )
+        .map(|answer| {
+            let answer = answer.unwrap();
+            let group = answer.group.expect("a group");
+            let gold = answer.gold.expect("a gold option");
+            (answer.id, (group, answer.log_probs, gold))
         })
         .collect()
 }
@@ -145,12 +127,12 @@ fn top(logits: &[f64]) -> usize {
 }
 
 /// Accuracy on gold per group.
-fn accuracy(answers: &BTreeMap<String, (String, Vec<f64>, String)>) -> BTreeMap<String, f64> {
+fn accuracy(answers: &BTreeMap<String, (String, Vec<f64>, usize)>) -> BTreeMap<String, f64> {
     let mut counts: BTreeMap<String, (usize, usize)> = BTreeMap::new();
-    for (group, logits, gold) in answers.values() {
+    for (group, log_probs, gold) in answers.values() {
         let c = counts.entry(group.clone()).or_default();
         c.0 += 1;
-        c.1 += usize::from(top(logits).to_string() == *gold);
+        c.1 += usize::from(top(log_probs) == *gold);
     }
     counts
         .into_iter()
@@ -159,9 +141,10 @@ fn accuracy(answers: &BTreeMap<String, (String, Vec<f64>, String)>) -> BTreeMap<
 }
 
 /// `loraq run` on the merged model and on the base alone gives transformers' option
-/// logits on the first 80 committed questions (20 per task group) within float32
-/// rounding, hence the same answers; and those answers show the pair is trained: the
-/// merge right on at least 90% of every group, the base alone well below on sub.
+/// log-probabilities on the first 80 committed questions (20 per task group) within
+/// float32 rounding, hence the same answers; and those answers show the pair is
+/// trained: the merge right on at least 90% of every group, the base alone well below
+/// on sub.
 #[test]
 fn native_forward_gives_transformers_answers_on_the_trained_pair() {
     let Some(python) = oracle_python() else {

@@ -502,45 +502,10 @@ fn llama_server_applies_exported_adapters_as_loraq_run_applies_peft() {
         ],
     );
     let run = |adapter: Option<&Path>, out: &str| {
-        let out = d.join(out);
-        let mut args = vec![
-            "run",
-            "--model",
-            s(&hf),
-            "--records",
-            s(&records),
-            "--out",
-            s(&out),
-        ];
-        if let Some(a) = adapter {
-            args.extend(["--adapter", s(a)]);
-        }
-        ok(loraq(&args));
-        read_answers(&out)
+        let extra: Vec<&str> = adapter.map_or(vec![], |a| vec!["--adapter", s(a)]);
+        run_answers(&hf, &records, &d.join(out), &extra)
     };
-    let collect = |id: &str, out: &str| {
-        let out = d.join(out);
-        ok(loraq(&[
-            "collect",
-            "--server",
-            &server.url,
-            "--engine",
-            "llama-cpp",
-            "--model",
-            "fixture",
-            "--records",
-            s(&records),
-            "--out",
-            s(&out),
-            "--lora-id",
-            id,
-            "--lora-scale",
-            "1",
-            "--concurrency",
-            "2",
-        ]));
-        read_answers(&out)
-    };
+    let collect = |id: &str, out: &str| collect_answers(&server, &records, &d.join(out), Some(id));
     let run_base = run(None, "run-base.jsonl");
     let run_plain = run(Some(&plain), "run-plain.jsonl");
     let run_patterns = run(Some(&patterns), "run-patterns.jsonl");

@@ -11,7 +11,9 @@
 mod collect_support;
 mod common;
 
-use collect_support::{Server, agreement, free_port, llama_server, read_answers, write_records};
+use collect_support::{
+    Server, agreement, collect_answers, free_port, llama_server, run_answers, write_records,
+};
 use common::{loraq, ok, oracle_python, run_oracle, s, stderr};
 use loraq_gguf::{GgufFile, MetadataArray, MetadataValue};
 use serde_json::{Value, json};
@@ -379,46 +381,15 @@ fn llama_server_loads_loraq_q4_k_m_and_answers_as_loraq_run() {
         );
         let collect = |with_adapter: bool| {
             let out = d.join(format!("{model}-llama-{with_adapter}.jsonl"));
-            let mut args = vec![
-                "collect",
-                "--server",
-                &server.url,
-                "--engine",
-                "llama-cpp",
-                "--model",
-                "fixture",
-                "--records",
-                s(&records),
-                "--out",
-                s(&out),
-                "--concurrency",
-                "2",
-            ];
-            if with_adapter {
-                args.extend(["--lora-id", "0", "--lora-scale", "1"]);
-            }
-            ok(loraq(&args));
-            read_answers(&out)
+            collect_answers(&server, &records, &out, with_adapter.then_some("0"))
         };
         let run = |with_adapter: bool, act_quant: &str| {
             let out = d.join(format!("{model}-run-{with_adapter}-{act_quant}.jsonl"));
-            let mut args = vec![
-                "run",
-                "--model",
-                s(&base),
-                "--records",
-                s(&records),
-                "--out",
-                s(&out),
-                "--act-quant",
-                act_quant,
-                "--force",
-            ];
+            let mut extra = vec!["--act-quant", act_quant, "--force"];
             if with_adapter {
-                args.extend(["--adapter", s(&adapter)]);
+                extra.extend(["--adapter", s(&adapter)]);
             }
-            ok(loraq(&args));
-            read_answers(&out)
+            run_answers(&base, &records, &out, &extra)
         };
         let (llama_base, llama_lora) = (collect(false), collect(true));
         drop(server);

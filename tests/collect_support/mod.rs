@@ -259,3 +259,58 @@ pub fn agreement(a: &HashMap<String, Vec<f64>>, b: &HashMap<String, Vec<f64>>) -
     }
     (max_diff, same as f64 / a.len() as f64)
 }
+
+/// `loraq collect` of `records` from `server` (engine llama-cpp, model alias
+/// "fixture", 2 requests at a time) into `out`, with the server's LoRA adapter of id
+/// `lora_id` at scale 1 or with none; the answers read back ([`read_answers`]).
+pub fn collect_answers(
+    server: &Server,
+    records: &Path,
+    out: &Path,
+    lora_id: Option<&str>,
+) -> HashMap<String, Vec<f64>> {
+    use crate::common::{loraq, ok, s};
+    let mut args = vec![
+        "collect",
+        "--server",
+        &server.url,
+        "--engine",
+        "llama-cpp",
+        "--model",
+        "fixture",
+        "--records",
+        s(records),
+        "--out",
+        s(out),
+        "--concurrency",
+        "2",
+    ];
+    if let Some(id) = lora_id {
+        args.extend(["--lora-id", id, "--lora-scale", "1"]);
+    }
+    ok(loraq(&args));
+    read_answers(out)
+}
+
+/// `loraq run` of `records` on `model` into `out` with the `extra` arguments (an
+/// adapter, activation rounding, ...); the answers read back ([`read_answers`]).
+pub fn run_answers(
+    model: &Path,
+    records: &Path,
+    out: &Path,
+    extra: &[&str],
+) -> HashMap<String, Vec<f64>> {
+    use crate::common::{loraq, ok, s};
+    let mut args = vec![
+        "run",
+        "--model",
+        s(model),
+        "--records",
+        s(records),
+        "--out",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    ok(loraq(&args));
+    read_answers(out)
+}

@@ -356,18 +356,12 @@ impl LineBlock {
         let mut ranges = Vec::with_capacity(pieces);
         let (mut start, mut line) = (0, self.first_line);
         while start < len {
-            let end = match self.bytes[(start + step).min(len)..]
-                .iter()
-                .position(|&b| b == b'\n')
-            {
+            let end = match memchr::memchr(b'\n', &self.bytes[(start + step).min(len)..]) {
                 Some(i) => (start + step).min(len) + i + 1,
                 None => len,
             };
             ranges.push((start, end, line));
-            line += self.bytes[start..end]
-                .iter()
-                .filter(|&&b| b == b'\n')
-                .count() as u64;
+            line += count_newlines(&self.bytes[start..end]);
             start = end;
         }
         ranges
@@ -381,8 +375,16 @@ impl LineBlock {
         path: &Path,
         columns: &mut AnswerColumns<'a>,
     ) -> Option<EvalError> {
-        let lines = self.bytes[start..end].split_inclusive(|&b| b == b'\n');
-        for (line, text) in (first_line..).zip(lines) {
+        let bytes = &self.bytes[start..end];
+        let mut line_start = 0;
+        for line in first_line.. {
+            if line_start == bytes.len() {
+                break;
+            }
+            let line_end = memchr::memchr(b'\n', &bytes[line_start..])
+                .map_or(bytes.len(), |i| line_start + i + 1);
+            let text = &bytes[line_start..line_end];
+            line_start = line_end;
             let content = text.strip_suffix(b"\n").unwrap_or(text);
             if content.len() > MAX_JSON_LINE_BYTES {
                 return Some(line_too_long(path, line));
@@ -395,6 +397,12 @@ impl LineBlock {
         }
         None
     }
+}
+
+/// Newlines in `bytes` (SIMD: a byte-by-byte count was a tenth of the instructions of
+/// a comparison).
+fn count_newlines(bytes: &[u8]) -> u64 {
+    memchr::memchr_iter(b'\n', bytes).count() as u64
 }
 
 /// The error for a line over [`MAX_JSON_LINE_BYTES`] (a file without newlines,
@@ -457,7 +465,7 @@ impl<R: BufRead> AnswersReader<R> {
                         if block.bytes.len() - line_start > MAX_JSON_LINE_BYTES {
                             // The lines before it come first, then the error.
                             block.bytes.truncate(line_start);
-                            self.line += block.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+                            self.line += count_newlines(&block.bytes);
                             self.failed = true;
                             let error = line_too_long(&self.path, self.line + 1);
                             if block.bytes.is_empty() {
@@ -479,7 +487,7 @@ impl<R: BufRead> AnswersReader<R> {
             self.carry.extend_from_slice(&block.bytes[last + 1..]);
             block.bytes.truncate(last + 1);
         }
-        self.line += block.bytes.iter().filter(|&&b| b == b'\n').count() as u64;
+        self.line += count_newlines(&block.bytes);
         if end_of_file && block.bytes.last().is_some_and(|&b| b != b'\n') {
             self.line += 1;
         }

@@ -89,11 +89,7 @@ pub fn adaptive_calibration_error(
     if n == 0 {
         return None;
     }
-    let mut order: Vec<usize> = (0..n).collect();
-    // Stable, in parallel: ties keep their input order as a sequential stable sort.
-    rayon::slice::ParallelSliceMut::par_sort_by(&mut order[..], |&a, &b| {
-        confidence[a].total_cmp(&confidence[b])
-    });
+    let sorted = sorted_by_confidence(confidence, correct);
     let (base, larger) = (n / bins, n % bins);
     let mut start = 0;
     let mut ece = 0.0;
@@ -102,13 +98,68 @@ pub fn adaptive_calibration_error(
         if size == 0 {
             continue;
         }
-        let group = &order[start..start + size];
+        let group = &sorted[start..start + size];
         start += size;
-        let mean_confidence = group.iter().map(|&i| confidence[i]).sum::<f64>() / size as f64;
-        let accuracy = group.iter().filter(|&&i| correct[i]).count() as f64 / size as f64;
+        let mean_confidence = group
+            .iter()
+            .map(|&(key, _)| confidence_of_key(key))
+            .sum::<f64>()
+            / size as f64;
+        let accuracy = group.iter().filter(|&&(_, ok)| ok).count() as f64 / size as f64;
         ece += size as f64 / n as f64 * (accuracy - mean_confidence).abs();
     }
     Some(ece)
+}
+
+/// The key of `x` in `f64::total_cmp`'s order, as an unsigned integer.
+fn total_order_key(x: f64) -> u64 {
+    let bits = x.to_bits();
+    // total_cmp flips the magnitude bits of negatives; flipping the sign bit as well
+    // turns its signed comparison into an unsigned one.
+    (bits ^ ((((bits as i64) >> 63) as u64) >> 1)) ^ (1 << 63)
+}
+
+/// The inverse of [`total_order_key`].
+fn confidence_of_key(key: u64) -> f64 {
+    let bits = key ^ (1 << 63);
+    f64::from_bits(bits ^ ((((bits as i64) >> 63) as u64) >> 1))
+}
+
+/// (confidence key, correct) sorted by confidence in `f64::total_cmp`'s order, ties
+/// in input order: what a stable sort of the questions by confidence gives, by a
+/// least-significant-digit radix sort (byte by byte, each pass stable; a byte every
+/// key shares is skipped), linear in the number of questions.
+fn sorted_by_confidence(confidence: &[f64], correct: &[bool]) -> Vec<(u64, bool)> {
+    let mut items: Vec<(u64, bool)> = confidence
+        .iter()
+        .zip(correct)
+        .map(|(&c, &ok)| (total_order_key(c), ok))
+        .collect();
+    let mut counts = vec![[0usize; 256]; 8];
+    for &(key, _) in &items {
+        for (byte, count) in counts.iter_mut().enumerate() {
+            count[(key >> (8 * byte)) as usize & 0xFF] += 1;
+        }
+    }
+    let mut scattered = vec![(0u64, false); items.len()];
+    for (byte, count) in counts.iter().enumerate() {
+        if count.contains(&items.len()) {
+            continue;
+        }
+        let mut next = [0usize; 256];
+        let mut total = 0;
+        for (next, &count) in next.iter_mut().zip(count) {
+            *next = total;
+            total += count;
+        }
+        for &item in &items {
+            let digit = (item.0 >> (8 * byte)) as usize & 0xFF;
+            scattered[next[digit]] = item;
+            next[digit] += 1;
+        }
+        std::mem::swap(&mut items, &mut scattered);
+    }
+    items
 }
 
 #[cfg(test)]
@@ -130,5 +181,37 @@ mod tests {
         let table = reliability_table(&conf, &correct, 15);
         assert_eq!(expected_calibration_error(&table), Some(0.0));
         assert_eq!(adaptive_calibration_error(&conf, &correct, 1), Some(0.0));
+    }
+
+    #[test]
+    fn radix_order_is_a_stable_sort_by_total_order() {
+        let values = [
+            0.5,
+            -0.0,
+            0.0,
+            1.0,
+            0.25,
+            -3.0,
+            0.5,
+            f64::MIN_POSITIVE,
+            -f64::MIN_POSITIVE,
+            0.5,
+            1e300,
+            -1e-300,
+            0.7,
+        ];
+        let correct: Vec<bool> = (0..values.len()).map(|i| i % 2 == 0).collect();
+        let mut expected: Vec<usize> = (0..values.len()).collect();
+        expected.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+        let sorted = sorted_by_confidence(&values, &correct);
+        let got: Vec<(u64, bool)> = expected
+            .iter()
+            .map(|&i| (values[i].to_bits(), correct[i]))
+            .collect();
+        let ours: Vec<(u64, bool)> = sorted
+            .iter()
+            .map(|&(key, ok)| (confidence_of_key(key).to_bits(), ok))
+            .collect();
+        assert_eq!(ours, got);
     }
 }

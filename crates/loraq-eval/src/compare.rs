@@ -12,8 +12,7 @@ use crate::calibration::{
 use crate::error::{EvalError, Result};
 use crate::pair::{PairStats, PairedAnswers, pair_files};
 use crate::stats::{
-    mcnemar, mean, median, paired_bootstrap_delta_ci, percentile_sorted, sorted_copy,
-    standard_error, wilson_interval,
+    mcnemar, mean, median, paired_bootstrap_delta_ci, percentiles, standard_error, wilson_interval,
 };
 
 /// Margin under which a flip counts as a near tie.
@@ -235,16 +234,22 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
     let flips = pairs.iter().filter(|p| p.flip).count();
 
     let kl: Vec<f64> = pairs.iter().map(|p| p.kl).collect();
-    let kl_sorted = sorted_copy(&kl);
-    let pct = |q| percentile_sorted(&kl_sorted, q).expect("n > 0");
-    let kl_summary = KlSummary {
-        mean: mean(&kl).expect("n > 0"),
-        mean_se: standard_error(&kl),
-        median: pct(50.0),
-        p90: pct(90.0),
-        p99: pct(99.0),
-        p999: pct(99.9),
-        max: kl_sorted[n - 1],
+    // The independent figures are computed side by side: the KL percentiles, the
+    // margins' medians and each side's calibration (below).
+    let kl_summary = || {
+        let [median, p90, p99, p999] = percentiles(&kl, &[50.0, 90.0, 99.0, 99.9])
+            .expect("n > 0")
+            .try_into()
+            .expect("four percentiles");
+        KlSummary {
+            mean: mean(&kl).expect("n > 0"),
+            mean_se: standard_error(&kl),
+            median,
+            p90,
+            p99,
+            p999,
+            max: kl.iter().copied().max_by(f64::total_cmp).expect("n > 0"),
+        }
     };
 
     let gold: Vec<&PairStats> = pairs.iter().filter(|p| p.gold.is_some()).collect();
@@ -307,28 +312,37 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
         };
         (summary, table)
     };
-    let (reference_calibration, reference_table) =
-        side_calibration(|p| (p.reference_confidence, p.gold.expect("gold").0));
-    let (candidate_calibration, candidate_table) =
-        side_calibration(|p| (p.candidate_confidence, p.gold.expect("gold").1));
-
-    let all_margins: Vec<f64> = pairs.iter().map(|p| p.reference_margin).collect();
-    let flip_margins: Vec<f64> = pairs
-        .iter()
-        .filter(|p| p.flip)
-        .map(|p| p.reference_margin)
-        .collect();
-    let near_ties = NearTies {
-        flip_margin_median: median(&flip_margins),
-        all_margin_median: median(&all_margins).expect("n > 0"),
-        flips_margin_below_0_1: (!flip_margins.is_empty()).then(|| {
-            flip_margins
-                .iter()
-                .filter(|&&m| m < NEAR_TIE_MARGIN)
-                .count() as f64
-                / flip_margins.len() as f64
-        }),
+    let near_ties = || {
+        let all_margins: Vec<f64> = pairs.iter().map(|p| p.reference_margin).collect();
+        let flip_margins: Vec<f64> = pairs
+            .iter()
+            .filter(|p| p.flip)
+            .map(|p| p.reference_margin)
+            .collect();
+        let near_ties = NearTies {
+            flip_margin_median: median(&flip_margins),
+            all_margin_median: median(&all_margins).expect("n > 0"),
+            flips_margin_below_0_1: (!flip_margins.is_empty()).then(|| {
+                flip_margins
+                    .iter()
+                    .filter(|&&m| m < NEAR_TIE_MARGIN)
+                    .count() as f64
+                    / flip_margins.len() as f64
+            }),
+        };
+        (near_ties, flip_margins)
     };
+    let ((kl_summary, (near_ties, flip_margins)), (reference, candidate)) = rayon::join(
+        || rayon::join(kl_summary, near_ties),
+        || {
+            rayon::join(
+                || side_calibration(|p| (p.reference_confidence, p.gold.expect("gold").0)),
+                || side_calibration(|p| (p.candidate_confidence, p.gold.expect("gold").1)),
+            )
+        },
+    );
+    let (reference_calibration, reference_table) = reference;
+    let (candidate_calibration, candidate_table) = candidate;
 
     let groups = group_summaries(paired);
     let group_deltas: Vec<f64> = groups.values().filter_map(|g| g.accuracy_delta).collect();

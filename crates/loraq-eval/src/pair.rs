@@ -12,8 +12,9 @@ use std::collections::hash_map::Entry;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock};
+use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock, ParsedPiece};
 use crate::error::{EvalError, FieldMismatch, Result};
 use hashbrown::HashTable;
 
@@ -94,31 +95,106 @@ struct ReferenceStore {
     log_probs: Vec<f64>,
     /// Every id, one after the other.
     ids: String,
-    /// Index of each entry, by its id's [`hash_id`].
-    index: HashTable<u32>,
+    /// Each entry's index (low 32 bits) and its id's [`IdHash`] (high 32 bits), so
+    /// that growing the table never reads an id again.
+    index: HashTable<u64>,
 }
 
 impl ReferenceStore {
     fn id(&self, index: usize) -> &str {
-        let end = self
-            .entries
-            .get(index + 1)
-            .map_or(self.ids.len(), |next| next.id_start);
-        &self.ids[self.entries[index].id_start..end]
+        id_of(&self.entries, &self.ids, index)
     }
 
-    /// The entry of `id`, given its [`hash_id`].
-    fn find(&self, hash: u64, id: &str) -> Option<u32> {
+    /// The entry of `id`, given its [`IdHash`].
+    fn find(&self, hash: IdHash, id: &str) -> Option<u32> {
         self.index
-            .find(hash, |&i| self.id(i as usize) == id)
-            .copied()
+            .find(hash.table_hash(), |&slot| {
+                IdHash::of_slot(slot) == hash && self.id(entry_of_slot(slot)) == id
+            })
+            .map(|&slot| entry_of_slot(slot) as u32)
+    }
+
+    /// Appends a reference answer and indexes its id; the line of the first answer
+    /// with the same id when there is one (nothing is appended then).
+    fn push(
+        &mut self,
+        hash: IdHash,
+        row: &AnswerRow<'_>,
+        columns: &AnswerColumns<'_>,
+        options: u32,
+        group: Option<u32>,
+    ) -> std::result::Result<(), u64> {
+        let Self {
+            entries,
+            probs,
+            log_probs,
+            ids,
+            index: table,
+        } = self;
+        let index = u32::try_from(entries.len()).expect("fewer than 2^32 questions");
+        let same_id = |&slot: &u64| {
+            IdHash::of_slot(slot) == hash && id_of(entries, ids, entry_of_slot(slot)) == row.id
+        };
+        match table.entry(hash.table_hash(), same_id, |&slot| {
+            IdHash::of_slot(slot).table_hash()
+        }) {
+            hashbrown::hash_table::Entry::Occupied(first) => {
+                return Err(entries[entry_of_slot(*first.get())].line);
+            }
+            hashbrown::hash_table::Entry::Vacant(slot) => {
+                slot.insert(u64::from(hash.0) << 32 | u64::from(index));
+            }
+        }
+        entries.push(ReferenceEntry {
+            line: row.line,
+            options,
+            group,
+            gold: row.gold.map(|g| g as u32),
+            start: probs.len(),
+            id_start: ids.len(),
+        });
+        ids.push_str(&row.id);
+        let values = row.start..row.start + row.width;
+        probs.extend_from_slice(&columns.probs[values.clone()]);
+        log_probs.extend_from_slice(&columns.log_probs[values]);
+        Ok(())
     }
 }
 
-fn hash_id(id: &str) -> u64 {
-    let mut hasher = FastHasher::default();
-    hasher.write(id.as_bytes());
-    hasher.finish()
+/// The id of entry `index` (ids lie one after the other in `ids`).
+fn id_of<'s>(entries: &[ReferenceEntry], ids: &'s str, index: usize) -> &'s str {
+    let end = entries
+        .get(index + 1)
+        .map_or(ids.len(), |next| next.id_start);
+    &ids[entries[index].id_start..end]
+}
+
+/// The entry index kept in a table slot.
+fn entry_of_slot(slot: u64) -> usize {
+    (slot & u64::from(u32::MAX)) as usize
+}
+
+/// 32 bits of an id's hash, kept beside the entry's index in the table.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct IdHash(u32);
+
+impl IdHash {
+    fn of(id: &str) -> Self {
+        let mut hasher = FastHasher::default();
+        hasher.write(id.as_bytes());
+        let hash = hasher.finish();
+        Self((hash ^ (hash >> 32)) as u32)
+    }
+
+    fn of_slot(slot: u64) -> Self {
+        Self((slot >> 32) as u32)
+    }
+
+    /// The table's 64-bit hash: the 32 bits in both halves, so that hashbrown's
+    /// bucket (low bits) and tag (top seven bits) come from different bits.
+    fn table_hash(self) -> u64 {
+        u64::from(self.0) * 0x1_0000_0001
+    }
 }
 
 /// Option lists shared by many questions ("A".."D") are stored once.
@@ -129,29 +205,41 @@ struct OptionLists {
 }
 
 impl OptionLists {
-    fn intern(&mut self, options: &[Cow<'_, str>]) -> u32 {
+    /// The id of a list already stored.
+    fn find(&self, options: &[Cow<'_, str>]) -> Option<u32> {
         // Most files repeat one list on every line: check the last one first.
         if let Some(last) = self.lists.last() {
             if same_options(last, options) {
-                return (self.lists.len() - 1) as u32;
+                return Some((self.lists.len() - 1) as u32);
             }
         }
-        let mut hasher = FastHasher::default();
-        for option in options {
-            option.as_ref().hash(&mut hasher);
-        }
-        let ids = self.by_hash.entry(hasher.finish()).or_default();
-        if let Some(&id) = ids
+        self.by_hash
+            .get(&Self::hash(options))?
             .iter()
             .find(|&&id| same_options(&self.lists[id as usize], options))
-        {
+            .copied()
+    }
+
+    fn intern(&mut self, options: &[Cow<'_, str>]) -> u32 {
+        if let Some(id) = self.find(options) {
             return id;
         }
         let id = u32::try_from(self.lists.len()).expect("fewer than 2^32 option lists");
         self.lists
             .push(options.iter().map(|o| o.to_string()).collect());
-        ids.push(id);
+        self.by_hash
+            .entry(Self::hash(options))
+            .or_default()
+            .push(id);
         id
+    }
+
+    fn hash(options: &[Cow<'_, str>]) -> u64 {
+        let mut hasher = FastHasher::default();
+        for option in options {
+            option.as_ref().hash(&mut hasher);
+        }
+        hasher.finish()
     }
 }
 
@@ -195,13 +283,36 @@ struct Slot {
     stats: PairStats,
 }
 
+/// What the parallel pass finds for one reference answer: its id's hash, and its
+/// option list's and group's ids when they were interned before its block.
+struct ReferenceKeys {
+    hash: IdHash,
+    options: Option<u32>,
+    group: Option<u32>,
+}
+
+/// A read lock, whether or not another thread panicked holding it.
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A write lock, whether or not another thread panicked holding it.
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// What the parallel pass found for one candidate answer.
 struct CandidateOutcome {
     /// The reference entry with the same id.
     index: Option<u32>,
     /// The pair reduced, when paired (its group is set in order, see
     /// [`PairContext::agreed_group`]).
-    reduced: Option<Result<PairStats>>,
+    /// (The error boxed: moving a full `Result` per answer cost more than the rare
+    /// allocation.)
+    reduced: Option<std::result::Result<PairStats, Box<EvalError>>>,
+    /// The pair's group when paired and known without interning a new name
+    /// ([`PairContext::known_group`]).
+    group: Option<std::result::Result<u32, Box<EvalError>>>,
 }
 
 /// Reads both files and pairs them by id.
@@ -216,7 +327,7 @@ struct CandidateOutcome {
 /// in one file, a paired question whose options (same labels, same order), gold or
 /// group differ between the files, a zero probability that makes KL or NLL infinite,
 /// and, unless `allow_unpaired`, an id present in only one file.
-pub fn pair_answers<R1: BufRead, R2: BufRead>(
+pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     mut reference: AnswersReader<R1>,
     mut candidate: AnswersReader<R2>,
     allow_unpaired: bool,
@@ -226,59 +337,62 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
     let candidate_path = candidate.path().to_path_buf();
     let pieces = rayon::current_num_threads().saturating_mul(PIECES_PER_THREAD);
 
-    let mut option_lists = OptionLists::default();
-    let mut groups = Interner::default();
     let mut store = ReferenceStore::default();
-    let mut block = LineBlock::default();
-    while reference.next_block(&mut block)? {
-        for piece in block.parse(&reference_path, pieces) {
-            let columns = &piece.columns;
-            for row in &columns.rows {
-                let hash = hash_id(&row.id);
-                if let Some(first) = store.find(hash, &row.id) {
-                    return Err(EvalError::DuplicateId {
-                        path: reference_path,
-                        line: row.line,
-                        id: row.id.to_string(),
-                        first_line: store.entries[first as usize].line,
-                    });
+    // Hashing, and finding option lists and groups already seen, is parallel (the
+    // lists are only read then); storing and indexing, in file order, is not.
+    let option_lists = RwLock::new(OptionLists::default());
+    let groups = RwLock::new(Interner::default());
+    for_each_block(
+        &mut reference,
+        pieces,
+        |parsed| -> Vec<Vec<ReferenceKeys>> {
+            let (option_lists, groups) = (read(&option_lists), read(&groups));
+            parsed
+                .par_iter()
+                .map(|piece| {
+                    let columns = &piece.columns;
+                    let keys = |row: &AnswerRow<'_>| ReferenceKeys {
+                        hash: IdHash::of(&row.id),
+                        options: option_lists.find(columns.options_of(row)),
+                        group: row.group.as_ref().and_then(|g| groups.find(g)),
+                    };
+                    columns.rows.iter().map(keys).collect()
+                })
+                .collect()
+        },
+        |parsed, keys| {
+            let mut option_lists = write(&option_lists);
+            let mut groups = write(&groups);
+            for (piece, keys) in parsed.into_iter().zip(keys) {
+                let columns = &piece.columns;
+                for (row, keys) in columns.rows.iter().zip(keys) {
+                    let options = keys
+                        .options
+                        .unwrap_or_else(|| option_lists.intern(columns.options_of(row)));
+                    let group = row
+                        .group
+                        .as_ref()
+                        .map(|g| keys.group.unwrap_or_else(|| groups.intern(g)));
+                    let pushed = store.push(keys.hash, row, columns, options, group);
+                    if let Err(first_line) = pushed {
+                        return Err(EvalError::DuplicateId {
+                            path: reference_path.clone(),
+                            line: row.line,
+                            id: row.id.to_string(),
+                            first_line,
+                        });
+                    }
                 }
-                let index = u32::try_from(store.entries.len()).expect("fewer than 2^32 questions");
-                store.entries.push(ReferenceEntry {
-                    line: row.line,
-                    options: option_lists.intern(columns.options_of(row)),
-                    group: row.group.as_ref().map(|g| groups.intern(g)),
-                    gold: row.gold.map(|g| g as u32),
-                    start: store.probs.len(),
-                    id_start: store.ids.len(),
-                });
-                store.ids.push_str(&row.id);
-                let values = row.start..row.start + row.width;
-                store
-                    .probs
-                    .extend_from_slice(&columns.probs[values.clone()]);
-                store
-                    .log_probs
-                    .extend_from_slice(&columns.log_probs[values]);
-                let ReferenceStore {
-                    entries,
-                    ids,
-                    index: table,
-                    ..
-                } = &mut store;
-                table.insert_unique(hash, index, |&i| {
-                    let start = entries[i as usize].id_start;
-                    let end = entries
-                        .get(i as usize + 1)
-                        .map_or(ids.len(), |e| e.id_start);
-                    hash_id(&ids[start..end])
-                });
+                if let Some(error) = piece.error {
+                    return Err(error);
+                }
             }
-            if let Some(error) = piece.error {
-                return Err(error);
-            }
-        }
-    }
+            Ok(())
+        },
+    )?;
+    let option_lists = option_lists
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
     let store = store;
     let entries = &store.entries;
 
@@ -296,18 +410,29 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
     };
     let mut slots: Vec<Slot> = vec![empty; entries.len()];
     let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
-    while candidate.next_block(&mut block)? {
-        let parsed = block.parse(&candidate_path, pieces);
-        let outcomes: Vec<Vec<CandidateOutcome>> = parsed
-            .par_iter()
-            .map(|piece| {
-                let columns = &piece.columns;
-                columns
-                    .rows
-                    .iter()
-                    .map(|row| {
-                        let index = store.find(hash_id(&row.id), &row.id);
-                        let reduced = index.map(|index| {
+    // Candidates are looked up and reduced in parallel, then placed in file order
+    // while the next block is parsed, looked up and reduced.
+    for_each_block(
+        &mut candidate,
+        pieces,
+        |parsed| -> Vec<Vec<CandidateOutcome>> {
+            let groups = read(&groups);
+            parsed
+                .par_iter()
+                .map(|piece| {
+                    let columns = &piece.columns;
+                    columns
+                        .rows
+                        .iter()
+                        .map(|row| {
+                            let index = store.find(IdHash::of(&row.id), &row.id);
+                            let Some(index) = index else {
+                                return CandidateOutcome {
+                                    index,
+                                    reduced: None,
+                                    group: None,
+                                };
+                            };
                             let entry = &entries[index as usize];
                             let options = &option_lists.lists[entry.options as usize];
                             let width = options.len();
@@ -318,72 +443,88 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
                                 probs: &store.probs[entry.start..entry.start + width],
                                 log_probs: &store.log_probs[entry.start..entry.start + width],
                             };
-                            context.reduce(entry, &CandidateAnswer::new(columns, row), 0)
-                        });
-                        CandidateOutcome { index, reduced }
-                    })
-                    .collect()
-            })
-            .collect();
-        for (piece, outcomes) in parsed.into_iter().zip(outcomes) {
-            let columns = &piece.columns;
-            for (row, outcome) in columns.rows.iter().zip(outcomes) {
-                let Some(index) = outcome.index else {
-                    if !allow_unpaired {
-                        return Err(EvalError::UnpairedCandidate {
-                            path: candidate_path,
-                            line: row.line,
-                            id: row.id.to_string(),
-                            other_path: reference_path,
-                        });
-                    }
-                    match candidate_only_ids.entry(row.id.to_string()) {
-                        Entry::Occupied(seen) => {
-                            return Err(EvalError::DuplicateId {
-                                path: candidate_path,
+                            let answer = CandidateAnswer::new(columns, row);
+                            CandidateOutcome {
+                                index: Some(index),
+                                reduced: Some(context.reduce(entry, &answer, 0).map_err(Box::new)),
+                                group: context
+                                    .known_group(entry, &answer, &groups)
+                                    .map(|group| group.map_err(Box::new)),
+                            }
+                        })
+                        .collect()
+                })
+                .collect()
+        },
+        |parsed, outcomes| {
+            for (piece, outcomes) in parsed.into_iter().zip(outcomes) {
+                let columns = &piece.columns;
+                for (row, outcome) in columns.rows.iter().zip(outcomes) {
+                    let Some(index) = outcome.index else {
+                        if !allow_unpaired {
+                            return Err(EvalError::UnpairedCandidate {
+                                path: candidate_path.clone(),
                                 line: row.line,
-                                id: seen.key().clone(),
-                                first_line: *seen.get(),
+                                id: row.id.to_string(),
+                                other_path: reference_path.clone(),
                             });
                         }
-                        Entry::Vacant(slot) => {
-                            slot.insert(row.line);
+                        match candidate_only_ids.entry(row.id.to_string()) {
+                            Entry::Occupied(seen) => {
+                                return Err(EvalError::DuplicateId {
+                                    path: candidate_path.clone(),
+                                    line: row.line,
+                                    id: seen.key().clone(),
+                                    first_line: *seen.get(),
+                                });
+                            }
+                            Entry::Vacant(slot) => {
+                                slot.insert(row.line);
+                            }
                         }
+                        continue;
+                    };
+                    let slot = &mut slots[index as usize];
+                    if slot.candidate_line != 0 {
+                        return Err(EvalError::DuplicateId {
+                            path: candidate_path.clone(),
+                            line: row.line,
+                            id: row.id.to_string(),
+                            first_line: slot.candidate_line,
+                        });
                     }
-                    continue;
-                };
-                let slot = &mut slots[index as usize];
-                if slot.candidate_line != 0 {
-                    return Err(EvalError::DuplicateId {
-                        path: candidate_path,
-                        line: row.line,
-                        id: row.id.to_string(),
-                        first_line: slot.candidate_line,
-                    });
+                    let group = match outcome.group {
+                        Some(group) => group.map_err(|e| *e)?,
+                        None => {
+                            let entry = &entries[index as usize];
+                            let context = PairContext {
+                                reference_path: &reference_path,
+                                candidate_path: &candidate_path,
+                                options: &option_lists.lists[entry.options as usize],
+                                probs: &[],
+                                log_probs: &[],
+                            };
+                            let answer = CandidateAnswer::new(columns, row);
+                            context.agreed_group(entry, &answer, &mut write(&groups))?
+                        }
+                    };
+                    let mut stats = outcome
+                        .reduced
+                        .expect("paired answers are reduced")
+                        .map_err(|e| *e)?;
+                    stats.group = group;
+                    *slot = Slot {
+                        candidate_line: row.line,
+                        stats,
+                    };
                 }
-                let entry = &entries[index as usize];
-                let options = &option_lists.lists[entry.options as usize];
-                let context = PairContext {
-                    reference_path: &reference_path,
-                    candidate_path: &candidate_path,
-                    options,
-                    probs: &[],
-                    log_probs: &[],
-                };
-                let answer = CandidateAnswer::new(columns, row);
-                let group = context.agreed_group(entry, &answer, &mut groups)?;
-                let mut stats = outcome.reduced.expect("paired answers are reduced")?;
-                stats.group = group;
-                *slot = Slot {
-                    candidate_line: row.line,
-                    stats,
-                };
+                if let Some(error) = piece.error {
+                    return Err(error);
+                }
             }
-            if let Some(error) = piece.error {
-                return Err(error);
-            }
-        }
-    }
+            Ok(())
+        },
+    )?;
 
     let reference_only = slots.iter().filter(|s| s.candidate_line == 0).count();
     if reference_only > 0 && !allow_unpaired {
@@ -414,7 +555,10 @@ pub fn pair_answers<R1: BufRead, R2: BufRead>(
         reference_path,
         candidate_path,
         pairs,
-        groups: groups.names,
+        groups: groups
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner)
+            .names,
         reference_only,
         candidate_only: candidate_only_ids.len(),
     })
@@ -446,6 +590,41 @@ impl<'r, 'a> CandidateAnswer<'r, 'a> {
     }
 }
 
+/// Reads `reader` block by block, parses each block and computes `extras` of its
+/// pieces (both in parallel), and hands them to `consume` in file order; the next
+/// block is read while `consume` works on the current one (two blocks alternate), so
+/// that reading, sequential, overlaps the sequential part of the work. Stops at the
+/// first error, `consume`'s before the next block's.
+fn for_each_block<R, X, E, C>(
+    reader: &mut AnswersReader<R>,
+    pieces: usize,
+    extras: E,
+    mut consume: C,
+) -> Result<()>
+where
+    R: BufRead + Send,
+    X: Send,
+    E: Fn(&[ParsedPiece<'_>]) -> X,
+    C: FnMut(Vec<ParsedPiece<'_>>, X) -> Result<()> + Send,
+{
+    let path = reader.path().to_path_buf();
+    let (mut current, mut next) = (LineBlock::default(), LineBlock::default());
+    if !reader.next_block(&mut current)? {
+        return Ok(());
+    }
+    loop {
+        let parsed = current.parse(&path, pieces);
+        let extra = extras(&parsed);
+        let (consumed, more) =
+            rayon::join(|| consume(parsed, extra), || reader.next_block(&mut next));
+        consumed?;
+        if !more? {
+            return Ok(());
+        }
+        std::mem::swap(&mut current, &mut next);
+    }
+}
+
 /// Opens and pairs two answers files ([`pair_answers`]).
 pub fn pair_files(
     reference: impl AsRef<Path>,
@@ -467,14 +646,24 @@ struct Interner {
 }
 
 impl Interner {
-    fn intern(&mut self, name: &str) -> u32 {
+    /// The id of a name already stored.
+    fn find(&self, name: &str) -> Option<u32> {
         // Files often list a group's questions together: try the last one first.
         if let Some(last) = self.names.last() {
             if last == name {
-                return (self.names.len() - 1) as u32;
+                return Some((self.names.len() - 1) as u32);
             }
         }
-        if let Some(&id) = self.ids.get(name) {
+        // A few names are compared in place; hashing costs more.
+        if self.names.len() <= 8 {
+            self.names.iter().position(|n| n == name).map(|i| i as u32)
+        } else {
+            self.ids.get(name).copied()
+        }
+    }
+
+    fn intern(&mut self, name: &str) -> u32 {
+        if let Some(id) = self.find(name) {
             return id;
         }
         let id = u32::try_from(self.names.len()).expect("fewer than 2^32 groups");
@@ -529,6 +718,30 @@ impl PairContext<'_> {
             (Some(r), _) => Ok(r),
             (None, Some(c)) => Ok(groups.intern(c)),
             (None, None) => Ok(groups.intern(UNGROUPED)),
+        }
+    }
+
+    /// [`PairContext::agreed_group`] where no new name is interned: `None` when the
+    /// group is one not seen yet (interned in file order by `agreed_group`).
+    fn known_group(
+        &self,
+        entry: &ReferenceEntry,
+        answer: &CandidateAnswer<'_, '_>,
+        groups: &Interner,
+    ) -> Option<Result<u32>> {
+        match (entry.group, &answer.group) {
+            (Some(r), Some(c)) if groups.names[r as usize] != *c => {
+                let theirs = json_string(&groups.names[r as usize]);
+                Some(Err(self.mismatch(
+                    entry,
+                    answer,
+                    "group",
+                    json_string(c),
+                    theirs,
+                )))
+            }
+            (Some(r), _) => Some(Ok(r)),
+            (None, c) => groups.find(c.unwrap_or(UNGROUPED)).map(Ok),
         }
     }
 

@@ -76,8 +76,13 @@ pub(crate) fn scan_plain_line<'a>(
     const OPTIONS: u8 = 4;
     const VALUES: u8 = 8;
     const GOLD: u8 = 16;
+    // One check of the whole line instead of one per string: every byte outside a
+    // string must be ASCII syntax for the scan to succeed, so the line is valid UTF-8
+    // exactly when each string the scan reads is.
+    let text = std::str::from_utf8(line).ok()?;
     let mut c = Cursor {
         bytes: line,
+        text,
         pos: 0,
     };
     c.skip_ws();
@@ -142,6 +147,8 @@ pub(crate) fn scan_plain_line<'a>(
 
 struct Cursor<'a> {
     bytes: &'a [u8],
+    /// `bytes` as text (valid UTF-8).
+    text: &'a str,
     pos: usize,
 }
 
@@ -176,7 +183,8 @@ impl<'a> Cursor<'a> {
         (self.bytes.get(self.pos..end)? == word).then(|| self.pos = end)
     }
 
-    /// A string without escapes or control characters, valid UTF-8.
+    /// A string without escapes or control characters (its quotes are ASCII, hence
+    /// on character boundaries of the text).
     #[inline]
     fn string(&mut self) -> Option<&'a str> {
         self.eat(b'"')?;
@@ -188,7 +196,7 @@ impl<'a> Cursor<'a> {
                 _ => {}
             }
         }
-        std::str::from_utf8(&self.bytes[start..self.pos - 1]).ok()
+        self.text.get(start..self.pos - 1)
     }
 
     fn string_or_null(&mut self) -> Option<Option<&'a str>> {
@@ -402,6 +410,7 @@ mod tests {
         ] {
             let mut c = Cursor {
                 bytes: token.as_bytes(),
+                text: token,
                 pos: 0,
             };
             let ours = c.number().unwrap();

@@ -40,33 +40,70 @@ pub fn percentile_sorted(sorted: &[f64], q: f64) -> Option<f64> {
     if n == 0 {
         return None;
     }
+    let (i, t) = percentile_rank(q, n);
+    Some(lerp(sorted[i], sorted[(i + 1).min(n - 1)], t))
+}
+
+/// The rank below percentile `q` of `n > 0` values and the fraction of the way to
+/// the next one.
+fn percentile_rank(q: f64, n: usize) -> (usize, f64) {
     let h = (q / 100.0) * (n - 1) as f64;
     let below = h.floor();
-    let i = (below as usize).min(n - 1);
-    let t = h - below;
-    let a = sorted[i];
-    let b = sorted[(i + 1).min(n - 1)];
+    ((below as usize).min(n - 1), h - below)
+}
+
+/// numpy's two-sided lerp between neighbouring order statistics.
+fn lerp(a: f64, b: f64, t: f64) -> f64 {
     let d = b - a;
-    Some(if t >= 0.5 {
+    if t >= 0.5 {
         b - d * (1.0 - t)
     } else {
         a + d * t
-    })
+    }
 }
 
-/// Sorts a copy ascending (total order; inputs are finite) for [`percentile_sorted`].
-/// In parallel: values equal in the total order have the same bits, so the result
-/// is the one any sort gives.
-pub fn sorted_copy(values: &[f64]) -> Vec<f64> {
-    use rayon::slice::ParallelSliceMut;
-    let mut sorted = values.to_vec();
-    sorted.par_sort_unstable_by(f64::total_cmp);
-    sorted
+/// Percentiles `qs` of unsorted values, each the value [`percentile_sorted`] gives on
+/// the sorted values, found by selection (`select_nth_unstable_by`, linear time per
+/// rank) instead of a sort: an order statistic of the total order is one value
+/// whatever the order of its ties. `None` for an empty slice.
+pub fn percentiles(values: &[f64], qs: &[f64]) -> Option<Vec<f64>> {
+    let n = values.len();
+    if n == 0 {
+        return None;
+    }
+    let mut ranks: Vec<usize> = qs
+        .iter()
+        .flat_map(|&q| {
+            let (i, _) = percentile_rank(q, n);
+            [i, (i + 1).min(n - 1)]
+        })
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut work = values.to_vec();
+    let mut order_statistics = Vec::with_capacity(ranks.len());
+    // Ascending ranks: each selection runs on what lies above the previous rank.
+    let mut below = 0;
+    for &rank in &ranks {
+        let (_, value, _) = work[below..].select_nth_unstable_by(rank - below, f64::total_cmp);
+        order_statistics.push(*value);
+        below = rank + 1;
+    }
+    let at = |rank: usize| order_statistics[ranks.binary_search(&rank).expect("selected")];
+    Some(
+        qs.iter()
+            .map(|&q| {
+                let (i, t) = percentile_rank(q, n);
+                lerp(at(i), at((i + 1).min(n - 1)), t)
+            })
+            .collect(),
+    )
 }
 
-/// Median (the 50th percentile by [`percentile_sorted`]) of unsorted values.
+/// Median (the 50th percentile by [`percentile_sorted`]) of unsorted values, by
+/// selection ([`percentiles`]).
 pub fn median(values: &[f64]) -> Option<f64> {
-    percentile_sorted(&sorted_copy(values), 50.0)
+    percentiles(values, &[50.0]).map(|p| p[0])
 }
 
 /// Wilson score 95% interval of a proportion $k / n$, with the bounds exactly 0 at
