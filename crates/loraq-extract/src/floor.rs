@@ -90,15 +90,7 @@ fn exact_log2_floor(a: f32) -> i32 {
 pub fn rounding_floor(values: &[f32], format: FloorFormat) -> f64 {
     let sum: f64 = values
         .par_chunks(1 << 16)
-        .map(|chunk| {
-            chunk
-                .iter()
-                .map(|&v| {
-                    let u = format.ulp(v);
-                    u * u
-                })
-                .sum::<f64>()
-        })
+        .map(|chunk| ulp_sq_sum(chunk, format))
         .sum();
     (sum / 12.0).sqrt()
 }
@@ -205,13 +197,11 @@ impl PairBytes {
                     let bad =
                         |x: &[f32]| x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
                     let (bad_m, bad_b) = (bad(m), bad(b));
-                    let (mut floor_sq, mut norm_sq) = (0f64, 0f64);
                     for ((d, &m), &b) in d.iter_mut().zip(m.iter()).zip(b.iter()) {
                         *d = m - b;
-                        let u = format.ulp(m);
-                        floor_sq += u * u;
-                        norm_sq += (*d as f64) * (*d as f64);
                     }
+                    let floor_sq = ulp_sq_sum(m, format);
+                    let norm_sq = sum_of_squares(d);
                     let bad_d = bad(d);
                     (bad_m, bad_b, bad_d, floor_sq, norm_sq)
                 },
@@ -256,6 +246,44 @@ impl PairBytes {
             norm_sq,
         })
     }
+}
+
+/// $\sum_i \mathrm{ulp}(v_i)^2$ in `format`: the ulp of a value depends only on its f32
+/// exponent field (f32 subnormals are below every format's smallest normal, so their ulp
+/// is the format's subnormal one), so the values are counted per exponent and the sum
+/// formed from 256 exact products of a count and a power of two.
+fn ulp_sq_sum(values: &[f32], format: FloorFormat) -> f64 {
+    let mut counts = [0u32; 256];
+    for &v in values {
+        counts[((v.to_bits() >> 23) & 0xff) as usize] += 1;
+    }
+    counts
+        .iter()
+        .enumerate()
+        .filter(|&(_, &count)| count > 0)
+        .map(|(exponent, &count)| {
+            // Any value with this exponent field (the field's smallest magnitude).
+            let u = format.ulp(f32::from_bits((exponent as u32) << 23));
+            count as f64 * u * u
+        })
+        .sum()
+}
+
+/// $\sum_i d_i^2$ in f64, over eight independent lanes the compiler vectorizes.
+fn sum_of_squares(values: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let blocks = values.chunks_exact(8);
+    let tail: f64 = blocks
+        .remainder()
+        .iter()
+        .map(|&x| (x as f64) * (x as f64))
+        .sum();
+    for block in blocks {
+        for (lane, &x) in lanes.iter_mut().zip(block) {
+            *lane += (x as f64) * (x as f64);
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
 }
 
 /// Decodes one chunk of little-endian float bytes (the dtypes the scan lets through).
@@ -308,6 +336,35 @@ mod tests {
         assert_eq!(FloorFormat::F16.ulp(1.0), 2f64.powi(-10));
         assert_eq!(FloorFormat::F16.ulp(1e-6), 2f64.powi(-24));
         assert_eq!(FloorFormat::F32.ulp(3.0), 2f64.powi(-22));
+    }
+
+    /// The per-exponent count gives the same sum as the ulp of every value (the counts
+    /// and powers of two are exact, so only the order of the f64 additions differs).
+    #[test]
+    fn ulp_sum_by_exponent_matches_the_sum_over_values() {
+        let mut values: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919 % 4001) as f32 - 2000.0) * 1.37e-3 * (1.0 + (i % 13) as f32))
+            .collect();
+        values.extend([
+            0.0,
+            -0.0,
+            1e-40,
+            -3e-39,
+            2f32.powi(-126),
+            65504.0,
+            1e-5,
+            3.0e38,
+        ]);
+        for format in [FloorFormat::Bf16, FloorFormat::F16, FloorFormat::F32] {
+            let direct: f64 = values.iter().map(|&v| format.ulp(v).powi(2)).sum();
+            let counted = ulp_sq_sum(&values, format);
+            assert!(
+                (counted - direct).abs() <= 1e-14 * direct,
+                "{format:?}: {counted} vs {direct}"
+            );
+        }
+        let squares: f64 = values.iter().map(|&v| (v as f64).powi(2)).sum();
+        assert!((sum_of_squares(&values) - squares).abs() <= 1e-14 * squares);
     }
 
     #[test]
