@@ -169,6 +169,37 @@ pub fn read_pair(
 }
 
 impl PairBytes {
+    /// A pair from bytes already read (`merged` and `base` little-endian values of
+    /// `dtype`, the same number of each); the paths name the files in errors.
+    pub fn from_bytes(
+        tensor: &str,
+        dtype: DType,
+        merged: Vec<u8>,
+        base: Vec<u8>,
+        merged_path: PathBuf,
+        base_path: PathBuf,
+    ) -> Result<PairBytes> {
+        if merged.len() != base.len() || merged.len() % dtype.size_bytes() != 0 {
+            return Err(ExtractError::BadShape {
+                module: tensor.to_string(),
+                what: format!(
+                    "merged has {} bytes, base {}, not the same whole number of {} values",
+                    merged.len(),
+                    base.len(),
+                    dtype.as_str()
+                ),
+            });
+        }
+        Ok(PairBytes {
+            tensor: tensor.to_string(),
+            dtype,
+            merged,
+            base,
+            merged_path,
+            base_path,
+        })
+    }
+
     /// The tensor's name.
     pub fn tensor(&self) -> &str {
         &self.tensor
