@@ -225,8 +225,18 @@ impl PairBytes {
                     let (m, b) = (&mut m[..d.len()], &mut b[..d.len()]);
                     decode_chunk(dtype, m_bytes, m);
                     decode_chunk(dtype, b_bytes, b);
-                    let bad =
-                        |x: &[f32]| x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+                    // A branch-free test first (the largest exponent field: all ones
+                    // only for infinities and NaN), the position only when it fails.
+                    let bad = |x: &[f32]| {
+                        let top = x
+                            .iter()
+                            .fold(0u32, |top, v| top.max(v.to_bits() & 0x7f80_0000));
+                        if top == 0x7f80_0000 {
+                            x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i)
+                        } else {
+                            None
+                        }
+                    };
                     let (bad_m, bad_b) = (bad(m), bad(b));
                     for ((d, &m), &b) in d.iter_mut().zip(m.iter()).zip(b.iter()) {
                         *d = m - b;
@@ -281,23 +291,25 @@ impl PairBytes {
 
 /// $\sum_i \mathrm{ulp}(v_i)^2$ in `format`: the ulp of a value depends only on its f32
 /// exponent field (f32 subnormals are below every format's smallest normal, so their ulp
-/// is the format's subnormal one), so the values are counted per exponent and the sum
-/// formed from 256 exact products of a count and a power of two.
+/// is the format's subnormal one), so each value's $\mathrm{ulp}^2$ is read from a
+/// 256-entry table and summed over eight independent f64 lanes (a per-exponent count
+/// would chain every increment of the same bin, and most weights share a few exponents).
 fn ulp_sq_sum(values: &[f32], format: FloorFormat) -> f64 {
-    let mut counts = [0u32; 256];
-    for &v in values {
-        counts[((v.to_bits() >> 23) & 0xff) as usize] += 1;
+    let table: [f64; 256] = std::array::from_fn(|exponent| {
+        // Any value with this exponent field (the field's smallest magnitude).
+        let u = format.ulp(f32::from_bits((exponent as u32) << 23));
+        u * u
+    });
+    let ulp_sq = |v: f32| table[((v.to_bits() >> 23) & 0xff) as usize];
+    let mut lanes = [0f64; 8];
+    let blocks = values.chunks_exact(8);
+    let tail: f64 = blocks.remainder().iter().map(|&v| ulp_sq(v)).sum();
+    for block in blocks {
+        for (lane, &v) in lanes.iter_mut().zip(block) {
+            *lane += ulp_sq(v);
+        }
     }
-    counts
-        .iter()
-        .enumerate()
-        .filter(|&(_, &count)| count > 0)
-        .map(|(exponent, &count)| {
-            // Any value with this exponent field (the field's smallest magnitude).
-            let u = format.ulp(f32::from_bits((exponent as u32) << 23));
-            count as f64 * u * u
-        })
-        .sum()
+    lanes.iter().sum::<f64>() + tail
 }
 
 /// $\sum_i d_i^2$ in f64, over eight independent lanes the compiler vectorizes.
@@ -321,8 +333,10 @@ fn sum_of_squares(values: &[f32]) -> f64 {
 fn decode_chunk(dtype: DType, src: &[u8], dst: &mut [f32]) {
     match dtype {
         DType::BF16 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            // Indexed with the lengths checked once, so the loop vectorizes.
+            let src = &src[..2 * dst.len()];
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = f32::from_bits(((src[2 * i] as u32) << 16) | ((src[2 * i + 1] as u32) << 24));
             }
         }
         _ => {
@@ -369,8 +383,8 @@ mod tests {
         assert_eq!(FloorFormat::F32.ulp(3.0), 2f64.powi(-22));
     }
 
-    /// The per-exponent count gives the same sum as the ulp of every value (the counts
-    /// and powers of two are exact, so only the order of the f64 additions differs).
+    /// The table of ulp^2 per exponent gives the same sum as the ulp of every value (only
+    /// the order of the f64 additions differs).
     #[test]
     fn ulp_sum_by_exponent_matches_the_sum_over_values() {
         let mut values: Vec<f32> = (0..5000)
