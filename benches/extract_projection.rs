@@ -1,8 +1,9 @@
 //! Extraction of one projection of the 27b-slice shape: the MLP up projection (17408 x
 //! 5120) of a synthetic merge with a rank-256 LoRA (`loraq_synth::projection_pair`), from
-//! the two bf16 weights to the bf16 LoRA factors: delta, rounding floor, randomized
-//! factorization with its certificate, balanced split and bf16 cast. What `loraq
-//! extract` spends per projection, less the reads.
+//! the two bf16 weights' bytes to the bf16 LoRA factors: delta, its norm and rounding
+//! floor in one pass ([`PairBytes::delta`]), randomized factorization with its
+//! certificate, balanced split and bf16 cast. What `loraq extract` spends per projection,
+//! less the reads.
 //!
 //! `cargo bench --bench extract_projection` (benches/README.md).
 
@@ -11,36 +12,62 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use faer::Par;
-use loraq_extract::factor::{FactorParams, Method, factorize};
-use loraq_extract::floor::{FloorFormat, expected_floor_ratio, rounding_floor};
+use half::bf16;
+use loraq_extract::factor::{FactorParams, Method, factorize_prechecked};
+use loraq_extract::floor::{DeltaFigures, PairBytes, expected_floor_ratio};
 use loraq_extract::split::{Split, split_and_cast};
-use rayon::prelude::*;
+use loraq_io::DType;
 
 const NAME: &str = "model.language_model.layers.0.mlp.up_proj.weight";
 const ROWS: usize = 17408;
 const COLS: usize = 5120;
 const RANK: usize = 256;
 
-/// merged - base to the bf16 factors of rank `RANK`.
-fn extract_projection(base: &[f32], merged: &[f32]) -> (f64, f64) {
-    let delta: Vec<f32> = merged.par_iter().zip(base).map(|(m, b)| m - b).collect();
-    let floor = rounding_floor(merged, FloorFormat::Bf16);
+/// merged - base to the bf16 factors of rank `RANK`, as `loraq extract` does it once the
+/// two tensors' bytes are read: one pass for the delta, its norm and the floor, then the
+/// factorization of the checked delta and the cast.
+fn extract_projection(pair: &PairBytes) -> (f64, f64) {
+    let DeltaFigures {
+        delta,
+        floor,
+        norm_sq,
+    } = pair.delta().expect("finite delta");
     let params = FactorParams {
         max_rank: RANK,
         method: Method::Randomized,
         floor: Some(floor),
         ..FactorParams::default()
     };
-    let factors = factorize(NAME, &delta, ROWS, COLS, &params).expect("factorize");
+    let factors =
+        factorize_prechecked(NAME, &delta, ROWS, COLS, norm_sq, &params).expect("factorize");
+    drop(delta);
     let cast =
         split_and_cast(NAME, &factors, RANK, Split::Balanced, Par::rayon(0)).expect("bf16 factors");
     black_box(&cast);
     (factors.truncation_residual(RANK), floor)
 }
 
+/// Little-endian bf16 bytes of values that are bf16 already (the synthetic checkpoints').
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+        .collect()
+}
+
 fn bench(c: &mut Criterion) {
     let pair = loraq_synth::projection_pair(NAME, ROWS, COLS, RANK, 1).expect("synthetic pair");
-    let (residual, floor) = extract_projection(&pair.base, &pair.merged);
+    let bytes = PairBytes::from_bytes(
+        NAME,
+        DType::BF16,
+        bf16_bytes(&pair.merged),
+        bf16_bytes(&pair.base),
+        "merged".into(),
+        "base".into(),
+    )
+    .expect("a pair of equal lengths");
+    drop(pair);
+    let (residual, floor) = extract_projection(&bytes);
     eprintln!(
         "{ROWS}x{COLS} rank {RANK}: residual / floor {:.5} (a perfect fit: {:.5})",
         residual / floor,
@@ -53,7 +80,7 @@ fn bench(c: &mut Criterion) {
     // Bytes of the two bf16 weights an extraction reads.
     group.throughput(Throughput::Bytes((2 * ROWS * COLS * 2) as u64));
     group.bench_function("delta_factor_cast", |b| {
-        b.iter(|| extract_projection(black_box(&pair.base), black_box(&pair.merged)))
+        b.iter(|| extract_projection(black_box(&bytes)))
     });
     group.finish();
 }

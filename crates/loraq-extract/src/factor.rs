@@ -514,13 +514,30 @@ fn to_f64(m: MatRef<'_, f32>) -> Mat<f64> {
 }
 
 /// A Gaussian test matrix (Box-Muller): unlike random signs, singular with probability 0,
-/// which matters when the sketch is as wide as the matrix.
+/// which matters when the sketch is as wide as the matrix. Columns are filled in
+/// parallel, each from its own stream of a generator seeded by one draw of `rng`, so the
+/// matrix does not depend on the thread count; each pair of uniforms gives two values
+/// (cosine and sine).
 fn gaussian(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Mat<f32> {
-    Mat::<f32>::from_fn(rows, cols, |_, _| {
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-    })
+    let seed: u64 = rng.random();
+    let mut out = Mat::<f32>::zeros(rows, cols);
+    out.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
+        let mut stream = ChaCha8Rng::seed_from_u64(seed);
+        stream.set_stream(j as u64);
+        let mut i = 0;
+        while i < rows {
+            let u1: f64 = 1.0 - stream.random::<f64>();
+            let u2: f64 = stream.random::<f64>();
+            let radius = (-2.0 * u1.ln()).sqrt();
+            let (sin, cos) = (std::f64::consts::TAU * u2).sin_cos();
+            col[i] = (radius * cos) as f32;
+            if i + 1 < rows {
+                col[i + 1] = (radius * sin) as f32;
+            }
+            i += 2;
+        }
+    });
+    out
 }
 
 fn f32_product(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, par: Par) -> Mat<f32> {
@@ -538,24 +555,76 @@ fn row_space_estimate(
     par: Par,
 ) -> Option<Mat<f32>> {
     let omega = gaussian(xs.ncols(), q, rng);
-    let qs = orthonormalize(f32_product(xs, omega.as_ref(), par).as_ref(), par)?;
-    let vs = orthonormalize(f32_product(xs.transpose(), qs.as_ref(), par).as_ref(), par)?;
-    let qs = orthonormalize(f32_product(xs, vs.as_ref(), par).as_ref(), par)?;
-    orthonormalize(f32_product(xs.transpose(), qs.as_ref(), par).as_ref(), par)
+    let qs = orthonormalize(range_product(xs, omega.as_ref(), par).as_ref(), par)?;
+    let vs = orthonormalize(transposed_product(xs, qs.as_ref(), par).as_ref(), par)?;
+    let qs = orthonormalize(range_product(xs, vs.as_ref(), par).as_ref(), par)?;
+    orthonormalize(transposed_product(xs, qs.as_ref(), par).as_ref(), par)
 }
 
-/// $Z = X^\top Q$, computed as $(Q^\top X)^\top$: faer runs the row-major $X$ as the
-/// right-hand side several times faster than its transpose as the left-hand side.
+/// Whether `x` is stored column by column (each column contiguous): the transposed
+/// view of a row-major delta.
+fn column_major(x: MatRef<'_, f32>) -> bool {
+    x.row_stride() == 1
+}
+
+/// $Z = X^\top Q$ with the large $X$ as a column-major operand of faer's GEMM, the layout
+/// it runs fastest (single-threaded CPU time on the 17408 x 5120 delta, q = 272: with X
+/// row-major, $X^\top Q$ 0.46-0.52 s against 0.81 s for $(Q^\top X)^\top$; with X
+/// column-major, $(Q^\top X)^\top$ 0.36-0.46 s against 0.44-0.51 s).
 fn transposed_product(x: MatRef<'_, f32>, q: MatRef<'_, f32>, par: Par) -> Mat<f32> {
-    let zt = f32_product(q.transpose(), x, par);
-    zt.transpose().to_owned()
+    if column_major(x) {
+        f32_product(q.transpose(), x, par).transpose().to_owned()
+    } else {
+        f32_product(x.transpose(), q, par)
+    }
 }
 
-/// $W = X V$, computed as $(V^\top X^\top)^\top$: with X row-major, faer runs this layout
-/// faster than X as the left-hand side.
+/// $W = X V$ with the large $X$ as a column-major operand: $(V^\top X^\top)^\top$ when X is
+/// row-major (0.36-0.46 s single-threaded against 0.46-0.50 s for $X V$), $X V$ when it
+/// is column-major (0.46-0.54 s against 0.97-1.26 s).
 fn range_product(x: MatRef<'_, f32>, v: MatRef<'_, f32>, par: Par) -> Mat<f32> {
-    let wt = f32_product(v.transpose(), x.transpose(), par);
-    wt.transpose().to_owned()
+    if column_major(x) {
+        f32_product(x, v, par)
+    } else {
+        f32_product(v.transpose(), x.transpose(), par)
+            .transpose()
+            .to_owned()
+    }
+}
+
+/// A row sample of the delta, stored in the layout of the delta it was drawn from.
+enum Sample {
+    /// Rows of a column-major matrix.
+    ColumnMajor(Mat<f32>),
+    /// Rows of a row-major matrix, `rows x cols` row-major.
+    RowMajor(Vec<f32>),
+}
+
+/// The rows `picked` (sorted) of `x`, as a `picked.len() x x.ncols()` matrix: copied row
+/// by row when x's rows are contiguous, column by column (the sorted rows of one column
+/// read with the previous columns' cache lines still resident) when its columns are.
+fn gather_rows(x: MatRef<'_, f32>, picked: &[usize]) -> Sample {
+    let cols = x.ncols();
+    if column_major(x) {
+        let mut xs = Mat::<f32>::zeros(picked.len(), cols);
+        xs.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
+            for (i, &row) in picked.iter().enumerate() {
+                col[i] = x[(row, j)];
+            }
+        });
+        Sample::ColumnMajor(xs)
+    } else {
+        let mut buffer = vec![0f32; picked.len() * cols];
+        buffer
+            .par_chunks_mut(cols)
+            .zip(picked.par_iter())
+            .for_each(|(dst, &row)| {
+                for (j, value) in dst.iter_mut().enumerate() {
+                    *value = x[(row, j)];
+                }
+            });
+        Sample::RowMajor(buffer)
+    }
 }
 
 /// Randomized subspace iteration on `x` (`big x small`, `big >= small`).
@@ -584,17 +653,13 @@ fn randomized(
     } else {
         let mut picked = sample(&mut rng, big, sample_rows).into_vec();
         picked.sort_unstable();
-        // Filled column by column (threads take contiguous ranges of columns): the
-        // sorted rows of one column are read with the cache lines of the previous
-        // columns still resident, whichever of X or X^T is row-major.
-        let mut xs = Mat::<f32>::zeros(sample_rows, small);
-        xs.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
-            for (i, &row) in picked.iter().enumerate() {
-                col[i] = x[(row, j)];
-            }
-        });
+        let sample_matrix = gather_rows(x, &picked);
+        let xs = match &sample_matrix {
+            Sample::ColumnMajor(m) => m.as_ref(),
+            Sample::RowMajor(buffer) => MatRef::from_row_major_slice(buffer, sample_rows, small),
+        };
         passes = 4.0 * sample_rows as f64 / big as f64;
-        row_space_estimate(xs.as_ref(), q, &mut rng, par)
+        row_space_estimate(xs, q, &mut rng, par)
     };
     let mut v0 = match estimate {
         Some(v) => v,

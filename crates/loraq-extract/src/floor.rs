@@ -90,15 +90,7 @@ fn exact_log2_floor(a: f32) -> i32 {
 pub fn rounding_floor(values: &[f32], format: FloorFormat) -> f64 {
     let sum: f64 = values
         .par_chunks(1 << 16)
-        .map(|chunk| {
-            chunk
-                .iter()
-                .map(|&v| {
-                    let u = format.ulp(v);
-                    u * u
-                })
-                .sum::<f64>()
-        })
+        .map(|chunk| ulp_sq_sum(chunk, format))
         .sum();
     (sum / 12.0).sqrt()
 }
@@ -177,6 +169,37 @@ pub fn read_pair(
 }
 
 impl PairBytes {
+    /// A pair from bytes already read (`merged` and `base` little-endian values of
+    /// `dtype`, the same number of each); the paths name the files in errors.
+    pub fn from_bytes(
+        tensor: &str,
+        dtype: DType,
+        merged: Vec<u8>,
+        base: Vec<u8>,
+        merged_path: PathBuf,
+        base_path: PathBuf,
+    ) -> Result<PairBytes> {
+        if merged.len() != base.len() || merged.len() % dtype.size_bytes() != 0 {
+            return Err(ExtractError::BadShape {
+                module: tensor.to_string(),
+                what: format!(
+                    "merged has {} bytes, base {}, not the same whole number of {} values",
+                    merged.len(),
+                    base.len(),
+                    dtype.as_str()
+                ),
+            });
+        }
+        Ok(PairBytes {
+            tensor: tensor.to_string(),
+            dtype,
+            merged,
+            base,
+            merged_path,
+            base_path,
+        })
+    }
+
     /// The tensor's name.
     pub fn tensor(&self) -> &str {
         &self.tensor
@@ -202,16 +225,24 @@ impl PairBytes {
                     let (m, b) = (&mut m[..d.len()], &mut b[..d.len()]);
                     decode_chunk(dtype, m_bytes, m);
                     decode_chunk(dtype, b_bytes, b);
-                    let bad =
-                        |x: &[f32]| x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i);
+                    // A branch-free test first (the largest exponent field: all ones
+                    // only for infinities and NaN), the position only when it fails.
+                    let bad = |x: &[f32]| {
+                        let top = x
+                            .iter()
+                            .fold(0u32, |top, v| top.max(v.to_bits() & 0x7f80_0000));
+                        if top == 0x7f80_0000 {
+                            x.iter().position(|x| !x.is_finite()).map(|i| c * CHUNK + i)
+                        } else {
+                            None
+                        }
+                    };
                     let (bad_m, bad_b) = (bad(m), bad(b));
-                    let (mut floor_sq, mut norm_sq) = (0f64, 0f64);
                     for ((d, &m), &b) in d.iter_mut().zip(m.iter()).zip(b.iter()) {
                         *d = m - b;
-                        let u = format.ulp(m);
-                        floor_sq += u * u;
-                        norm_sq += (*d as f64) * (*d as f64);
                     }
+                    let floor_sq = ulp_sq_sum(m, format);
+                    let norm_sq = sum_of_squares(d);
                     let bad_d = bad(d);
                     (bad_m, bad_b, bad_d, floor_sq, norm_sq)
                 },
@@ -258,12 +289,54 @@ impl PairBytes {
     }
 }
 
+/// $\sum_i \mathrm{ulp}(v_i)^2$ in `format`: the ulp of a value depends only on its f32
+/// exponent field (f32 subnormals are below every format's smallest normal, so their ulp
+/// is the format's subnormal one), so each value's $\mathrm{ulp}^2$ is read from a
+/// 256-entry table and summed over eight independent f64 lanes (a per-exponent count
+/// would chain every increment of the same bin, and most weights share a few exponents).
+fn ulp_sq_sum(values: &[f32], format: FloorFormat) -> f64 {
+    let table: [f64; 256] = std::array::from_fn(|exponent| {
+        // Any value with this exponent field (the field's smallest magnitude).
+        let u = format.ulp(f32::from_bits((exponent as u32) << 23));
+        u * u
+    });
+    let ulp_sq = |v: f32| table[((v.to_bits() >> 23) & 0xff) as usize];
+    let mut lanes = [0f64; 8];
+    let blocks = values.chunks_exact(8);
+    let tail: f64 = blocks.remainder().iter().map(|&v| ulp_sq(v)).sum();
+    for block in blocks {
+        for (lane, &v) in lanes.iter_mut().zip(block) {
+            *lane += ulp_sq(v);
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// $\sum_i d_i^2$ in f64, over eight independent lanes the compiler vectorizes.
+fn sum_of_squares(values: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let blocks = values.chunks_exact(8);
+    let tail: f64 = blocks
+        .remainder()
+        .iter()
+        .map(|&x| (x as f64) * (x as f64))
+        .sum();
+    for block in blocks {
+        for (lane, &x) in lanes.iter_mut().zip(block) {
+            *lane += (x as f64) * (x as f64);
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
 /// Decodes one chunk of little-endian float bytes (the dtypes the scan lets through).
 fn decode_chunk(dtype: DType, src: &[u8], dst: &mut [f32]) {
     match dtype {
         DType::BF16 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *d = f32::from_bits((u16::from_le_bytes([s[0], s[1]]) as u32) << 16);
+            // Indexed with the lengths checked once, so the loop vectorizes.
+            let src = &src[..2 * dst.len()];
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = f32::from_bits(((src[2 * i] as u32) << 16) | ((src[2 * i + 1] as u32) << 24));
             }
         }
         _ => {
@@ -308,6 +381,35 @@ mod tests {
         assert_eq!(FloorFormat::F16.ulp(1.0), 2f64.powi(-10));
         assert_eq!(FloorFormat::F16.ulp(1e-6), 2f64.powi(-24));
         assert_eq!(FloorFormat::F32.ulp(3.0), 2f64.powi(-22));
+    }
+
+    /// The table of ulp^2 per exponent gives the same sum as the ulp of every value (only
+    /// the order of the f64 additions differs).
+    #[test]
+    fn ulp_sum_by_exponent_matches_the_sum_over_values() {
+        let mut values: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919 % 4001) as f32 - 2000.0) * 1.37e-3 * (1.0 + (i % 13) as f32))
+            .collect();
+        values.extend([
+            0.0,
+            -0.0,
+            1e-40,
+            -3e-39,
+            2f32.powi(-126),
+            65504.0,
+            1e-5,
+            3.0e38,
+        ]);
+        for format in [FloorFormat::Bf16, FloorFormat::F16, FloorFormat::F32] {
+            let direct: f64 = values.iter().map(|&v| format.ulp(v).powi(2)).sum();
+            let counted = ulp_sq_sum(&values, format);
+            assert!(
+                (counted - direct).abs() <= 1e-14 * direct,
+                "{format:?}: {counted} vs {direct}"
+            );
+        }
+        let squares: f64 = values.iter().map(|&v| (v as f64).powi(2)).sum();
+        assert!((sum_of_squares(&values) - squares).abs() <= 1e-14 * squares);
     }
 
     #[test]
