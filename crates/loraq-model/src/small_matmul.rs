@@ -274,9 +274,15 @@ fn silu_mul_body<const FUSED: bool>(gate: &mut [f32], up: &[f32]) {
 }
 
 dispatch_simd!(
-    /// `gate <- silu(gate) * up` elementwise (the MLP's activation), vectorized.
-    pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) = silu_mul_body
+    /// [`silu_mul`] on the calling thread.
+    fn silu_mul_serial(gate: &mut [f32], up: &[f32]) = silu_mul_body
 );
+
+/// `gate <- silu(gate) * up` elementwise (the MLP's activation), vectorized, in
+/// parallel pieces on rayon's pool.
+pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    par_pieces(gate, up, ELEMENTWISE_PIECE, silu_mul_serial);
+}
 
 #[inline(always)]
 fn sigmoid_mul_body<const FUSED: bool>(x: &mut [f32], gate: &[f32]) {
@@ -286,9 +292,15 @@ fn sigmoid_mul_body<const FUSED: bool>(x: &mut [f32], gate: &[f32]) {
 }
 
 dispatch_simd!(
-    /// `x <- x * sigmoid(gate)` elementwise (attention's output gate), vectorized.
-    pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) = sigmoid_mul_body
+    /// [`sigmoid_mul`] on the calling thread.
+    fn sigmoid_mul_serial(x: &mut [f32], gate: &[f32]) = sigmoid_mul_body
 );
+
+/// `x <- x * sigmoid(gate)` elementwise (attention's output gate), vectorized, in
+/// parallel pieces on rayon's pool.
+pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) {
+    par_pieces(x, gate, ELEMENTWISE_PIECE, sigmoid_mul_serial);
+}
 
 #[inline(always)]
 fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
@@ -314,10 +326,44 @@ fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
 }
 
 dispatch_simd!(
-    /// `x <- x / sqrt(mean(x^2) + eps) * scale` for every row of `x` (`scale.len()`
-    /// wide), vectorized.
-    pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
+    /// [`rms_norm_rows`] on the calling thread.
+    fn rms_norm_rows_serial(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
 );
+
+/// `x <- x / sqrt(mean(x^2) + eps) * scale` for every row of `x` (`scale.len()`
+/// wide), vectorized, in parallel pieces of whole rows on rayon's pool.
+pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
+    use rayon::prelude::*;
+    let width = scale.len().max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    if x.len() <= piece {
+        rms_norm_rows_serial(x, scale, eps);
+    } else {
+        x.par_chunks_mut(piece)
+            .for_each(|rows| rms_norm_rows_serial(rows, scale, eps));
+    }
+}
+
+/// Elements per parallel piece of the elementwise helpers: large enough that a piece
+/// outweighs handing it to another thread, small enough that a batch's activations
+/// (hundreds of thousands of values) split among the threads.
+const ELEMENTWISE_PIECE: usize = 1 << 15;
+
+/// Runs `f` on matching pieces of `x` and `y` (`piece` long, the last shorter) in
+/// parallel, or once on the whole when they fit in one piece.
+fn par_pieces(x: &mut [f32], y: &[f32], piece: usize, f: fn(&mut [f32], &[f32])) {
+    use rayon::prelude::*;
+    let y = &y[..x.len().min(y.len())];
+    let x_len = y.len();
+    let x = &mut x[..x_len];
+    if x.len() <= piece {
+        f(x, y);
+    } else {
+        x.par_chunks_mut(piece)
+            .zip(y.par_chunks(piece))
+            .for_each(|(xs, ys)| f(xs, ys));
+    }
+}
 
 #[inline(always)]
 fn causal_conv_silu_body<const FUSED: bool>(
@@ -420,7 +466,8 @@ mod tests {
 
     #[test]
     fn silu_and_sigmoid_match_their_definitions() {
-        let xs: Vec<f32> = (-4000..=4000).map(|i| i as f32 * 0.01).collect();
+        // 80,001 values: more than one parallel piece.
+        let xs: Vec<f32> = (-40_000..=40_000).map(|i| i as f32 * 0.001).collect();
         let mut gate = xs.clone();
         silu_mul(&mut gate, &vec![2.0; xs.len()]);
         let mut gated = vec![3.0; xs.len()];
