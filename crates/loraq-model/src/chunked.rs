@@ -52,7 +52,10 @@ pub fn gated_delta_rule_chunked(
         key_dim: dk,
         value_dim: dv,
     } = dims;
-    let chunk = chunk.max(1);
+    // A prompt shorter than a chunk is one chunk: the per-head scratch (a few
+    // chunk x chunk and chunk x dim buffers, zeroed per head) is sized to it, not to
+    // the full chunk, which for 20-token prompts was most of the work.
+    let chunk = chunk.min(tokens).max(1);
     let group = value_heads / key_heads;
     let scale = 1.0 / (dk as f32).sqrt();
     // Normalized queries and keys per key head, head-major ([key_heads, tokens, dk]).
