@@ -257,7 +257,10 @@ def bench(argv):
         model(input_ids=torch.tensor([recs[0]["tokens"]]))  # warm-up
         start = time.perf_counter()
         for r in recs:
-            model(input_ids=torch.tensor([r["tokens"]]), use_cache=False)
+            # Logits at the last position only, as `loraq run` (which multiplies
+            # only the options' lm_head rows there); by default transformers would
+            # run lm_head at every position.
+            model(input_ids=torch.tensor([r["tokens"]]), use_cache=False, logits_to_keep=1)
         seconds = time.perf_counter() - start
     print(f"transformers: {len(recs)} records ({tokens} prompt tokens) in {seconds:.2f} s "
           f"({tokens / seconds:.0f} tokens/s, {args.threads} threads)")

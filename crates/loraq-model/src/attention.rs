@@ -7,7 +7,9 @@
 //! rounding. Memory is one `QUERY_TILE x KEY_TILE` score tile per task instead of a
 //! `T x T` matrix, and the (head, query tile) tasks run in parallel on rayon's pool.
 
-use crate::small_matmul::{Product, dispatch_simd, exp_nonpositive, madd, matmul_acc};
+use crate::small_matmul::{
+    Product, dispatch_simd, exp_nonpositive, madd, matmul_acc, per_head_parallel,
+};
 use rayon::prelude::*;
 
 /// Queries per tile (and per parallel task).
@@ -57,36 +59,25 @@ pub fn causal_attention(
             kt
         })
         .collect();
-    // Head-major output, so every (head, query tile) task owns a contiguous slice.
-    let mut out_heads = vec![0f32; heads * tokens * hd];
-    out_heads
-        .par_chunks_mut(tokens * hd)
-        .enumerate()
-        .for_each(|(h, head_out)| {
-            let kv = h / group;
-            head_out
-                .par_chunks_mut(QUERY_TILE * hd)
-                .enumerate()
-                .for_each(|(tile, out)| {
-                    let tile_input = TileInput {
-                        query,
-                        key_t: &key_t[kv],
-                        value,
-                        dims,
-                        head: h,
-                        kv_head: kv,
-                        q0: tile * QUERY_TILE,
-                    };
-                    attend_tile(&tile_input, out);
-                });
-        });
-    let mut out = vec![0f32; tokens * heads * hd];
-    for (h, head_out) in out_heads.chunks_exact(tokens * hd).enumerate() {
-        for (t, row) in head_out.chunks_exact(hd).enumerate() {
-            out[(t * heads + h) * hd..][..hd].copy_from_slice(row);
-        }
-    }
-    out
+    // Within a head, the query tiles run in parallel too.
+    per_head_parallel(tokens, heads, hd, |h, head_out| {
+        let kv = h / group;
+        head_out
+            .par_chunks_mut(QUERY_TILE * hd)
+            .enumerate()
+            .for_each(|(tile, out)| {
+                let tile_input = TileInput {
+                    query,
+                    key_t: &key_t[kv],
+                    value,
+                    dims,
+                    head: h,
+                    kv_head: kv,
+                    q0: tile * QUERY_TILE,
+                };
+                attend_tile(&tile_input, out);
+            });
+    })
 }
 
 /// One (head, query tile) task's operands.

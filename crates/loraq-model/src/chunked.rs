@@ -23,8 +23,9 @@
 //! summation order differs from the recurrence's by f32 rounding only.
 
 use crate::ops::{DeltaRuleDims, l2_normalize};
-use crate::small_matmul::{Product, axpy, dispatch_simd, matmul_acc};
-use rayon::prelude::*;
+use crate::small_matmul::{
+    Product, axpy, dispatch_simd, exp_nonpositive, matmul_acc, per_head_parallel,
+};
 
 /// Tokens per chunk (transformers' and fla's `chunk_size`).
 pub const DELTA_RULE_CHUNK: usize = 64;
@@ -51,7 +52,10 @@ pub fn gated_delta_rule_chunked(
         key_dim: dk,
         value_dim: dv,
     } = dims;
-    let chunk = chunk.max(1);
+    // A prompt shorter than a chunk is one chunk: the per-head scratch (a few
+    // chunk x chunk and chunk x dim buffers, zeroed per head) is sized to it, not to
+    // the full chunk, which for 20-token prompts was most of the work.
+    let chunk = chunk.min(tokens).max(1);
     let group = value_heads / key_heads;
     let scale = 1.0 / (dk as f32).sqrt();
     // Normalized queries and keys per key head, head-major ([key_heads, tokens, dk]).
@@ -76,38 +80,31 @@ pub fn gated_delta_rule_chunked(
     };
     let q = head_major(query, true);
     let k = head_major(key, false);
-    let heads: Vec<Vec<f32>> = (0..value_heads)
-        .into_par_iter()
-        .map(|h| {
-            let kh = h / group;
-            let v: Vec<f32> = (0..tokens)
-                .flat_map(|t| &value[(t * value_heads + h) * dv..][..dv])
-                .copied()
-                .collect();
-            let g: Vec<f32> = (0..tokens).map(|t| decay[t * value_heads + h]).collect();
-            let b: Vec<f32> = (0..tokens).map(|t| beta[t * value_heads + h]).collect();
-            let input = HeadInput {
-                q: &q[kh],
-                k: &k[kh],
-                v: &v,
-                g: &g,
-                beta: &b,
-                tokens,
-                dk,
-                dv,
-                chunk,
-            };
-            delta_rule_head(&input)
-        })
-        .collect();
-    let mut out = vec![0f32; tokens * value_heads * dv];
-    for (h, head) in heads.iter().enumerate() {
-        for (t, row) in head.chunks_exact(dv).enumerate() {
-            out[(t * value_heads + h) * dv..][..dv].copy_from_slice(row);
-        }
-    }
-    out
+    per_head_parallel(tokens, value_heads, dv, |h, out| {
+        let kh = h / group;
+        let v: Vec<f32> = (0..tokens)
+            .flat_map(|t| &value[(t * value_heads + h) * dv..][..dv])
+            .copied()
+            .collect();
+        let g: Vec<f32> = (0..tokens).map(|t| decay[t * value_heads + h]).collect();
+        let b: Vec<f32> = (0..tokens).map(|t| beta[t * value_heads + h]).collect();
+        let input = HeadInput {
+            q: &q[kh],
+            k: &k[kh],
+            v: &v,
+            g: &g,
+            beta: &b,
+            tokens,
+            dk,
+            dv,
+            chunk,
+        };
+        delta_rule_head(&input, out);
+    })
 }
+
+/// Rows of the forward substitution solved one by one between block products.
+const SOLVE_BLOCK: usize = 16;
 
 /// One value head's inputs, head-major.
 struct HeadInput<'a> {
@@ -128,13 +125,13 @@ struct HeadInput<'a> {
 }
 
 dispatch_simd!(
-    /// Runs one head on the widest instruction set the CPU has.
-    fn delta_rule_head(input: &HeadInput<'_>) -> Vec<f32> = delta_rule_head_body
+    /// Runs one head on the widest instruction set the CPU has, into `out` (`[tokens, dv]`).
+    fn delta_rule_head(input: &HeadInput<'_>, out: &mut [f32]) = delta_rule_head_body
 );
 
-/// The chunked recurrence of one head; returns `[tokens, dv]`.
+/// The chunked recurrence of one head, into `out` (`[tokens, dv]`).
 #[inline(always)]
-fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>) -> Vec<f32> {
+fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>, out: &mut [f32]) {
     let HeadInput {
         q,
         k,
@@ -146,7 +143,7 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>) -> Vec<f32> {
         dv,
         chunk,
     } = *input;
-    let mut out = vec![0f32; tokens * dv];
+    debug_assert_eq!(out.len(), tokens * dv);
     let mut state = vec![0f32; dk * dv];
     // Per-chunk scratch, sized for a full chunk.
     let mut cum = vec![0f32; chunk];
@@ -197,33 +194,81 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>) -> Vec<f32> {
         }
         // M[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, in place of K K^T;
         // P[i, j] = exp(G_i - G_j) (q_i . k_j) for j <= i, zero above, in place of Q K^T.
-        for i in 0..len {
-            for j in 0..len {
-                let d = if j <= i { (cum[i] - cum[j]).exp() } else { 0.0 };
-                gram_kk[i * len + j] *= if j < i { bc[i] * d } else { 0.0 };
-                gram_qk[i * len + j] *= d;
+        // G decreases along the chunk (g <= 0), so the exponent is <= 0 on and below the
+        // diagonal (above it the clamped value is masked), and the branch-free exp
+        // vectorizes along the row.
+        for (i, (kk_row, qk_row)) in gram_kk
+            .chunks_exact_mut(len)
+            .zip(gram_qk.chunks_exact_mut(len))
+            .enumerate()
+        {
+            let (gi, bi) = (cum[i], bc[i]);
+            for (j, ((m, p), &gj)) in kk_row
+                .iter_mut()
+                .zip(qk_row.iter_mut())
+                .zip(cum)
+                .enumerate()
+            {
+                let d = exp_nonpositive::<FUSED>(gi - gj);
+                *m *= if j < i { bi * d } else { 0.0 };
+                *p *= if j <= i { d } else { 0.0 };
             }
         }
-        // Forward substitution: (I + M) U = diag(beta) V, (I + M) W = diag(beta e^G) K.
+        // Forward substitution: (I + M) U = diag(beta) V, (I + M) W = diag(beta e^G) K,
+        // in blocks of SOLVE_BLOCK rows: the rows above a block enter it through one
+        // product each for U and W, and only the rows inside the block go one by one.
         let u = &mut u[..len * dv];
         let w = &mut w[..len * dk];
-        for i in 0..len {
-            let (done_u, rest_u) = u.split_at_mut(i * dv);
-            let ui = &mut rest_u[..dv];
-            for (x, &vv) in ui.iter_mut().zip(&vc[i * dv..(i + 1) * dv]) {
-                *x = bc[i] * vv;
+        let mut i0 = 0;
+        while i0 < len {
+            let i1 = len.min(i0 + SOLVE_BLOCK);
+            for i in i0..i1 {
+                for (x, &vv) in u[i * dv..(i + 1) * dv]
+                    .iter_mut()
+                    .zip(&vc[i * dv..(i + 1) * dv])
+                {
+                    *x = bc[i] * vv;
+                }
+                let bw = bc[i] * cum[i].exp();
+                for (x, &kv) in w[i * dk..(i + 1) * dk]
+                    .iter_mut()
+                    .zip(&kc[i * dk..(i + 1) * dk])
+                {
+                    *x = bw * kv;
+                }
             }
-            let (done_w, rest_w) = w.split_at_mut(i * dk);
-            let wi = &mut rest_w[..dk];
-            let bw = bc[i] * cum[i].exp();
-            for (x, &kv) in wi.iter_mut().zip(&kc[i * dk..(i + 1) * dk]) {
-                *x = bw * kv;
+            if i0 > 0 {
+                let (done_u, block_u) = u.split_at_mut(i0 * dv);
+                let (done_w, block_w) = w.split_at_mut(i0 * dk);
+                for (done, block, width) in [(&*done_u, block_u, dv), (&*done_w, block_w, dk)] {
+                    matmul_acc::<FUSED>(
+                        &Product {
+                            m: i1 - i0,
+                            k: i0,
+                            n: width,
+                            a: &gram_kk[i0 * len..],
+                            lda: len,
+                            b: done,
+                            ldb: width,
+                            alpha: -1.0,
+                        },
+                        block,
+                        width,
+                    );
+                }
             }
-            for l in 0..i {
-                let mil = gram_kk[i * len + l];
-                axpy::<FUSED>(-mil, &done_u[l * dv..(l + 1) * dv], ui);
-                axpy::<FUSED>(-mil, &done_w[l * dk..(l + 1) * dk], wi);
+            for i in i0 + 1..i1 {
+                let (done_u, rest_u) = u.split_at_mut(i * dv);
+                let ui = &mut rest_u[..dv];
+                let (done_w, rest_w) = w.split_at_mut(i * dk);
+                let wi = &mut rest_w[..dk];
+                for l in i0..i {
+                    let mil = gram_kk[i * len + l];
+                    axpy::<FUSED>(-mil, &done_u[l * dv..(l + 1) * dv], ui);
+                    axpy::<FUSED>(-mil, &done_w[l * dk..(l + 1) * dk], wi);
+                }
             }
+            i0 = i1;
         }
         // V' = U - W S.
         matmul_acc::<FUSED>(
@@ -310,7 +355,6 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>) -> Vec<f32> {
         );
         c0 += len;
     }
-    out
 }
 
 #[cfg(test)]

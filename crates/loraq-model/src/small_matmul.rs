@@ -71,6 +71,34 @@ macro_rules! dispatch_simd {
 }
 pub(crate) use dispatch_simd;
 
+/// Runs `head(h, out)` for every head `h < heads` in parallel on rayon's pool, each
+/// filling its own `[tokens, dim]` block (head-major, so every task owns a contiguous
+/// slice), and returns the blocks interleaved token-major, `[tokens, heads, dim]`, the
+/// layout the linear after a token mixer reads. The scaffold of tiled attention and of
+/// the chunked delta rule.
+pub(crate) fn per_head_parallel<F>(tokens: usize, heads: usize, dim: usize, head: F) -> Vec<f32>
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    use rayon::prelude::*;
+    let block = tokens * dim;
+    let mut head_major = vec![0f32; heads * block];
+    if block == 0 {
+        return head_major;
+    }
+    head_major
+        .par_chunks_mut(block)
+        .enumerate()
+        .for_each(|(h, out)| head(h, out));
+    let mut out = vec![0f32; tokens * heads * dim];
+    for (h, head_out) in head_major.chunks_exact(block).enumerate() {
+        for (t, row) in head_out.chunks_exact(dim).enumerate() {
+            out[(t * heads + h) * dim..][..dim].copy_from_slice(row);
+        }
+    }
+    out
+}
+
 /// `a * b + c`, fused when the instruction set has FMA (`FUSED`), else two roundings
 /// (a fused multiply-add without the instruction is a slow library call).
 #[inline(always)]
@@ -99,33 +127,91 @@ pub(crate) struct Product<'a> {
     pub alpha: f32,
 }
 
-/// `C += alpha A B` (`C` with row stride `ldc`) in tiles of 4 rows x 16 columns whose
-/// accumulators stay in registers (four vectors on AVX-512, eight on AVX2), the rest
-/// row by row.
+/// `C += alpha A B` (`C` with row stride `ldc`) in register tiles: on AVX-512, 8 rows x
+/// 32 columns (16 accumulators, enough independent FMA chains to keep both FMA units
+/// busy, where 4 x 16 left them waiting on latency), then 4 x 16 tiles (four vectors on
+/// AVX-512, eight on AVX2, which has 16 registers only) for what is left, the last
+/// rows and columns one by one. `alpha` scales each tile's sum once, when it is added
+/// to `C`.
 #[inline(always)]
 pub(crate) fn matmul_acc<const FUSED: bool>(p: &Product<'_>, c: &mut [f32], ldc: usize) {
-    const ROWS: usize = 4;
-    const COLS: usize = 16;
+    #[cfg(target_arch = "x86_64")]
+    if FUSED && Simd::detect() == Simd::Avx512 {
+        let (row_end, col_end) = cover_tiles::<FUSED, 8, 32>(p, c, ldc, 0..p.m, 0..p.n);
+        // The right strip beside the wide tiles, then the rows below them.
+        matmul_acc_narrow::<FUSED>(p, c, ldc, 0..row_end, col_end..p.n);
+        matmul_acc_narrow::<FUSED>(p, c, ldc, row_end..p.m, 0..p.n);
+        return;
+    }
+    matmul_acc_narrow::<FUSED>(p, c, ldc, 0..p.m, 0..p.n);
+}
+
+/// The `rows x cols` block of `C += alpha A B` in 4 x 16 tiles, the rest row by row.
+#[inline(always)]
+fn matmul_acc_narrow<const FUSED: bool>(
+    p: &Product<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+) {
+    if rows.is_empty() || cols.is_empty() {
+        return;
+    }
+    let (row_end, col_end) = cover_tiles::<FUSED, 4, 16>(p, c, ldc, rows.clone(), cols.clone());
+    // Leftover columns of the tiled rows, then the leftover rows (all columns).
+    for i in rows.start..rows.end {
+        let cols = if i < row_end {
+            col_end..cols.end
+        } else {
+            cols.clone()
+        };
+        if cols.is_empty() {
+            continue;
+        }
+        for kk in 0..p.k {
+            let av = p.alpha * p.a[i * p.lda + kk];
+            axpy::<FUSED>(
+                av,
+                &p.b[kk * p.ldb + cols.start..kk * p.ldb + cols.end],
+                &mut c[i * ldc + cols.start..i * ldc + cols.end],
+            );
+        }
+    }
+}
+
+/// Covers the `rows x cols` block of `C += alpha A B` with whole `ROWS x COLS` tiles
+/// from its top left corner, each tile's accumulators in registers; returns where the
+/// whole tiles end (`(row_end, col_end)`: rows `rows.start .. row_end` and columns
+/// `cols.start .. col_end` are done).
+#[inline(always)]
+fn cover_tiles<const FUSED: bool, const ROWS: usize, const COLS: usize>(
+    p: &Product<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+) -> (usize, usize) {
     let Product {
-        m,
         k,
-        n,
         a,
         lda,
         b,
         ldb,
         alpha,
+        ..
     } = *p;
-    let whole_cols = n / COLS * COLS;
-    let mut i0 = 0;
-    while i0 + ROWS <= m {
-        let mut j0 = 0;
-        while j0 < whole_cols {
+    let row_end = rows.start + rows.len() / ROWS * ROWS;
+    let col_end = cols.start + cols.len() / COLS * COLS;
+    let mut i0 = rows.start;
+    while i0 < row_end {
+        let mut j0 = cols.start;
+        while j0 < col_end {
             let mut acc = [[0f32; COLS]; ROWS];
             for kk in 0..k {
-                let brow: &[f32; COLS] = b[kk * ldb + j0..][..COLS].try_into().expect("16");
+                let brow: &[f32; COLS] = b[kk * ldb + j0..][..COLS].try_into().expect("COLS");
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let av = alpha * a[(i0 + r) * lda + kk];
+                    let av = a[(i0 + r) * lda + kk];
                     for (x, &bv) in acc_r.iter_mut().zip(brow) {
                         *x = madd::<FUSED>(av, bv, *x);
                     }
@@ -134,28 +220,14 @@ pub(crate) fn matmul_acc<const FUSED: bool>(p: &Product<'_>, c: &mut [f32], ldc:
             for (r, acc_r) in acc.iter().enumerate() {
                 let crow = &mut c[(i0 + r) * ldc + j0..][..COLS];
                 for (cv, &x) in crow.iter_mut().zip(acc_r) {
-                    *cv += x;
+                    *cv = madd::<FUSED>(alpha, x, *cv);
                 }
             }
             j0 += COLS;
         }
         i0 += ROWS;
     }
-    // Leftover rows (all columns), then leftover columns of the tiled rows.
-    for i in 0..m {
-        let cols = if i < i0 { whole_cols..n } else { 0..n };
-        if cols.is_empty() {
-            continue;
-        }
-        for kk in 0..k {
-            let av = alpha * a[i * lda + kk];
-            axpy::<FUSED>(
-                av,
-                &b[kk * ldb + cols.start..kk * ldb + cols.end],
-                &mut c[i * ldc + cols.start..i * ldc + cols.end],
-            );
-        }
-    }
+    (row_end, col_end)
 }
 
 /// `e^x` for `x <= 0` (as softmax and decays use it; larger `x` is clamped to 0),
@@ -202,9 +274,15 @@ fn silu_mul_body<const FUSED: bool>(gate: &mut [f32], up: &[f32]) {
 }
 
 dispatch_simd!(
-    /// `gate <- silu(gate) * up` elementwise (the MLP's activation), vectorized.
-    pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) = silu_mul_body
+    /// [`silu_mul`] on the calling thread.
+    fn silu_mul_serial(gate: &mut [f32], up: &[f32]) = silu_mul_body
 );
+
+/// `gate <- silu(gate) * up` elementwise (the MLP's activation), vectorized, in
+/// parallel pieces on rayon's pool.
+pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    par_pieces(gate, up, ELEMENTWISE_PIECE, silu_mul_serial);
+}
 
 #[inline(always)]
 fn sigmoid_mul_body<const FUSED: bool>(x: &mut [f32], gate: &[f32]) {
@@ -214,9 +292,15 @@ fn sigmoid_mul_body<const FUSED: bool>(x: &mut [f32], gate: &[f32]) {
 }
 
 dispatch_simd!(
-    /// `x <- x * sigmoid(gate)` elementwise (attention's output gate), vectorized.
-    pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) = sigmoid_mul_body
+    /// [`sigmoid_mul`] on the calling thread.
+    fn sigmoid_mul_serial(x: &mut [f32], gate: &[f32]) = sigmoid_mul_body
 );
+
+/// `x <- x * sigmoid(gate)` elementwise (attention's output gate), vectorized, in
+/// parallel pieces on rayon's pool.
+pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) {
+    par_pieces(x, gate, ELEMENTWISE_PIECE, sigmoid_mul_serial);
+}
 
 #[inline(always)]
 fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
@@ -242,10 +326,44 @@ fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
 }
 
 dispatch_simd!(
-    /// `x <- x / sqrt(mean(x^2) + eps) * scale` for every row of `x` (`scale.len()`
-    /// wide), vectorized.
-    pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
+    /// [`rms_norm_rows`] on the calling thread.
+    fn rms_norm_rows_serial(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
 );
+
+/// `x <- x / sqrt(mean(x^2) + eps) * scale` for every row of `x` (`scale.len()`
+/// wide), vectorized, in parallel pieces of whole rows on rayon's pool.
+pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
+    use rayon::prelude::*;
+    let width = scale.len().max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    if x.len() <= piece {
+        rms_norm_rows_serial(x, scale, eps);
+    } else {
+        x.par_chunks_mut(piece)
+            .for_each(|rows| rms_norm_rows_serial(rows, scale, eps));
+    }
+}
+
+/// Elements per parallel piece of the elementwise helpers: large enough that a piece
+/// outweighs handing it to another thread, small enough that a batch's activations
+/// (hundreds of thousands of values) split among the threads.
+const ELEMENTWISE_PIECE: usize = 1 << 15;
+
+/// Runs `f` on matching pieces of `x` and `y` (`piece` long, the last shorter) in
+/// parallel, or once on the whole when they fit in one piece.
+fn par_pieces(x: &mut [f32], y: &[f32], piece: usize, f: fn(&mut [f32], &[f32])) {
+    use rayon::prelude::*;
+    let y = &y[..x.len().min(y.len())];
+    let x_len = y.len();
+    let x = &mut x[..x_len];
+    if x.len() <= piece {
+        f(x, y);
+    } else {
+        x.par_chunks_mut(piece)
+            .zip(y.par_chunks(piece))
+            .for_each(|(xs, ys)| f(xs, ys));
+    }
+}
 
 #[inline(always)]
 fn causal_conv_silu_body<const FUSED: bool>(
@@ -297,8 +415,15 @@ mod tests {
 
     #[test]
     fn product_equals_the_triple_loop() {
-        // 7 x 5 times 5 x 37: whole 4 x 16 tiles, leftover rows and columns; alpha -2.
-        let (m, k, n) = (7, 5, 37);
+        // 7 x 5 times 5 x 37: whole 4 x 16 tiles, leftover rows and columns; 21 x 5
+        // times 5 x 83: whole 8 x 32 tiles (AVX-512), then 4 x 16 ones and single rows
+        // and columns beside and below them; alpha -2.
+        for (m, k, n) in [(7, 5, 37), (21, 5, 83)] {
+            check_product(m, k, n);
+        }
+    }
+
+    fn check_product(m: usize, k: usize, n: usize) {
         let a: Vec<f32> = (0..m * k).map(|i| (i % 11) as f32 - 5.0).collect();
         let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.5 - 1.0).collect();
         let mut c: Vec<f32> = (0..m * n).map(|i| i as f32).collect();
@@ -341,7 +466,8 @@ mod tests {
 
     #[test]
     fn silu_and_sigmoid_match_their_definitions() {
-        let xs: Vec<f32> = (-4000..=4000).map(|i| i as f32 * 0.01).collect();
+        // 80,001 values: more than one parallel piece.
+        let xs: Vec<f32> = (-40_000..=40_000).map(|i| i as f32 * 0.001).collect();
         let mut gate = xs.clone();
         silu_mul(&mut gate, &vec![2.0; xs.len()]);
         let mut gated = vec![3.0; xs.len()];
