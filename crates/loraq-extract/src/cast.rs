@@ -656,6 +656,116 @@ mod tests {
         assert!(weighted < unweighted, "{weighted} vs {unweighted}");
     }
 
+    /// The rule of [`round_vectors`] applied one vector and one entry at a time in f64:
+    /// error feedback through the upper Cholesky factor of $H^{-1}$, then sweeps of
+    /// single-ulp moves against the gradient $e H$.
+    fn round_one_by_one(x: &[f64], h: &Mat<f64>) -> Vec<bf16> {
+        let k = x.len();
+        let l = h
+            .llt(Side::Lower)
+            .unwrap()
+            .inverse()
+            .llt(Side::Lower)
+            .unwrap();
+        let u = l.L().transpose().to_owned();
+        let mut w = x.to_vec();
+        let mut q = vec![bf16::ZERO; k];
+        for i in 0..k {
+            q[i] = bf16::from_f64(w[i]);
+            let e = (w[i] - q[i].to_f64()) / u[(i, i)];
+            for j in i + 1..k {
+                w[j] -= e * u[(i, j)];
+            }
+        }
+        let loss_gradient = |q: &[bf16], i: usize| -> f64 {
+            (0..k).map(|j| h[(i, j)] * (q[j].to_f64() - x[j])).sum()
+        };
+        for _ in 0..POLISH_SWEEPS {
+            for i in 0..k {
+                let g = loss_gradient(&q, i);
+                if g == 0.0 {
+                    continue;
+                }
+                if let Some(c) = bf16_step(q[i], g < 0.0) {
+                    let d = c.to_f64() - q[i].to_f64();
+                    if 2.0 * d * g + d * d * h[(i, i)] < 0.0 {
+                        q[i] = c;
+                    }
+                }
+            }
+        }
+        q
+    }
+
+    /// The blocked rounding (tasks of 256 vectors, feedback and gradients as products
+    /// over blocks of 32 entries, f32) makes the choices of the one-by-one rule, for
+    /// vectors laid out as rows and as columns, with k and the count not multiples of
+    /// the block sizes.
+    #[test]
+    fn blocked_rounding_makes_the_one_by_one_choices() {
+        let (count, k) = (300usize, 45usize);
+        let (b, _) = decaying_factors(count, 64, k, 20.0);
+        let g = Mat::<f64>::from_fn(k + 7, k, |i, j| {
+            ((i * 31 + j * 17) % 23) as f64 / 23.0 - 0.5 + if i == j { 2.0 } else { 0.0 }
+        });
+        let h = g.transpose() * &g;
+        let reference: Vec<bf16> = b
+            .chunks(k)
+            .flat_map(|row| {
+                round_one_by_one(&row.iter().map(|&v| v as f64).collect::<Vec<_>>(), &h)
+            })
+            .collect();
+        let by_rows = round_vectors(&b, k, Vectors::Rows, h.as_ref());
+        let columns: Vec<f32> = (0..k * count)
+            .map(|i| b[(i % count) * k + i / count])
+            .collect();
+        let by_columns = round_vectors(&columns, k, Vectors::Columns, h.as_ref());
+        let mut differ = 0;
+        for i in 0..count {
+            for l in 0..k {
+                assert_eq!(by_rows[i * k + l], by_columns[l * count + i]);
+                differ += usize::from(by_rows[i * k + l] != reference[i * k + l]);
+            }
+        }
+        // f32 against f64 arithmetic may settle a near tie the other way (and the
+        // vector's later entries with it), at no cost in the loss.
+        assert!(
+            differ * 100 <= count * k,
+            "{differ} of {} entries differ",
+            count * k
+        );
+        let loss = |q: &[bf16]| -> f64 {
+            let mut total = 0f64;
+            for (row, x) in q.chunks(k).zip(b.chunks(k)) {
+                let e: Vec<f64> = row
+                    .iter()
+                    .zip(x)
+                    .map(|(q, &v)| q.to_f64() - v as f64)
+                    .collect();
+                for i in 0..k {
+                    for j in 0..k {
+                        total += e[i] * h[(i, j)] * e[j];
+                    }
+                }
+            }
+            total
+        };
+        let (blocked, one_by_one) = (loss(&by_rows), loss(&reference));
+        assert!(
+            blocked <= 1.001 * one_by_one,
+            "loss {blocked} vs {one_by_one}"
+        );
+        let nearest: usize = b
+            .iter()
+            .zip(&reference)
+            .filter(|(v, r)| bf16::from_f32(**v) != **r)
+            .count();
+        assert!(
+            nearest * 10 > count * k,
+            "the rule moved only {nearest} entries off nearest"
+        );
+    }
+
     #[test]
     fn the_rotation_is_orthogonal() {
         let m = mixing_rotation(37);
