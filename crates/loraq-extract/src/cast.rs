@@ -17,7 +17,7 @@
 //!    carried into the entries not yet rounded through the Cholesky factor of $H^{-1}$
 //!    (the GPTQ / LDLQ rule, optimal among sequential roundings), then single-ulp moves
 //!    that lower $e_j^\top H e_j$ are taken while any does (a few sweeps). Both run on
-//!    blocks of [`VECTORS_PER_TASK`] columns at once, [`FEEDBACK_BLOCK`] entries at a
+//!    blocks of 256 columns at once, 32 entries at a
 //!    time: the errors of a block of entries reach the entries after it (and, in the
 //!    sweeps, the gradient $H e_j$ of every entry) as one f32 matrix product, which
 //!    gives the same choices as entry-by-entry updates up to f32 rounding.
