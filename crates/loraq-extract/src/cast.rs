@@ -357,8 +357,10 @@ fn round_block(
     // the block as one product.
     let moves = &mut scratch;
     let mut local = vec![0f32; FEEDBACK_BLOCK * len];
-    for _ in 0..POLISH_SWEEPS {
+    for sweep in 0..POLISH_SWEEPS {
         let mut moved = false;
+        // The last sweep reads only the gradients of the entries after each block.
+        let last = sweep + 1 == POLISH_SWEEPS;
         for first in (0..k).step_by(FEEDBACK_BLOCK) {
             let end = (first + FEEDBACK_BLOCK).min(k);
             let width = end - first;
@@ -400,10 +402,11 @@ fn round_block(
             }
             if block_moved {
                 moved = true;
+                let from = if last { end } else { 0 };
                 matmul(
-                    MatMut::from_row_major_slice_mut(&mut gradients, k, len),
+                    MatMut::from_row_major_slice_mut(&mut gradients[from * len..], k - from, len),
                     Accum::Add,
-                    h.submatrix(0, first, k, width),
+                    h.submatrix(from, first, k - from, width),
                     MatRef::from_row_major_slice(&moves[..width * len], width, len),
                     1.0,
                     Par::Seq,
