@@ -12,7 +12,9 @@
                                         loraq's residual after the bf16 cast of module
                                         TENSOR (extraction_report.json) over the residual
                                         of torch.svd_lowrank(q=r+16, niter=2) on the same
-                                        delta with f32 factors; prints one JSON line
+                                        delta with f32 factors, and the exact residual of
+                                        the bf16 factors as stored (adapter_model.safetensors
+                                        beside REPORT) over the same; prints one JSON line
 
 Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6, safetensors (scripts/requirements-model.txt).
 """
@@ -81,13 +83,21 @@ def cast_residual(base_dir: str, merged_dir: str, report_path: str, tensor: str)
     u, s, v = torch.svd_lowrank(delta, q=rank + 16, niter=2)
     approx = (u[:, :rank].double() * s[:rank].double()) @ v[:, :rank].double().T
     torch_residual = float(torch.linalg.norm(delta.double() - approx))
+    # The bf16 factors as stored (scale 1: lora_alpha = r), their exact residual in f64.
+    adapter = os.path.join(os.path.dirname(report_path), "adapter_model.safetensors")
+    with safe_open(adapter, "pt") as f:
+        lora_b = f.get_tensor(f"base_model.model.{module}.lora_B.weight").double()
+        lora_a = f.get_tensor(f"base_model.model.{module}.lora_A.weight").double()
+    stored_residual = float(torch.linalg.norm(delta.double() - lora_b @ lora_a))
     print(json.dumps({
         "module": module,
         "rank": rank,
         "loraq_residual": entry["residual"],
         "loraq_residual_after_cast": entry["residual_after_cast"],
+        "stored_factors_residual": stored_residual,
         "torch_residual": torch_residual,
         "ratio_after_cast": entry["residual_after_cast"] / torch_residual,
+        "stored_ratio_after_cast": stored_residual / torch_residual,
     }))
 
 

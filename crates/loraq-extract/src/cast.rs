@@ -1,8 +1,8 @@
 //! Cast-aware bf16 rounding of a pair of LoRA factors.
 //!
-//! Given f32 factors $B_0$ (`rows x k`) and $A_0$ (`k x cols`) of the truncation
-//! $L = B_0 A_0$, the bf16 pair $(B_q, A_q)$ is chosen so that $B_q A_q$ stays close to
-//! $L$, not each factor close to its own f32 values:
+//! Given f32 factors $B_0$ (`out_features x k`) and $A_0$ (`k x in_features`) of the
+//! truncation $L = B_0 A_0$, the bf16 pair $(B_q, A_q)$ is chosen so that $B_q A_q$ stays
+//! close to $L$, not each factor close to its own f32 values:
 //!
 //! 1. **Mixing rotation.** $B_0 \leftarrow B_0 M^\top$, $A_0 \leftarrow M A_0$ with $M$ a
 //!    fixed random orthogonal $k \times k$ matrix: the product, $B_0^\top B_0$ against
@@ -16,7 +16,11 @@
 //!    $H = B^\top B$. The entries are rounded in order and each rounding error is
 //!    carried into the entries not yet rounded through the Cholesky factor of $H^{-1}$
 //!    (the GPTQ / LDLQ rule, optimal among sequential roundings), then single-ulp moves
-//!    that lower $e_j^\top H e_j$ are taken while any does (a few sweeps).
+//!    that lower $e_j^\top H e_j$ are taken while any does (a few sweeps). Both run on
+//!    blocks of 256 columns at once, 32 entries at a
+//!    time: the errors of a block of entries reach the entries after it (and, in the
+//!    sweeps, the gradient $H e_j$ of every entry) as one f32 matrix product, which
+//!    gives the same choices as entry-by-entry updates up to f32 rounding.
 //! 3. **B refit** in f64 against the rounded A: $B = L A_q^\top (A_q A_q^\top)^{-1}$
 //!    (computed from the $k \times k$ matrices $A_0 A_q^\top$ and $A_q A_q^\top$; with
 //!    column weights $w$, $A_q W^2 A_q^\top$), then rounded the same way, row by row,
@@ -24,13 +28,16 @@
 //! 4. **One alternation.** A refit against the rounded B,
 //!    $A = (B_q^\top B_q)^{-1} B_q^\top L$, rounded again, then B refit and rounded again.
 //!
-//! The cast error $\\|B_q A_q - L\\|_F$ is measured exactly without forming either
-//! product (see [`crate::split`]).
+//! The Gram matrices $H$ are accumulated in f64 (their Cholesky factors are taken, and
+//! $s_0 / s_k$ can be large); the rounding's own arithmetic (error feedback, gradients)
+//! is f32, which only decides between two neighbouring bf16 values. The cast error
+//! $\\|B_q A_q - L\\|_F$ is measured exactly without forming either product (see
+//! [`crate::split`]).
 
 use crate::error::{ExtractError, Result};
 use faer::linalg::matmul::matmul;
 use faer::linalg::solvers::{DenseSolveCore, Solve};
-use faer::{Accum, Mat, MatRef, Par, Side};
+use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -45,6 +52,13 @@ const POLISH_SWEEPS: usize = 3;
 /// Refit-and-round rounds after the first one.
 const ALTERNATIONS: usize = 1;
 
+/// Entries rounded one by one before their errors reach the later entries as one
+/// matrix product.
+const FEEDBACK_BLOCK: usize = 32;
+
+/// Vectors (columns of A, rows of B) one task rounds together.
+const VECTORS_PER_TASK: usize = 256;
+
 /// A fixed random orthogonal `k x k` matrix (QR of a seeded Gaussian matrix).
 pub(crate) fn mixing_rotation(k: usize) -> Mat<f64> {
     let mut rng = ChaCha8Rng::seed_from_u64(ROTATION_SEED ^ k as u64);
@@ -56,59 +70,109 @@ pub(crate) fn mixing_rotation(k: usize) -> Mat<f64> {
     g.qr().compute_thin_Q()
 }
 
-/// `x` (`rows x k`, row-major f32) times `t` (`k x k2`, f64) in f32.
-fn times_small(x: &[f32], rows: usize, k: usize, t: MatRef<'_, f64>, par: Par) -> Vec<f32> {
-    let k2 = t.ncols();
-    let t32 = Mat::<f32>::from_fn(k, k2, |i, j| t[(i, j)] as f32);
-    let xm = MatRef::from_row_major_slice(x, rows, k);
-    let mut out = vec![0f32; rows * k2];
-    let om = faer::MatMut::from_row_major_slice_mut(&mut out, rows, k2);
-    matmul(om, Accum::Replace, xm, t32.as_ref(), 1.0, par);
+/// `x * y` in f32 as a row-major matrix.
+fn product(x: MatRef<'_, f32>, y: MatRef<'_, f32>, par: Par) -> Vec<f32> {
+    let (m, n) = (x.nrows(), y.ncols());
+    let mut out = vec![0f32; m * n];
+    let om = MatMut::from_row_major_slice_mut(&mut out, m, n);
+    matmul(om, Accum::Replace, x, y, 1.0, par);
     out
 }
 
-/// $X^\top Y$ in f64 for `rows x k` row-major f32 matrices, over blocks of rows widened
-/// to f64 (an f32 Gram matrix is not accurate enough to invert when $s_0/s_k$ is large).
-fn cross_f64(x: &[f32], y: &[f32], rows: usize, kx: usize, ky: usize, par: Par) -> Mat<f64> {
+/// An f64 matrix narrowed to f32.
+fn narrow(x: MatRef<'_, f64>) -> Mat<f32> {
+    Mat::<f32>::from_fn(x.nrows(), x.ncols(), |i, j| x[(i, j)] as f32)
+}
+
+/// $X^\top Y$ in f64 for `count x k` row-major f32 matrices ($X^\top X$ when `y` is
+/// `None`, its lower triangle computed and mirrored), over blocks of rows widened to f64
+/// (an f32 Gram matrix is not accurate enough to invert when $s_0/s_k$ is large).
+fn tall_cross_f64(x: &[f32], y: Option<&[f32]>, k: usize, par: Par) -> Mat<f64> {
     const BLOCK: usize = 1024;
-    let mut out = Mat::<f64>::zeros(kx, ky);
+    let count = x.len() / k.max(1);
+    let mut out = Mat::<f64>::zeros(k, k);
+    let widen_into = |dst: &mut [f64], src: &[f32]| {
+        dst.par_chunks_mut(k * 64)
+            .zip(src.par_chunks(k * 64))
+            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f64));
+    };
+    let mut xb = vec![0f64; BLOCK.min(count) * k];
+    let mut yb = if y.is_some() { xb.clone() } else { Vec::new() };
     let mut start = 0;
-    while start < rows {
-        let len = BLOCK.min(rows - start);
-        let xb = Mat::<f64>::from_fn(len, kx, |i, l| x[(start + i) * kx + l] as f64);
-        let yb = Mat::<f64>::from_fn(len, ky, |i, l| y[(start + i) * ky + l] as f64);
-        matmul(
-            out.as_mut(),
-            Accum::Add,
-            xb.transpose(),
-            yb.as_ref(),
-            1.0,
-            par,
-        );
+    while start < count {
+        let len = BLOCK.min(count - start);
+        let span = start * k..(start + len) * k;
+        widen_into(&mut xb[..len * k], &x[span.clone()]);
+        let xm = MatRef::from_row_major_slice(&xb[..len * k], len, k);
+        match y {
+            Some(y) => {
+                widen_into(&mut yb[..len * k], &y[span]);
+                let ym = MatRef::from_row_major_slice(&yb[..len * k], len, k);
+                matmul(out.as_mut(), Accum::Add, xm.transpose(), ym, 1.0, par);
+            }
+            None => lower_gram_add(out.as_mut(), xm.transpose(), par),
+        }
         start += len;
+    }
+    if y.is_none() {
+        mirror_lower(out.as_mut());
     }
     out
 }
 
-/// $X W^2 Y^\top$ in f64 for `k x cols` row-major f32 matrices (`w`: column weights).
-fn wide_cross_f64(
-    x: &[f32],
-    y: &[f32],
-    kx: usize,
-    ky: usize,
-    cols: usize,
-    weights: Option<&[f32]>,
+/// Adds the lower triangle of $M M^\top$ to `dst` (the upper triangle is left alone).
+pub(crate) fn lower_gram_add<T: faer::traits::ComplexField>(
+    dst: MatMut<'_, T>,
+    m: MatRef<'_, T>,
     par: Par,
-) -> Mat<f64> {
-    let weight = |j: usize| weights.map_or(1.0, |w| w[j] as f64);
-    let xm = Mat::<f64>::from_fn(cols, kx, |j, l| x[l * cols + j] as f64 * weight(j));
-    let ym = Mat::<f64>::from_fn(cols, ky, |j, l| y[l * cols + j] as f64 * weight(j));
-    let mut out = Mat::<f64>::zeros(kx, ky);
+) {
+    use faer::linalg::matmul::triangular::{BlockStructure, matmul as triangular_matmul};
+    triangular_matmul(
+        dst,
+        BlockStructure::TriangularLower,
+        Accum::Add,
+        m,
+        BlockStructure::Rectangular,
+        m.transpose(),
+        BlockStructure::Rectangular,
+        T::one_impl(),
+        par,
+    );
+}
+
+/// Copies the lower triangle of a square matrix onto its upper triangle.
+pub(crate) fn mirror_lower<T: Copy>(mut m: MatMut<'_, T>) {
+    for j in 0..m.ncols() {
+        for i in 0..j {
+            m[(i, j)] = m[(j, i)];
+        }
+    }
+}
+
+/// $X W^2 Y^\top$ in f64 for `k x count` row-major f32 matrices (`w`: column weights).
+fn wide_cross_f64(x: &[f32], y: &[f32], k: usize, weights: Option<&[f32]>, par: Par) -> Mat<f64> {
+    let count = x.len() / k.max(1);
+    let widen = |src: &[f32]| -> Vec<f64> {
+        let mut out = vec![0f64; src.len()];
+        out.par_chunks_mut(count.max(1))
+            .zip(src.par_chunks(count.max(1)))
+            .for_each(|(d, s)| match weights {
+                Some(w) => d
+                    .iter_mut()
+                    .zip(s)
+                    .zip(w)
+                    .for_each(|((d, &s), &w)| *d = s as f64 * w as f64),
+                None => d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f64),
+            });
+        out
+    };
+    let (xw, yw) = (widen(x), widen(y));
+    let mut out = Mat::<f64>::zeros(k, k);
     matmul(
         out.as_mut(),
         Accum::Replace,
-        xm.transpose(),
-        ym.as_ref(),
+        MatRef::from_row_major_slice(&xw, k, count),
+        MatRef::from_row_major_slice(&yw, k, count).transpose(),
         1.0,
         par,
     );
@@ -141,120 +205,224 @@ fn bf16_step(x: bf16, up: bool) -> Option<bf16> {
     y.is_finite().then_some(y)
 }
 
-/// Rounds every row of `x` (`rows x k`, row-major) to bf16 so that $e H e^\top$ is small
-/// for each row's error $e$: sequential rounding with error feedback through the upper
-/// Cholesky factor of $H^{-1}$, then sweeps of single-ulp moves that lower the loss.
-/// Plain round-to-nearest when $H$ is not positive definite to f64 precision.
-fn round_rows(x: &[f32], k: usize, h: MatRef<'_, f64>, par: Par) -> Vec<bf16> {
+/// How the vectors to round lie in a row-major matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Vectors {
+    /// `count x k`: one vector per row (the rows of B).
+    Rows,
+    /// `k x count`: one vector per column (the columns of A).
+    Columns,
+}
+
+/// Rounds every vector of `x` (`k` entries each, laid out as `layout` says) to bf16 so
+/// that $e H e^\top$ is small for each vector's error $e$: sequential rounding with
+/// error feedback through the upper Cholesky factor of $H^{-1}$, then sweeps of
+/// single-ulp moves that lower the loss. Without feedback (plain round-to-nearest)
+/// when $H$ is not positive definite to f64 precision. Tasks of [`VECTORS_PER_TASK`]
+/// vectors run in parallel.
+fn round_vectors(x: &[f32], k: usize, layout: Vectors, h: MatRef<'_, f64>) -> Vec<bf16> {
+    let count = x.len() / k.max(1);
     // Upper Cholesky factor of H^-1: H^-1 = U^T U, U = L^T with L L^T = H^-1.
-    let feedback: Option<Vec<f64>> = (|| {
+    let feedback: Option<Mat<f32>> = (|| {
         let inverse = h.llt(Side::Lower).ok()?.inverse();
         let l = inverse.llt(Side::Lower).ok()?;
-        let l = l.L();
-        let mut u = vec![0f64; k * k];
-        for i in 0..k {
-            for j in i..k {
-                u[i * k + j] = l[(j, i)];
-            }
-        }
-        (0..k).all(|i| u[i * k + i] > 0.0).then_some(u)
+        let u = narrow(l.L().transpose());
+        (0..k).all(|i| u[(i, i)] > 0.0).then_some(u)
     })();
-    let hk: Vec<f64> = (0..k * k).map(|i| h[(i / k, i % k)]).collect();
-    let rows = x.len() / k;
-    // Sequential rounding with error feedback, row by row.
-    let mut out = vec![bf16::ZERO; x.len()];
-    out.par_chunks_mut(k).zip(x.par_chunks(k)).for_each_init(
-        || vec![0f64; k],
-        |w, (q, row)| {
-            for (wi, &v) in w.iter_mut().zip(row) {
-                *wi = v as f64;
-            }
-            for l in 0..k {
-                let r = bf16::from_f64(w[l]);
-                q[l] = r;
-                if let Some(u) = &feedback {
-                    let e = (w[l] - r.to_f64()) / u[l * k + l];
-                    for (wt, &ut) in w[l + 1..].iter_mut().zip(&u[l * k + l + 1..(l + 1) * k]) {
-                        *wt -= e * ut;
-                    }
-                }
-            }
-        },
-    );
-    if out.par_iter().any(|v| !v.is_finite()) {
-        // Refused by the caller's finite check.
-        return out;
-    }
-    // g = e H for every row's error e = q - x, as one product.
-    let errors: Vec<f64> = out
-        .par_iter()
-        .zip(x.par_iter())
-        .map(|(&r, &v)| r.to_f64() - v as f64)
-        .collect();
-    let mut gradients = vec![0f64; x.len()];
-    matmul(
-        faer::MatMut::from_row_major_slice_mut(&mut gradients, rows, k),
-        Accum::Replace,
-        MatRef::from_row_major_slice(&errors, rows, k),
-        h,
-        1.0,
-        par,
-    );
-    drop(errors);
-    // Single-ulp moves that lower e H e^T, row by row.
-    out.par_chunks_mut(k)
-        .zip(gradients.par_chunks_mut(k))
-        .for_each(|(q, g)| {
-            for _ in 0..POLISH_SWEEPS {
-                let mut moved = false;
-                for l in 0..k {
-                    let hll = hk[l * k + l];
-                    for up in [true, false] {
-                        let Some(c) = bf16_step(q[l], up) else {
-                            continue;
-                        };
-                        let d = c.to_f64() - q[l].to_f64();
-                        if 2.0 * d * g[l] + d * d * hll < 0.0 {
-                            q[l] = c;
-                            let hl = &hk[l * k..(l + 1) * k];
-                            for (gi, &hv) in g.iter_mut().zip(hl) {
-                                *gi += d * hv;
-                            }
-                            moved = true;
-                            break;
+    let h32 = narrow(h);
+    let tasks: Vec<(usize, Vec<f32>)> = (0..count.div_ceil(VECTORS_PER_TASK))
+        .into_par_iter()
+        .map(|task| {
+            let start = task * VECTORS_PER_TASK;
+            let len = VECTORS_PER_TASK.min(count - start);
+            // The task's vectors as the columns of a k x len row-major block.
+            let mut block = vec![0f32; k * len];
+            match layout {
+                Vectors::Rows => {
+                    for (i, row) in x[start * k..(start + len) * k].chunks_exact(k).enumerate() {
+                        for (l, &v) in row.iter().enumerate() {
+                            block[l * len + i] = v;
                         }
                     }
                 }
-                if !moved {
-                    break;
+                Vectors::Columns => {
+                    for (l, dst) in block.chunks_exact_mut(len).enumerate() {
+                        dst.copy_from_slice(&x[l * count + start..l * count + start + len]);
+                    }
                 }
             }
-        });
+            let rounded = round_block(
+                &block,
+                k,
+                len,
+                feedback.as_ref().map(Mat::as_ref),
+                h32.as_ref(),
+            );
+            (start, rounded)
+        })
+        .collect();
+    let mut out = vec![bf16::ZERO; x.len()];
+    match layout {
+        Vectors::Rows => {
+            out.par_chunks_mut(VECTORS_PER_TASK * k)
+                .zip(&tasks)
+                .for_each(|(dst, (_, rounded))| {
+                    let len = dst.len() / k;
+                    for (i, row) in dst.chunks_exact_mut(k).enumerate() {
+                        for (l, v) in row.iter_mut().enumerate() {
+                            *v = bf16::from_f32(rounded[l * len + i]);
+                        }
+                    }
+                });
+        }
+        Vectors::Columns => {
+            out.par_chunks_mut(count.max(1))
+                .enumerate()
+                .for_each(|(l, dst)| {
+                    for (start, rounded) in &tasks {
+                        let len = rounded.len() / k;
+                        for (d, &v) in dst[*start..start + len]
+                            .iter_mut()
+                            .zip(&rounded[l * len..(l + 1) * len])
+                        {
+                            *d = bf16::from_f32(v);
+                        }
+                    }
+                });
+        }
+    }
     out
 }
 
-/// Transposes a row-major `rows x cols` matrix.
-fn transpose<T: Copy + Send + Sync + Default>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
-    let mut out = vec![T::default(); x.len()];
-    out.par_chunks_mut(rows.max(1))
-        .enumerate()
-        .for_each(|(j, col)| {
-            for (i, v) in col.iter_mut().enumerate() {
-                *v = x[i * cols + j];
+/// [`round_vectors`] on one task's `k x len` block (vectors as columns): returns the
+/// bf16 values (as f32) in the same layout.
+fn round_block(
+    x: &[f32],
+    k: usize,
+    len: usize,
+    feedback: Option<MatRef<'_, f32>>,
+    h: MatRef<'_, f32>,
+) -> Vec<f32> {
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let mut work = x.to_vec();
+    let mut q = vec![0f32; k * len];
+    let mut scratch = vec![0f32; FEEDBACK_BLOCK * len];
+    // Sequential rounding with error feedback: within a block of entries one by one,
+    // into the entries after the block as one product.
+    for first in (0..k).step_by(FEEDBACK_BLOCK) {
+        let end = (first + FEEDBACK_BLOCK).min(k);
+        for l in first..end {
+            let (done, later) = work.split_at_mut((l + 1) * len);
+            let wl = &done[l * len..];
+            let ql = &mut q[l * len..(l + 1) * len];
+            for (qv, &wv) in ql.iter_mut().zip(wl) {
+                *qv = round(wv);
             }
-        });
-    out
+            let Some(u) = feedback else { continue };
+            let ull = u[(l, l)];
+            let el = &mut scratch[(l - first) * len..(l - first + 1) * len];
+            for ((ev, &wv), &qv) in el.iter_mut().zip(wl).zip(ql.iter()) {
+                *ev = (wv - qv) / ull;
+            }
+            for (l2, w2) in (l + 1..end).zip(later.chunks_exact_mut(len)) {
+                let coefficient = u[(l, l2)];
+                for (wv, &ev) in w2.iter_mut().zip(el.iter()) {
+                    *wv -= ev * coefficient;
+                }
+            }
+        }
+        if let Some(u) = feedback
+            && end < k
+        {
+            matmul(
+                MatMut::from_row_major_slice_mut(&mut work[end * len..], k - end, len),
+                Accum::Add,
+                u.submatrix(first, end, end - first, k - end).transpose(),
+                MatRef::from_row_major_slice(&scratch[..(end - first) * len], end - first, len),
+                -1.0,
+                Par::Seq,
+            );
+        }
+    }
+    if q.iter().any(|v| !v.is_finite()) {
+        // Refused by the caller's finite check.
+        return q;
+    }
+    // Gradients g = H e for every vector's error e = q - x, as one product.
+    let errors: Vec<f32> = q.iter().zip(x).map(|(&r, &v)| r - v).collect();
+    let mut gradients = product(h, MatRef::from_row_major_slice(&errors, k, len), Par::Seq);
+    drop(errors);
+    // Single-ulp moves that lower e H e^T: within a block of entries the gradients of
+    // the entries after each move are updated at once, every entry's gradient after
+    // the block as one product.
+    let moves = &mut scratch;
+    let mut local = vec![0f32; FEEDBACK_BLOCK * len];
+    for sweep in 0..POLISH_SWEEPS {
+        let mut moved = false;
+        // The last sweep reads only the gradients of the entries after each block.
+        let last = sweep + 1 == POLISH_SWEEPS;
+        for first in (0..k).step_by(FEEDBACK_BLOCK) {
+            let end = (first + FEEDBACK_BLOCK).min(k);
+            let width = end - first;
+            local[..width * len].copy_from_slice(&gradients[first * len..end * len]);
+            moves[..width * len].fill(0.0);
+            let mut block_moved = false;
+            for l in first..end {
+                let hll = h[(l, l)];
+                let (current, later) = local.split_at_mut((l - first + 1) * len);
+                let gl = &current[(l - first) * len..];
+                let ql = &mut q[l * len..(l + 1) * len];
+                let dl = &mut moves[(l - first) * len..(l - first + 1) * len];
+                let mut any = false;
+                for ((qv, dv), &gv) in ql.iter_mut().zip(dl.iter_mut()).zip(gl) {
+                    // Only a step against the gradient can lower the loss.
+                    if gv == 0.0 {
+                        continue;
+                    }
+                    let Some(c) = bf16_step(bf16::from_f32(*qv), gv < 0.0) else {
+                        continue;
+                    };
+                    let d = c.to_f32() - *qv;
+                    if 2.0 * d * gv + d * d * hll < 0.0 {
+                        *qv = c.to_f32();
+                        *dv = d;
+                        any = true;
+                    }
+                }
+                if !any {
+                    continue;
+                }
+                block_moved = true;
+                for (l2, g2) in (l + 1..end).zip(later.chunks_exact_mut(len)) {
+                    let coefficient = h[(l, l2)];
+                    for (gv, &dv) in g2.iter_mut().zip(dl.iter()) {
+                        *gv += dv * coefficient;
+                    }
+                }
+            }
+            if block_moved {
+                moved = true;
+                let from = if last { end } else { 0 };
+                matmul(
+                    MatMut::from_row_major_slice_mut(&mut gradients[from * len..], k - from, len),
+                    Accum::Add,
+                    h.submatrix(from, first, k - from, width),
+                    MatRef::from_row_major_slice(&moves[..width * len], width, len),
+                    1.0,
+                    Par::Seq,
+                );
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    q
 }
 
-fn widen(x: &[bf16]) -> Vec<f32> {
+/// bf16 values widened to f32.
+pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
     x.par_iter().map(|v| v.to_f32()).collect()
-}
-
-/// Rounds A (`k x cols`) column by column with $H = B^\top B$.
-fn round_a(a: &[f32], k: usize, cols: usize, btb: MatRef<'_, f64>, par: Par) -> Vec<bf16> {
-    let at = transpose(a, k, cols);
-    let qt = round_rows(&at, k, btb, par);
-    transpose(&qt, cols, k)
 }
 
 /// The cast-aware bf16 pair: `(B_q, A_q, B_0, A_0)` with $B_0 A_0 = B A$ the rotated f32
@@ -264,18 +432,24 @@ pub(crate) fn cast_aware(
     module: &str,
     b: &[f32],
     a: &[f32],
-    rows: usize,
-    cols: usize,
+    out_features: usize,
+    in_features: usize,
     k: usize,
     weights: Option<&[f32]>,
     par: Par,
 ) -> Result<(Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>)> {
-    let rotation = mixing_rotation(k);
+    let rotation = narrow(mixing_rotation(k).as_ref());
     // B0 = B M^T, A0 = M A.
-    let b0 = times_small(b, rows, k, rotation.transpose(), par);
-    let a0t = times_small(&transpose(a, k, cols), cols, k, rotation.transpose(), par);
-    let a0 = transpose(&a0t, cols, k);
-    drop(a0t);
+    let b0 = product(
+        MatRef::from_row_major_slice(b, out_features, k),
+        rotation.transpose(),
+        par,
+    );
+    let a0 = product(
+        rotation.as_ref(),
+        MatRef::from_row_major_slice(a, k, in_features),
+        par,
+    );
     let finite = |what: &'static str, x: &[bf16]| -> Result<()> {
         match x.par_iter().position_first(|v| !v.is_finite()) {
             Some(index) => Err(ExtractError::NonFinite {
@@ -289,27 +463,30 @@ pub(crate) fn cast_aware(
     const WHAT_B: &str = "factor B after the bf16 cast";
     const WHAT_A: &str = "factor A after the bf16 cast";
     // First round: A with H = B0^T B0.
-    let b0tb0 = cross_f64(&b0, &b0, rows, k, k, par);
-    let mut aq = round_a(&a0, k, cols, b0tb0.as_ref(), par);
+    let b0tb0 = tall_cross_f64(&b0, None, k, par);
+    let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref());
     finite(WHAT_A, &aq)?;
-    let mut bq = refit_and_round_b(&b0, &a0, &aq, rows, cols, k, weights, par);
+    let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par);
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
         let bqf = widen(&bq);
-        let btb = cross_f64(&bqf, &bqf, rows, k, k, par);
-        let btb0 = cross_f64(&bqf, &b0, rows, k, k, par);
+        let btb = tall_cross_f64(&bqf, None, k, par);
+        let btb0 = tall_cross_f64(&bqf, Some(&b0), k, par);
         drop(bqf);
         let Some(t) = spd_solve(btb.as_ref(), btb0.as_ref()) else {
             break;
         };
-        let a1t = times_small(&transpose(&a0, k, cols), cols, k, t.transpose(), par);
-        let a1 = transpose(&a1t, cols, k);
-        let aq1 = round_a(&a1, k, cols, btb.as_ref(), par);
+        let a1 = product(
+            narrow(t.as_ref()).as_ref(),
+            MatRef::from_row_major_slice(&a0, k, in_features),
+            par,
+        );
+        let aq1 = round_vectors(&a1, k, Vectors::Columns, btb.as_ref());
         if finite(WHAT_A, &aq1).is_err() {
             break;
         }
-        let bq1 = refit_and_round_b(&b0, &a0, &aq1, rows, cols, k, weights, par);
+        let bq1 = refit_and_round_b(&b0, &a0, &aq1, k, weights, par);
         if finite(WHAT_B, &bq1).is_err() {
             break;
         }
@@ -321,27 +498,29 @@ pub(crate) fn cast_aware(
 
 /// B refit against $L = B_0 A_0$ for the rounded A, then rounded row by row with
 /// $H = A_q W^2 A_q^\top$. Falls back to rounding $B_0$ when the refit is singular.
-#[allow(clippy::too_many_arguments)]
 fn refit_and_round_b(
     b0: &[f32],
     a0: &[f32],
     aq: &[bf16],
-    rows: usize,
-    cols: usize,
     k: usize,
     weights: Option<&[f32]>,
     par: Par,
 ) -> Vec<bf16> {
     let aqf = widen(aq);
-    let gram = wide_cross_f64(&aqf, &aqf, k, k, cols, weights, par);
-    let cross = wide_cross_f64(a0, &aqf, k, k, cols, weights, par);
+    let gram = wide_cross_f64(&aqf, &aqf, k, weights, par);
+    let cross = wide_cross_f64(a0, &aqf, k, weights, par);
+    drop(aqf);
     // B = B0 (A0 W^2 Aq^T) (Aq W^2 Aq^T)^-1 = B0 T, T = cross G^-1 = (G^-1 cross^T)^T.
     let refit = spd_solve(gram.as_ref(), cross.transpose()).map(|t| {
-        let t = t.transpose().to_owned();
-        times_small(b0, rows, k, t.as_ref(), par)
+        let t = narrow(t.transpose());
+        product(
+            MatRef::from_row_major_slice(b0, b0.len() / k, k),
+            t.as_ref(),
+            par,
+        )
     });
     let target = refit.as_deref().unwrap_or(b0);
-    round_rows(target, k, gram.as_ref(), par)
+    round_vectors(target, k, Vectors::Rows, gram.as_ref())
 }
 
 #[cfg(test)]
@@ -478,6 +657,116 @@ mod tests {
             cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
         let weighted = weighted_error(&bq, &aq);
         assert!(weighted < unweighted, "{weighted} vs {unweighted}");
+    }
+
+    /// The rule of [`round_vectors`] applied one vector and one entry at a time in f64:
+    /// error feedback through the upper Cholesky factor of $H^{-1}$, then sweeps of
+    /// single-ulp moves against the gradient $e H$.
+    fn round_one_by_one(x: &[f64], h: &Mat<f64>) -> Vec<bf16> {
+        let k = x.len();
+        let l = h
+            .llt(Side::Lower)
+            .unwrap()
+            .inverse()
+            .llt(Side::Lower)
+            .unwrap();
+        let u = l.L().transpose().to_owned();
+        let mut w = x.to_vec();
+        let mut q = vec![bf16::ZERO; k];
+        for i in 0..k {
+            q[i] = bf16::from_f64(w[i]);
+            let e = (w[i] - q[i].to_f64()) / u[(i, i)];
+            for j in i + 1..k {
+                w[j] -= e * u[(i, j)];
+            }
+        }
+        let loss_gradient = |q: &[bf16], i: usize| -> f64 {
+            (0..k).map(|j| h[(i, j)] * (q[j].to_f64() - x[j])).sum()
+        };
+        for _ in 0..POLISH_SWEEPS {
+            for i in 0..k {
+                let g = loss_gradient(&q, i);
+                if g == 0.0 {
+                    continue;
+                }
+                if let Some(c) = bf16_step(q[i], g < 0.0) {
+                    let d = c.to_f64() - q[i].to_f64();
+                    if 2.0 * d * g + d * d * h[(i, i)] < 0.0 {
+                        q[i] = c;
+                    }
+                }
+            }
+        }
+        q
+    }
+
+    /// The blocked rounding (tasks of 256 vectors, feedback and gradients as products
+    /// over blocks of 32 entries, f32) makes the choices of the one-by-one rule, for
+    /// vectors laid out as rows and as columns, with k and the count not multiples of
+    /// the block sizes.
+    #[test]
+    fn blocked_rounding_makes_the_one_by_one_choices() {
+        let (count, k) = (300usize, 45usize);
+        let (b, _) = decaying_factors(count, 64, k, 20.0);
+        let g = Mat::<f64>::from_fn(k + 7, k, |i, j| {
+            ((i * 31 + j * 17) % 23) as f64 / 23.0 - 0.5 + if i == j { 2.0 } else { 0.0 }
+        });
+        let h = g.transpose() * &g;
+        let reference: Vec<bf16> = b
+            .chunks(k)
+            .flat_map(|row| {
+                round_one_by_one(&row.iter().map(|&v| v as f64).collect::<Vec<_>>(), &h)
+            })
+            .collect();
+        let by_rows = round_vectors(&b, k, Vectors::Rows, h.as_ref());
+        let columns: Vec<f32> = (0..k * count)
+            .map(|i| b[(i % count) * k + i / count])
+            .collect();
+        let by_columns = round_vectors(&columns, k, Vectors::Columns, h.as_ref());
+        let mut differ = 0;
+        for i in 0..count {
+            for l in 0..k {
+                assert_eq!(by_rows[i * k + l], by_columns[l * count + i]);
+                differ += usize::from(by_rows[i * k + l] != reference[i * k + l]);
+            }
+        }
+        // f32 against f64 arithmetic may settle a near tie the other way (and the
+        // vector's later entries with it), at no cost in the loss.
+        assert!(
+            differ * 100 <= count * k,
+            "{differ} of {} entries differ",
+            count * k
+        );
+        let loss = |q: &[bf16]| -> f64 {
+            let mut total = 0f64;
+            for (row, x) in q.chunks(k).zip(b.chunks(k)) {
+                let e: Vec<f64> = row
+                    .iter()
+                    .zip(x)
+                    .map(|(q, &v)| q.to_f64() - v as f64)
+                    .collect();
+                for i in 0..k {
+                    for j in 0..k {
+                        total += e[i] * h[(i, j)] * e[j];
+                    }
+                }
+            }
+            total
+        };
+        let (blocked, one_by_one) = (loss(&by_rows), loss(&reference));
+        assert!(
+            blocked <= 1.001 * one_by_one,
+            "loss {blocked} vs {one_by_one}"
+        );
+        let nearest: usize = b
+            .iter()
+            .zip(&reference)
+            .filter(|(v, r)| bf16::from_f32(**v) != **r)
+            .count();
+        assert!(
+            nearest * 10 > count * k,
+            "the rule moved only {nearest} entries off nearest"
+        );
     }
 
     #[test]

@@ -1,11 +1,10 @@
 //! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
 //! cast (cast-aware: [`crate::cast`]) with finite checks, and the error the cast adds.
 
-use crate::cast::cast_aware;
+use crate::cast::{cast_aware, lower_gram_add};
 use crate::error::Result;
 use crate::factor::Factorization;
-use faer::linalg::matmul::matmul;
-use faer::{Accum, Mat, MatRef, Par};
+use faer::{Mat, MatRef, Par};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -127,7 +126,7 @@ pub fn cast_pair(
 }
 
 /// $\\|B_q A_q - BA\\|_F$ from $\langle P^\top P, Q Q^\top\rangle$, $P = [E_B\ B]$,
-/// $Q = [A_q; E_A]$.
+/// $Q = [A_q; E_A]$ (both Gram matrices symmetric: their lower triangles, f32).
 #[allow(clippy::too_many_arguments)]
 fn cast_error(
     bq: &[bf16],
@@ -139,37 +138,48 @@ fn cast_error(
     k: usize,
     par: Par,
 ) -> f64 {
-    // P = [E_B | B]  (rows x 2k), Q = [A_q ; E_A]  (2k x cols).
-    let p = Mat::<f32>::from_fn(rows, 2 * k, |i, l| {
-        if l < k {
-            bq[i * k + l].to_f32() - b[i * k + l]
-        } else {
-            b[i * k + l - k]
-        }
-    });
-    let q = Mat::<f32>::from_fn(2 * k, cols, |l, j| {
-        if l < k {
-            aq[l * cols + j].to_f32()
-        } else {
-            aq[(l - k) * cols + j].to_f32() - a[(l - k) * cols + j]
-        }
-    });
-    let ptp = gram(p.as_ref().transpose(), par);
-    let qqt = gram(q.as_ref(), par);
+    // P = [E_B | B]  (rows x 2k), Q = [A_q ; E_A]  (2k x cols), row-major.
+    let mut p = vec![0f32; rows * 2 * k];
+    p.par_chunks_mut(2 * k)
+        .zip(bq.par_chunks(k).zip(b.par_chunks(k)))
+        .for_each(|(row, (bq, b))| {
+            let (error, exact) = row.split_at_mut(k);
+            for ((e, &q), &v) in error.iter_mut().zip(bq).zip(b) {
+                *e = q.to_f32() - v;
+            }
+            exact.copy_from_slice(b);
+        });
+    let mut q = vec![0f32; 2 * k * cols];
+    let (rounded, error) = q.split_at_mut(k * cols);
+    rounded
+        .par_iter_mut()
+        .zip(aq.par_iter())
+        .for_each(|(r, &v)| *r = v.to_f32());
+    error
+        .par_iter_mut()
+        .zip(aq.par_iter().zip(a.par_iter()))
+        .for_each(|(e, (&q, &v))| *e = q.to_f32() - v);
+    let mut ptp = Mat::<f32>::zeros(2 * k, 2 * k);
+    lower_gram_add(
+        ptp.as_mut(),
+        MatRef::from_row_major_slice(&p, rows, 2 * k).transpose(),
+        par,
+    );
+    drop(p);
+    let mut qqt = Mat::<f32>::zeros(2 * k, 2 * k);
+    lower_gram_add(
+        qqt.as_mut(),
+        MatRef::from_row_major_slice(&q, 2 * k, cols),
+        par,
+    );
     let mut cast_sq = 0f64;
-    for i in 0..2 * k {
-        for j in 0..2 * k {
-            cast_sq += ptp[(i, j)] as f64 * qqt[(i, j)] as f64;
+    for j in 0..2 * k {
+        cast_sq += ptp[(j, j)] as f64 * qqt[(j, j)] as f64;
+        for i in j + 1..2 * k {
+            cast_sq += 2.0 * ptp[(i, j)] as f64 * qqt[(i, j)] as f64;
         }
     }
     cast_sq.max(0.0).sqrt()
-}
-
-/// $M M^\top$ in f32 for a wide `m`.
-fn gram(m: MatRef<'_, f32>, par: Par) -> Mat<f32> {
-    let mut g = Mat::<f32>::zeros(m.nrows(), m.nrows());
-    matmul(g.as_mut(), Accum::Replace, m, m.transpose(), 1.0, par);
-    g
 }
 
 #[cfg(test)]
