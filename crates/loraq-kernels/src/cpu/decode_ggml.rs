@@ -14,7 +14,7 @@ use super::decode::RowDecode;
 use loraq_quant::ggml::{BlockGeometry, GgmlType, GgmlWeight, block_element};
 
 #[cfg(target_arch = "x86_64")]
-use loraq_quant::ggml::{decode::IQ4_VALUES, decode::scale_min_k4, fp16_to_f32};
+use loraq_quant::ggml::{decode::IQ4_VALUES, decode::scale_min_k4};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -33,6 +33,14 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `e % 8 == 0` and `e + 8 <= Self::ELEMENTS`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(block: *const u8, e: usize) -> __m256;
+    /// Elements `e .. e + 16` of the block at `block`, dequantized (the group's scale
+    /// unpacked once: a run of 16 lies in one scale group of every type).
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes,
+    /// `e % 16 == 0` and `e + 16 <= Self::ELEMENTS`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512;
     /// The block's `Self::ELEMENTS` values, dequantized into `out`, 16 lanes at a time:
     /// the scales unpacked once per block (or per 32-element group), every value the
     /// bits of `block_element`.
@@ -60,7 +68,115 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
 unsafe fn f16_at(block: *const u8, offset: usize) -> f32 {
     // SAFETY: the caller guarantees the two bytes are readable.
     let bits = unsafe { block.add(offset).cast::<u16>().read_unaligned() };
-    fp16_to_f32(u16::from_le(bits))
+    f16_bits_to_f32(u16::from_le(bits))
+}
+
+/// 2^112: moves an f16's exponent field, placed at the top of an f32's, from the f16
+/// bias (15) to the f32 bias (127).
+#[cfg(target_arch = "x86_64")]
+const F16_REBIAS: f32 = f32::from_bits((127 + 112) << 23);
+
+/// The f16 `h` as an f32, exactly: `loraq_quant::ggml::fp16_to_f32` in a few integer
+/// ops and one multiply, inline (that one goes through the `half` crate's run-time
+/// F16C dispatch, an out-of-line call per scale). Finite values: exponent and mantissa
+/// shifted into place and rebiased by 2^112, an exact multiply (subnormal halves become
+/// f32 subnormals and scale exactly too); infinities and NaNs (payload kept, quiet bit
+/// set) by their bits. A test checks all 65536 inputs against `fp16_to_f32`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let sign = (h & 0x8000) << 16;
+    let magnitude = h & 0x7FFF;
+    if magnitude >= 0x7C00 {
+        let quiet = if magnitude > 0x7C00 { 0x0040_0000 } else { 0 };
+        return f32::from_bits(sign | 0x7F80_0000 | quiet | ((magnitude & 0x3FF) << 13));
+    }
+    f32::from_bits(sign | (f32::from_bits(magnitude << 13) * F16_REBIAS).to_bits())
+}
+
+/// The eight scales `d sc` and mins `dmin m` of a Q4_K / Q5_K super-block: the 6-bit
+/// values unpacked from their 12 bytes with ggml's word masks
+/// (`ggml-cpu/arch/x86/quants.c`, `ggml_vec_dot_q4_K_q8_K`: `kmask1..3`), each product
+/// rounded as `block_element` rounds it.
+///
+/// # Safety
+/// AVX2, and the block's first 16 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn k4_scales_mins(block: *const u8) -> ([f32; 8], [f32; 8]) {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    // SAFETY: the caller guarantees the 16 bytes.
+    let (d, dmin, w) = unsafe {
+        let word = |i: usize| u32::from_le(block.add(4 + 4 * i).cast::<u32>().read_unaligned());
+        (f16_at(block, 0), f16_at(block, 2), [word(0), word(1), word(2)])
+    };
+    // Bytes 0..8: the scales of groups 0..8; bytes 8..16: their mins.
+    let scales = u64::from(w[0] & LOW6)
+        | u64::from((w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4)) << 32;
+    let mins = u64::from(w[1] & LOW6)
+        | u64::from(((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4)) << 32;
+    (bytes_times(scales, d), bytes_times(mins, dmin))
+}
+
+/// `by * b` for each byte `b` of `bytes` (little-endian order), one rounding each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn bytes_times(bytes: u64, by: f32) -> [f32; 8] {
+    let lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 f32.
+    unsafe {
+        _mm256_storeu_ps(
+            out.as_mut_ptr(),
+            _mm256_mul_ps(_mm256_set1_ps(by), _mm256_cvtepi32_ps(lanes)),
+        )
+    };
+    out
+}
+
+/// The eight group scales `d (ls - 32)` of an IQ4_XS block.
+///
+/// # Safety
+/// The block's first 8 bytes are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn iq4_xs_scales(block: *const u8) -> [f32; 8] {
+    // SAFETY: the caller guarantees the 8 bytes (d, scales_h, scales_l).
+    unsafe {
+        let d = f16_at(block, 0);
+        let scales_h = u16::from_le(block.add(2).cast::<u16>().read_unaligned());
+        std::array::from_fn(|ib| {
+            let ls = i32::from((*block.add(4 + ib / 2) >> (4 * (ib % 2))) & 0xF)
+                | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
+            d * (ls - 32) as f32
+        })
+    }
+}
+
+/// The sixteen scales `d sc` of a Q6_K block (one per 16 elements, in storage order).
+///
+/// # Safety
+/// AVX2, and the block's 210 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6_k_scales(block: *const u8) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: bytes 192..210 are readable (caller); `out` holds 16 f32.
+    unsafe {
+        let d = _mm256_set1_ps(f16_at(block, 208));
+        for half in 0..2 {
+            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * half).cast()));
+            let scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * half), scaled);
+        }
+    }
+    out
 }
 
 /// Eight bytes from `p` widened to eight i32 lanes, unsigned.
@@ -172,6 +288,16 @@ impl SimdBlock for Q8_0Block {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        // SAFETY: 34 readable bytes at `block`, e + 16 <= 32 (caller).
+        unsafe {
+            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + e).cast()));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(block, 0)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn decode512(block: *const u8, out: *mut f32) {
         // SAFETY: 34 readable bytes at `block`, 32 writable f32 at `out` (caller).
         unsafe {
@@ -214,6 +340,22 @@ pub(crate) struct Q4_0Block;
 
 impl SimdBlock for Q4_0Block {
     const TYPE: GgmlType = GgmlType::Q4_0;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        // SAFETY: 18 readable bytes at `block`, e + 16 <= 32 (caller).
+        unsafe {
+            let raw = bytes16_u(block.add(2));
+            let q = if e == 0 {
+                _mm512_and_si512(raw, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(block, 0)))
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
@@ -286,16 +428,36 @@ impl SimdBlock for Q4KBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (j, upper, l) = (e / 64, (e % 64) / 32, e % 32);
+        // SAFETY: 144 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let (d, min) = k4_scale_min(block, 2 * j + upper);
+            let raw = bytes16_u(block.add(16 + 32 * j + l));
+            let q = if upper == 0 {
+                _mm512_and_si512(raw, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d)),
+                _mm512_set1_ps(min),
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn decode512(block: *const u8, out: *mut f32) {
         // SAFETY: 144 readable bytes at `block`, 256 writable f32 at `out` (caller).
         unsafe {
             let codes = _mm512_cvtepi32_ps(code_lanes512());
+            let (scales, mins) = k4_scales_mins(block);
             for j in 0..4 {
                 let [low, high] = [2 * j, 2 * j + 1].map(|group| {
-                    let (d, min) = k4_scale_min(block, group);
                     _mm512_sub_ps(
-                        _mm512_mul_ps(codes, _mm512_set1_ps(d)),
-                        _mm512_set1_ps(min),
+                        _mm512_mul_ps(codes, _mm512_set1_ps(scales[group])),
+                        _mm512_set1_ps(mins[group]),
                     )
                 });
                 let qs = block.add(16 + 32 * j);
@@ -315,9 +477,10 @@ impl SimdBlock for Q4KBlock {
     unsafe fn decode256(block: *const u8, out: *mut f32) {
         // SAFETY: as decode512.
         unsafe {
+            let (scales, mins) = k4_scales_mins(block);
             for j in 0..4 {
-                let (d_low, min_low) = k4_scale_min(block, 2 * j);
-                let (d_high, min_high) = k4_scale_min(block, 2 * j + 1);
+                let (d_low, min_low) = (scales[2 * j], mins[2 * j]);
+                let (d_high, min_high) = (scales[2 * j + 1], mins[2 * j + 1]);
                 for l in (0..32).step_by(8) {
                     let w = bytes8_u(block.add(16 + 32 * j + l));
                     let low = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
@@ -352,6 +515,30 @@ impl SimdBlock for Q5KBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (j, upper, l) = (e / 64, (e % 64) / 32, e % 32);
+        let group = 2 * j + upper;
+        // SAFETY: 176 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let (d, min) = k4_scale_min(block, group);
+            let raw = bytes16_u(block.add(48 + 32 * j + l));
+            let low = if upper == 0 {
+                _mm512_and_si512(raw, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let bit = _mm512_srl_epi32(bytes16_u(block.add(16 + l)), _mm_cvtsi32_si128(group as i32));
+            let high = _mm512_slli_epi32::<4>(_mm512_and_si512(bit, _mm512_set1_epi32(1)));
+            let q = _mm512_or_si512(low, high);
+            _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d)),
+                _mm512_set1_ps(min),
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn decode512(block: *const u8, out: *mut f32) {
         // SAFETY: 176 readable bytes at `block`, 256 writable f32 at `out` (caller).
         unsafe {
@@ -360,13 +547,13 @@ impl SimdBlock for Q5KBlock {
             // qh byte l, shifted left by 4: bit `group` of the byte lands on bit
             // 4 + group, and a right shift by `group` brings it to bit 4.
             let qh = [0, 16].map(|l| _mm512_slli_epi32::<4>(bytes16_u(block.add(16 + l))));
+            let (scales, mins) = k4_scales_mins(block);
             for j in 0..4 {
                 let tables = [2 * j, 2 * j + 1].map(|group| {
-                    let (d, min) = k4_scale_min(block, group);
                     [codes, codes_high].map(|c| {
                         _mm512_sub_ps(
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(d)),
-                            _mm512_set1_ps(min),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(scales[group])),
+                            _mm512_set1_ps(mins[group]),
                         )
                     })
                 });
@@ -399,9 +586,10 @@ impl SimdBlock for Q5KBlock {
     unsafe fn decode256(block: *const u8, out: *mut f32) {
         // SAFETY: as decode512.
         unsafe {
+            let (scales, mins) = k4_scales_mins(block);
             for group in 0..8 {
                 let (j, upper) = (group / 2, group % 2);
-                let (d, min) = k4_scale_min(block, group);
+                let (d, min) = (scales[group], mins[group]);
                 let shift = _mm_cvtsi32_si128(group as i32);
                 for l in (0..32).step_by(8) {
                     let low = nibbles8(block.add(48 + 32 * j + l), upper == 1);
@@ -442,10 +630,37 @@ impl SimdBlock for Q6KBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (n, quarter, l) = (e / 128, (e % 128) / 32, e % 32);
+        // SAFETY: 210 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let ql = bytes16_u(block.add(64 * n + l + 32 * (quarter % 2)));
+            let low = if quarter < 2 {
+                _mm512_and_si512(ql, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(ql)
+            };
+            let qh = bytes16_u(block.add(128 + 32 * n + l));
+            let high = _mm512_and_si512(
+                _mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
+                _mm512_set1_epi32(3),
+            );
+            let q = _mm512_sub_epi32(
+                _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                _mm512_set1_epi32(32),
+            );
+            let sc = *block.add(192 + 8 * n + l / 16 + 2 * quarter) as i8;
+            let scale = _mm512_set1_ps(f16_at(block, 208) * f32::from(sc));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn decode512(block: *const u8, out: *mut f32) {
         // SAFETY: 210 readable bytes at `block`, 256 writable f32 at `out` (caller).
         unsafe {
-            let d = f16_at(block, 208);
+            let scales = q6_k_scales(block);
             for n in 0..2 {
                 for h in 0..2 {
                     // Quarters 0 and 2 share `ql` bytes l, quarters 1 and 3 bytes 32 + l;
@@ -466,8 +681,7 @@ impl SimdBlock for Q6KBlock {
                             _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
                             _mm512_set1_epi32(32),
                         );
-                        let sc = *block.add(192 + 8 * n + h + 2 * quarter) as i8;
-                        let scale = _mm512_set1_ps(d * f32::from(sc));
+                        let scale = _mm512_set1_ps(scales[8 * n + h + 2 * quarter]);
                         _mm512_storeu_ps(
                             out.add(128 * n + 32 * quarter + 16 * h),
                             _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale),
@@ -483,7 +697,7 @@ impl SimdBlock for Q6KBlock {
     unsafe fn decode256(block: *const u8, out: *mut f32) {
         // SAFETY: as decode512.
         unsafe {
-            let d = f16_at(block, 208);
+            let scales = q6_k_scales(block);
             for n in 0..2 {
                 for l in (0..32).step_by(8) {
                     let ql = [0, 32].map(|q| bytes8_u(block.add(64 * n + q + l)));
@@ -502,10 +716,9 @@ impl SimdBlock for Q6KBlock {
                             _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
                             _mm256_set1_epi32(32),
                         );
-                        let sc = *block.add(192 + 8 * n + l / 16 + 2 * quarter) as i8;
                         _mm256_storeu_ps(
                             out.add(128 * n + 32 * quarter + l),
-                            scaled(q, d * f32::from(sc)),
+                            scaled(q, scales[8 * n + l / 16 + 2 * quarter]),
                         );
                     }
                 }
@@ -544,14 +757,35 @@ impl SimdBlock for Iq4XsBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (ib, j) = (e / 32, e % 32);
+        // SAFETY: 136 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                IQ4_VALUES.as_ptr().cast(),
+            )));
+            let raw = bytes16_u(block.add(8 + 16 * ib));
+            let index = if j == 0 {
+                raw
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let dl = _mm512_set1_ps(iq4_xs_scale(block, ib));
+            _mm512_mul_ps(_mm512_permutexvar_ps(index, values), dl)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn decode512(block: *const u8, out: *mut f32) {
         // SAFETY: 136 readable bytes at `block`, 256 writable f32 at `out` (caller).
         unsafe {
             let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 IQ4_VALUES.as_ptr().cast(),
             )));
+            let scales = iq4_xs_scales(block);
             for ib in 0..8 {
-                let table = _mm512_mul_ps(_mm512_set1_ps(iq4_xs_scale(block, ib)), values);
+                let table = _mm512_mul_ps(_mm512_set1_ps(scales[ib]), values);
                 nibble_halves512(block.add(8 + 16 * ib), table, out.add(32 * ib));
             }
         }
@@ -564,8 +798,9 @@ impl SimdBlock for Iq4XsBlock {
         unsafe {
             let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
             let mask = _mm_set1_epi8(0xF);
+            let scales = iq4_xs_scales(block);
             for ib in 0..8 {
-                let dl = iq4_xs_scale(block, ib);
+                let dl = scales[ib];
                 let raw = _mm_loadu_si128(block.add(8 + 16 * ib).cast());
                 let low = _mm_shuffle_epi8(table, _mm_and_si128(raw, mask));
                 let high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), mask));
@@ -612,6 +847,13 @@ pub(crate) trait BlockFormat: Sync {
     /// elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, row: &[u8], k: usize) -> __m256;
+    /// Elements `k .. k + 16` of `row`, dequantized.
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available, `k % 16 == 0` and `k + 16` is at most the row's
+    /// elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(&self, row: &[u8], k: usize) -> __m512;
 }
 
 impl<B: SimdBlock> BlockFormat for B {
@@ -624,6 +866,12 @@ impl<B: SimdBlock> BlockFormat for B {
         // SAFETY: k + 8 <= the row's elements with k % 8 == 0 (caller), and every block
         // holds a multiple of 8 elements: the run lies in one whole block of the row.
         unsafe { B::load8(row.as_ptr().add(k / B::ELEMENTS * B::BYTES), k % B::ELEMENTS) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(&self, row: &[u8], k: usize) -> __m512 {
+        // SAFETY: as load8; every block holds a multiple of 16 elements.
+        unsafe { B::load16(row.as_ptr().add(k / B::ELEMENTS * B::BYTES), k % B::ELEMENTS) }
     }
 }
 
@@ -642,6 +890,14 @@ impl BlockFormat for ScalarBlock {
         let values: [f32; 8] = std::array::from_fn(|i| element(self.0, row, k + i));
         // SAFETY: `values` holds 8 f32.
         unsafe { _mm256_loadu_ps(values.as_ptr()) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: &[u8], k: usize) -> __m512 {
+        let values: [f32; 16] = std::array::from_fn(|i| element(self.0, row, k + i));
+        // SAFETY: `values` holds 16 f32.
+        unsafe { _mm512_loadu_ps(values.as_ptr()) }
     }
 }
 
@@ -721,14 +977,8 @@ impl<F: BlockFormat> RowDecode for BlockRows<'_, F> {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
-        // SAFETY: row < rows and k + 16 <= cols with k % 16 == 0 (trait contract):
-        // two runs of 8 in the row; AVX-512F implies AVX2 and FMA.
-        unsafe {
-            let row = self.row_unchecked(row);
-            let lo = _mm256_castps_pd(self.format.load8(row, k));
-            let hi = _mm256_castps_pd(self.format.load8(row, k + 8));
-            _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(lo), hi))
-        }
+        // SAFETY: row < rows and k + 16 <= cols with k % 16 == 0 (trait contract).
+        unsafe { self.format.load16(self.row_unchecked(row), k) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
@@ -885,12 +1135,29 @@ mod tests {
                     Isa::Avx2 => unsafe { B::decode256(block.as_ptr(), got.as_mut_ptr()) },
                     Isa::Scalar => continue,
                 }
-                for (e, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-                        "{} {isa:?} block {i} element {e}: {g:e}, block_element {w:e}",
-                        B::TYPE
-                    );
+                // The 16- and 8-lane loads (the prefill's panel decode) of the same block.
+                let mut loaded = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+                for e in (0..B::ELEMENTS).step_by(16) {
+                    // SAFETY: the ISA was detected; e + 16 <= ELEMENTS; 16 f32 out.
+                    unsafe {
+                        let out = loaded.as_mut_ptr().add(e);
+                        match isa {
+                            Isa::Avx512 => _mm512_storeu_ps(out, B::load16(block.as_ptr(), e)),
+                            _ => {
+                                _mm256_storeu_ps(out, B::load8(block.as_ptr(), e));
+                                _mm256_storeu_ps(out.add(8), B::load8(block.as_ptr(), e + 8));
+                            }
+                        }
+                    }
+                }
+                for (what, values) in [("block decode", &got), ("load", &loaded)] {
+                    for (e, (g, w)) in values.iter().zip(&want).enumerate() {
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{} {isa:?} {what}: block {i} element {e}: {g:e}, block_element {w:e}",
+                            B::TYPE
+                        );
+                    }
                 }
             }
         }
@@ -899,6 +1166,15 @@ mod tests {
     fn check_decoders<B: SimdBlock>(seed: u64) {
         check_block_decoders::<B>(&vectors(B::TYPE).0);
         check_block_decoders::<B>(&random_blocks::<B>(200, seed));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_conversion_is_loraq_quants_on_every_input() {
+        for h in 0..=u16::MAX {
+            let (got, want) = (f16_bits_to_f32(h), loraq_quant::ggml::fp16_to_f32(h));
+            assert_eq!(got.to_bits(), want.to_bits(), "f16 {h:#06x}: {got:e} vs {want:e}");
+        }
     }
 
     #[test]
