@@ -2,13 +2,15 @@
 //! load dequantizes its run of elements in the loop, so the fused linears read the
 //! stored blocks once and never a dequantized copy.
 //!
-//! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS have SIMD loads ([`BlockRows`] over a
-//! [`SimdBlock`]): 8 elements from their codes, scale and min in a few integer ops
-//! (AVX2; AVX-512 takes two of them). Each lane is computed with the operations, in
-//! the order, of `loraq_quant::ggml::block_element` (a product, or a product then a
-//! subtraction, never a fused multiply-add), so a SIMD load and the scalar decode give
-//! the same bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the
-//! float types) take [`GgmlRows`], scalar per element by `block_element`.
+//! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
+//! loads of one run (the generic and prefill loops) and whole-block decoders
+//! (`decode512` / `decode256`, the span loop of [`super::gemv_ggml`]) that unpack a
+//! block's scales once. Each lane is computed with the operations, in the order, of
+//! `loraq_quant::ggml::block_element` (a product, or a product then a subtraction,
+//! never a fused multiply-add), so every SIMD path and the scalar decode give the same
+//! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
+//! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
+//! [`BlockRows`].
 
 use super::decode::RowDecode;
 use loraq_quant::ggml::{BlockGeometry, GgmlType, GgmlWeight, block_element};
@@ -23,8 +25,10 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// The type.
     const TYPE: GgmlType;
     /// Elements per block.
+    #[cfg(target_arch = "x86_64")]
     const ELEMENTS: usize = Self::TYPE.block().elements;
     /// Bytes per block.
+    #[cfg(target_arch = "x86_64")]
     const BYTES: usize = Self::TYPE.block().bytes;
     /// Elements `e .. e + 8` of the block at `block`, dequantized.
     ///
@@ -97,7 +101,8 @@ fn f16_bits_to_f32(h: u16) -> f32 {
 
 /// The eight scales `d sc` and mins `dmin m` of a Q4_K / Q5_K super-block: the 6-bit
 /// values unpacked from their 12 bytes with ggml's word masks
-/// (`ggml-cpu/arch/x86/quants.c`, `ggml_vec_dot_q4_K_q8_K`: `kmask1..3`), each product
+/// (llama.cpp `ggml/src/ggml-cpu/arch/x86/quants.c`, `ggml_vec_dot_q4_K_q8_K`:
+/// `kmask1..3`), each product
 /// rounded as `block_element` rounds it.
 ///
 /// # Safety
@@ -112,11 +117,15 @@ unsafe fn k4_scales_mins(block: *const u8) -> ([f32; 8], [f32; 8]) {
     // SAFETY: the caller guarantees the 16 bytes.
     let (d, dmin, w) = unsafe {
         let word = |i: usize| u32::from_le(block.add(4 + 4 * i).cast::<u32>().read_unaligned());
-        (f16_at(block, 0), f16_at(block, 2), [word(0), word(1), word(2)])
+        (
+            f16_at(block, 0),
+            f16_at(block, 2),
+            [word(0), word(1), word(2)],
+        )
     };
     // Bytes 0..8: the scales of groups 0..8; bytes 8..16: their mins.
-    let scales = u64::from(w[0] & LOW6)
-        | u64::from((w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4)) << 32;
+    let scales =
+        u64::from(w[0] & LOW6) | u64::from((w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4)) << 32;
     let mins = u64::from(w[1] & LOW6)
         | u64::from(((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4)) << 32;
     (bytes_times(scales, d), bytes_times(mins, dmin))
@@ -363,10 +372,7 @@ impl SimdBlock for Q4_0Block {
         // SAFETY: 18 readable bytes at `block`, 32 writable f32 at `out` (caller).
         unsafe {
             let codes = _mm512_sub_epi32(code_lanes512(), _mm512_set1_epi32(8));
-            let table = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(codes),
-                _mm512_set1_ps(f16_at(block, 0)),
-            );
+            let table = _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(f16_at(block, 0)));
             nibble_halves512(block.add(2), table, out);
         }
     }
@@ -527,7 +533,10 @@ impl SimdBlock for Q5KBlock {
             } else {
                 _mm512_srli_epi32::<4>(raw)
             };
-            let bit = _mm512_srl_epi32(bytes16_u(block.add(16 + l)), _mm_cvtsi32_si128(group as i32));
+            let bit = _mm512_srl_epi32(
+                bytes16_u(block.add(16 + l)),
+                _mm_cvtsi32_si128(group as i32),
+            );
             let high = _mm512_slli_epi32::<4>(_mm512_and_si512(bit, _mm512_set1_epi32(1)));
             let q = _mm512_or_si512(low, high);
             _mm512_sub_ps(
@@ -557,7 +566,7 @@ impl SimdBlock for Q5KBlock {
                         )
                     })
                 });
-                for h in 0..2 {
+                for (h, &qh) in qh.iter().enumerate() {
                     let raw = bytes16_u(block.add(48 + 32 * j + 16 * h));
                     let nibbles = [
                         _mm512_and_si512(raw, _mm512_set1_epi32(0xF)),
@@ -566,7 +575,7 @@ impl SimdBlock for Q5KBlock {
                     for upper in 0..2 {
                         let group = 2 * j + upper;
                         let bit = _mm512_and_si512(
-                            _mm512_srl_epi32(qh[h], _mm_cvtsi32_si128(group as i32)),
+                            _mm512_srl_epi32(qh, _mm_cvtsi32_si128(group as i32)),
                             _mm512_set1_epi32(16),
                         );
                         let index = _mm512_or_si512(nibbles[upper], bit);
@@ -594,8 +603,7 @@ impl SimdBlock for Q5KBlock {
                 for l in (0..32).step_by(8) {
                     let low = nibbles8(block.add(48 + 32 * j + l), upper == 1);
                     let bit = _mm256_srl_epi32(bytes8_u(block.add(16 + l)), shift);
-                    let high =
-                        _mm256_slli_epi32::<4>(_mm256_and_si256(bit, _mm256_set1_epi32(1)));
+                    let high = _mm256_slli_epi32::<4>(_mm256_and_si256(bit, _mm256_set1_epi32(1)));
                     let q = _mm256_or_si256(low, high);
                     _mm256_storeu_ps(out.add(32 * group + l), scaled_less_min(q, d, min));
                 }
@@ -784,8 +792,8 @@ impl SimdBlock for Iq4XsBlock {
                 IQ4_VALUES.as_ptr().cast(),
             )));
             let scales = iq4_xs_scales(block);
-            for ib in 0..8 {
-                let table = _mm512_mul_ps(_mm512_set1_ps(scales[ib]), values);
+            for (ib, &dl) in scales.iter().enumerate() {
+                let table = _mm512_mul_ps(_mm512_set1_ps(dl), values);
                 nibble_halves512(block.add(8 + 16 * ib), table, out.add(32 * ib));
             }
         }
@@ -799,8 +807,7 @@ impl SimdBlock for Iq4XsBlock {
             let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
             let mask = _mm_set1_epi8(0xF);
             let scales = iq4_xs_scales(block);
-            for ib in 0..8 {
-                let dl = scales[ib];
+            for (ib, &dl) in scales.iter().enumerate() {
                 let raw = _mm_loadu_si128(block.add(8 + 16 * ib).cast());
                 let low = _mm_shuffle_epi8(table, _mm_and_si128(raw, mask));
                 let high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), mask));
@@ -865,13 +872,23 @@ impl<B: SimdBlock> BlockFormat for B {
     unsafe fn load8(&self, row: &[u8], k: usize) -> __m256 {
         // SAFETY: k + 8 <= the row's elements with k % 8 == 0 (caller), and every block
         // holds a multiple of 8 elements: the run lies in one whole block of the row.
-        unsafe { B::load8(row.as_ptr().add(k / B::ELEMENTS * B::BYTES), k % B::ELEMENTS) }
+        unsafe {
+            B::load8(
+                row.as_ptr().add(k / B::ELEMENTS * B::BYTES),
+                k % B::ELEMENTS,
+            )
+        }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load16(&self, row: &[u8], k: usize) -> __m512 {
         // SAFETY: as load8; every block holds a multiple of 16 elements.
-        unsafe { B::load16(row.as_ptr().add(k / B::ELEMENTS * B::BYTES), k % B::ELEMENTS) }
+        unsafe {
+            B::load16(
+                row.as_ptr().add(k / B::ELEMENTS * B::BYTES),
+                k % B::ELEMENTS,
+            )
+        }
     }
 }
 
@@ -906,7 +923,11 @@ impl BlockFormat for ScalarBlock {
 fn element(ggml_type: GgmlType, row: &[u8], k: usize) -> f32 {
     let block: BlockGeometry = ggml_type.block();
     let start = k / block.elements * block.bytes;
-    block_element(ggml_type, &row[start..start + block.bytes], k % block.elements)
+    block_element(
+        ggml_type,
+        &row[start..start + block.bytes],
+        k % block.elements,
+    )
 }
 
 /// A ggml weight's rows: blocks one after another, `row_bytes` per row, read through
@@ -1173,7 +1194,11 @@ mod tests {
     fn f16_conversion_is_loraq_quants_on_every_input() {
         for h in 0..=u16::MAX {
             let (got, want) = (f16_bits_to_f32(h), loraq_quant::ggml::fp16_to_f32(h));
-            assert_eq!(got.to_bits(), want.to_bits(), "f16 {h:#06x}: {got:e} vs {want:e}");
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "f16 {h:#06x}: {got:e} vs {want:e}"
+            );
         }
     }
 
@@ -1194,7 +1219,12 @@ mod tests {
     fn scalar_block_loads_are_the_element_getter() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for ggml_type in [GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q2_K, GgmlType::F16] {
+        for ggml_type in [
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q2_K,
+            GgmlType::F16,
+        ] {
             let block = ggml_type.block();
             let in_features = 2 * block.elements.max(32);
             let mut data = vec![0u8; 3 * in_features / block.elements * block.bytes];

@@ -21,14 +21,20 @@ use super::fused::{self, BaseKernel, LoraPass, Schedule, Scratch};
 use super::{Parallelism, gemv::hsum256};
 use loraq_quant::ggml::{GgmlType, GgmlWeight};
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// Inputs per span (one K-quant super-block, eight 32-element blocks).
 const SPAN: usize = 256;
 
-/// One row's dequantized span, aligned for the vector loads.
-#[derive(Clone, Copy)]
+/// One row's dequantized span, aligned for the vector loads; left uninitialized (each
+/// span's inputs are written by the block decoders before they are read).
 #[repr(C, align(64))]
 struct SpanBuffer([f32; SPAN]);
+
+/// `R` uninitialized span buffers.
+fn span_buffers<const R: usize>() -> [MaybeUninit<SpanBuffer>; R] {
+    [const { MaybeUninit::uninit() }; R]
+}
 
 /// A GGUF base of a [`SimdBlock`] type through the span loop.
 pub(crate) struct GgmlKernel<'a, B: SimdBlock> {
@@ -163,7 +169,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         row0: usize,
         k0: usize,
         len: usize,
-        buffers: &mut [SpanBuffer; R],
+        buffers: &mut [MaybeUninit<SpanBuffer>; R],
     ) {
         let blocks = len / B::ELEMENTS;
         for (r, buffer) in buffers.iter_mut().enumerate() {
@@ -176,7 +182,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
                 }
                 for b in 0..blocks {
                     let block = first.add(b * B::BYTES);
-                    let dst = buffer.0.as_mut_ptr().add(b * B::ELEMENTS);
+                    let dst = buffer.as_mut_ptr().cast::<f32>().add(b * B::ELEMENTS);
                     if WIDE {
                         B::decode512(block, dst);
                     } else {
@@ -194,7 +200,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         use super::decode::RowDecode;
         let cols = self.weight.cols();
         let xp = self.x.as_ptr();
-        let mut buffers = [SpanBuffer([0.0; SPAN]); R];
+        let mut buffers = span_buffers::<R>();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
         let mut k0 = 0;
         while k0 < cols {
@@ -203,15 +209,17 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
             unsafe { self.fill::<R, true>(row0, k0, len, &mut buffers) };
             let mut e = 0;
             while e < len {
-                // SAFETY: e + 16 <= len <= SPAN (len is a multiple of 16); token t's
-                // row holds cols inputs from t * x_stride (caller).
+                // SAFETY: e + 16 <= len <= SPAN (len is a multiple of 16), and `fill`
+                // wrote inputs 0..len of every buffer; token t's row holds cols inputs
+                // from t * x_stride (caller).
                 unsafe {
-                    let w: [__m512; R] =
-                        std::array::from_fn(|r| _mm512_load_ps(buffers[r].0.as_ptr().add(e)));
+                    let w: [__m512; R] = std::array::from_fn(|r| {
+                        _mm512_load_ps(buffers[r].as_ptr().cast::<f32>().add(e))
+                    });
                     for t in 0..T {
                         let xv = _mm512_loadu_ps(xp.add(t * self.x_stride + k0 + e));
-                        for r in 0..R {
-                            acc[r][t] = _mm512_fmadd_ps(w[r], xv, acc[r][t]);
+                        for (acc_r, &w_r) in acc.iter_mut().zip(&w) {
+                            acc_r[t] = _mm512_fmadd_ps(w_r, xv, acc_r[t]);
                         }
                     }
                 }
@@ -233,7 +241,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         use super::decode::RowDecode;
         let cols = self.weight.cols();
         let xp = self.x.as_ptr();
-        let mut buffers = [SpanBuffer([0.0; SPAN]); R];
+        let mut buffers = span_buffers::<R>();
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         let mut k0 = 0;
         while k0 < cols {
@@ -242,15 +250,16 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
             unsafe { self.fill::<R, false>(row0, k0, len, &mut buffers) };
             let mut e = 0;
             while e < len {
-                // SAFETY: e + 8 <= len <= SPAN; token t's row holds cols inputs from
-                // t * x_stride (caller).
+                // SAFETY: e + 8 <= len <= SPAN, and `fill` wrote inputs 0..len of every
+                // buffer; token t's row holds cols inputs from t * x_stride (caller).
                 unsafe {
-                    let w: [__m256; R] =
-                        std::array::from_fn(|r| _mm256_load_ps(buffers[r].0.as_ptr().add(e)));
+                    let w: [__m256; R] = std::array::from_fn(|r| {
+                        _mm256_load_ps(buffers[r].as_ptr().cast::<f32>().add(e))
+                    });
                     for t in 0..T {
                         let xv = _mm256_loadu_ps(xp.add(t * self.x_stride + k0 + e));
-                        for r in 0..R {
-                            acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
+                        for (acc_r, &w_r) in acc.iter_mut().zip(&w) {
+                            acc_r[t] = _mm256_fmadd_ps(w_r, xv, acc_r[t]);
                         }
                     }
                 }

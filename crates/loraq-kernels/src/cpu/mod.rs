@@ -499,10 +499,10 @@ fn decode_base<const T: usize>(
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
             }
-            (QuantizedWeight::Ggml(w), _) => {
-                if gemv_ggml::decode::<T>(w, isa, par, schedule, xq, in_features, lora, out) {
-                    return;
-                }
+            (QuantizedWeight::Ggml(w), _)
+                if gemv_ggml::decode::<T>(w, isa, par, schedule, xq, in_features, lora, out) =>
+            {
+                return;
             }
             _ => {}
         }
