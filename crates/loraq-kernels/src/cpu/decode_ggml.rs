@@ -2,106 +2,33 @@
 //! load dequantizes its run of elements in the loop, so the fused linears read the
 //! stored blocks once and never a dequantized copy.
 //!
-//! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS have SIMD loads ([`BlockRows`] over a
-//! [`SimdBlock`]): 8 elements from their codes, scale and min in a few integer ops
-//! (AVX2; AVX-512 takes two of them). Each lane is computed with the operations, in
-//! the order, of `loraq_quant::ggml::block_element` (a product, or a product then a
-//! subtraction, never a fused multiply-add), so a SIMD load and the scalar decode give
-//! the same bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the
-//! float types) take [`GgmlRows`], scalar per element by `block_element`.
+//! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
+//! loads of one run (the generic and prefill loops) and whole-block decoders
+//! (`decode512` / `decode256`, the span loop of [`super::gemv_ggml`]) that unpack a
+//! block's scales once. Each lane is computed with the operations, in the order, of
+//! `loraq_quant::ggml::block_element` (a product, or a product then a subtraction,
+//! never a fused multiply-add), so every SIMD path and the scalar decode give the same
+//! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
+//! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
+//! [`BlockRows`].
 
 use super::decode::RowDecode;
 use loraq_quant::ggml::{BlockGeometry, GgmlType, GgmlWeight, block_element};
-use std::marker::PhantomData;
 
 #[cfg(target_arch = "x86_64")]
-use loraq_quant::ggml::{decode::IQ4_VALUES, decode::scale_min_k4, fp16_to_f32};
+use loraq_quant::ggml::{decode::IQ4_VALUES, decode::scale_min_k4};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// A ggml weight's rows: blocks one after another, `row_bytes` per row, decoded one
-/// element at a time (the types without a SIMD load).
-pub(crate) struct GgmlRows<'a> {
-    data: &'a [u8],
-    ggml_type: GgmlType,
-    block: BlockGeometry,
-    rows: usize,
-    cols: usize,
-    row_bytes: usize,
-}
-
-impl<'a> GgmlRows<'a> {
-    /// Borrows a weight whose lengths were checked (`weight::check_runnable`).
-    pub(crate) fn new(w: &'a GgmlWeight) -> Self {
-        Self {
-            data: &w.data,
-            ggml_type: w.ggml_type,
-            block: w.ggml_type.block(),
-            rows: w.out_features,
-            cols: w.in_features,
-            row_bytes: w.row_bytes(),
-        }
-    }
-
-    /// Byte offset of the block holding element `(row, k)`.
-    #[inline(always)]
-    fn block_start(&self, row: usize, k: usize) -> usize {
-        row * self.row_bytes + k / self.block.elements * self.block.bytes
-    }
-
-    /// `N` consecutive elements of `row` from `k`.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn run<const N: usize>(&self, row: usize, k: usize) -> [f32; N] {
-        std::array::from_fn(|i| self.get(row, k + i))
-    }
-}
-
-impl RowDecode for GgmlRows<'_> {
-    #[inline(always)]
-    fn code_address(&self, row: usize, k: usize) -> *const u8 {
-        self.data.as_ptr().wrapping_add(self.block_start(row, k))
-    }
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn cols(&self) -> usize {
-        self.cols
-    }
-    #[inline(always)]
-    fn get(&self, row: usize, k: usize) -> f32 {
-        let start = self.block_start(row, k);
-        block_element(
-            self.ggml_type,
-            &self.data[start..start + self.block.bytes],
-            k % self.block.elements,
-        )
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    #[inline]
-    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
-        let values: [f32; 16] = self.run(row, k);
-        // SAFETY: `values` holds 16 f32.
-        unsafe { _mm512_loadu_ps(values.as_ptr()) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
-        let values: [f32; 8] = self.run(row, k);
-        // SAFETY: `values` holds 8 f32.
-        unsafe { _mm256_loadu_ps(values.as_ptr()) }
-    }
-}
-
-/// A ggml block type with a SIMD load of 8 elements.
-pub(crate) trait SimdBlock: Sync {
+/// A ggml block type with a SIMD load of 8 elements and whole-block SIMD decoders.
+pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// The type.
     const TYPE: GgmlType;
     /// Elements per block.
+    #[cfg(target_arch = "x86_64")]
     const ELEMENTS: usize = Self::TYPE.block().elements;
     /// Bytes per block.
+    #[cfg(target_arch = "x86_64")]
     const BYTES: usize = Self::TYPE.block().bytes;
     /// Elements `e .. e + 8` of the block at `block`, dequantized.
     ///
@@ -110,6 +37,30 @@ pub(crate) trait SimdBlock: Sync {
     /// `e % 8 == 0` and `e + 8 <= Self::ELEMENTS`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(block: *const u8, e: usize) -> __m256;
+    /// Elements `e .. e + 16` of the block at `block`, dequantized (the group's scale
+    /// unpacked once: a run of 16 lies in one scale group of every type).
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes,
+    /// `e % 16 == 0` and `e + 16 <= Self::ELEMENTS`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512;
+    /// The block's `Self::ELEMENTS` values, dequantized into `out`, 16 lanes at a time:
+    /// the scales unpacked once per block (or per 32-element group), every value the
+    /// bits of `block_element`.
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes and
+    /// `out` at `Self::ELEMENTS` writable f32.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode512(block: *const u8, out: *mut f32);
+    /// As [`SimdBlock::decode512`], 8 lanes at a time.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available, `block` points at `Self::BYTES` readable bytes and
+    /// `out` at `Self::ELEMENTS` writable f32.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode256(block: *const u8, out: *mut f32);
 }
 
 /// The f16 at `block + offset`.
@@ -121,7 +72,120 @@ pub(crate) trait SimdBlock: Sync {
 unsafe fn f16_at(block: *const u8, offset: usize) -> f32 {
     // SAFETY: the caller guarantees the two bytes are readable.
     let bits = unsafe { block.add(offset).cast::<u16>().read_unaligned() };
-    fp16_to_f32(u16::from_le(bits))
+    f16_bits_to_f32(u16::from_le(bits))
+}
+
+/// 2^112: moves an f16's exponent field, placed at the top of an f32's, from the f16
+/// bias (15) to the f32 bias (127).
+#[cfg(target_arch = "x86_64")]
+const F16_REBIAS: f32 = f32::from_bits((127 + 112) << 23);
+
+/// The f16 `h` as an f32, exactly: `loraq_quant::ggml::fp16_to_f32` in a few integer
+/// ops and one multiply, inline (that one goes through the `half` crate's run-time
+/// F16C dispatch, an out-of-line call per scale). Finite values: exponent and mantissa
+/// shifted into place and rebiased by 2^112, an exact multiply (subnormal halves become
+/// f32 subnormals and scale exactly too); infinities and NaNs (payload kept, quiet bit
+/// set) by their bits. A test checks all 65536 inputs against `fp16_to_f32`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = u32::from(h);
+    let sign = (h & 0x8000) << 16;
+    let magnitude = h & 0x7FFF;
+    if magnitude >= 0x7C00 {
+        let quiet = if magnitude > 0x7C00 { 0x0040_0000 } else { 0 };
+        return f32::from_bits(sign | 0x7F80_0000 | quiet | ((magnitude & 0x3FF) << 13));
+    }
+    f32::from_bits(sign | (f32::from_bits(magnitude << 13) * F16_REBIAS).to_bits())
+}
+
+/// The eight scales `d sc` and mins `dmin m` of a Q4_K / Q5_K super-block: the 6-bit
+/// values unpacked from their 12 bytes with ggml's word masks
+/// (llama.cpp `ggml/src/ggml-cpu/arch/x86/quants.c`, `ggml_vec_dot_q4_K_q8_K`:
+/// `kmask1..3`), each product
+/// rounded as `block_element` rounds it.
+///
+/// # Safety
+/// AVX2, and the block's first 16 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn k4_scales_mins(block: *const u8) -> ([f32; 8], [f32; 8]) {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    // SAFETY: the caller guarantees the 16 bytes.
+    let (d, dmin, w) = unsafe {
+        let word = |i: usize| u32::from_le(block.add(4 + 4 * i).cast::<u32>().read_unaligned());
+        (
+            f16_at(block, 0),
+            f16_at(block, 2),
+            [word(0), word(1), word(2)],
+        )
+    };
+    // Bytes 0..8: the scales of groups 0..8; bytes 8..16: their mins.
+    let scales =
+        u64::from(w[0] & LOW6) | u64::from((w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4)) << 32;
+    let mins = u64::from(w[1] & LOW6)
+        | u64::from(((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4)) << 32;
+    (bytes_times(scales, d), bytes_times(mins, dmin))
+}
+
+/// `by * b` for each byte `b` of `bytes` (little-endian order), one rounding each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn bytes_times(bytes: u64, by: f32) -> [f32; 8] {
+    let lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds 8 f32.
+    unsafe {
+        _mm256_storeu_ps(
+            out.as_mut_ptr(),
+            _mm256_mul_ps(_mm256_set1_ps(by), _mm256_cvtepi32_ps(lanes)),
+        )
+    };
+    out
+}
+
+/// The eight group scales `d (ls - 32)` of an IQ4_XS block.
+///
+/// # Safety
+/// The block's first 8 bytes are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn iq4_xs_scales(block: *const u8) -> [f32; 8] {
+    // SAFETY: the caller guarantees the 8 bytes (d, scales_h, scales_l).
+    unsafe {
+        let d = f16_at(block, 0);
+        let scales_h = u16::from_le(block.add(2).cast::<u16>().read_unaligned());
+        std::array::from_fn(|ib| {
+            let ls = i32::from((*block.add(4 + ib / 2) >> (4 * (ib % 2))) & 0xF)
+                | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
+            d * (ls - 32) as f32
+        })
+    }
+}
+
+/// The sixteen scales `d sc` of a Q6_K block (one per 16 elements, in storage order).
+///
+/// # Safety
+/// AVX2, and the block's 210 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn q6_k_scales(block: *const u8) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: bytes 192..210 are readable (caller); `out` holds 16 f32.
+    unsafe {
+        let d = _mm256_set1_ps(f16_at(block, 208));
+        for half in 0..2 {
+            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(192 + 8 * half).cast()));
+            let scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * half), scaled);
+        }
+    }
+    out
 }
 
 /// Eight bytes from `p` widened to eight i32 lanes, unsigned.
@@ -167,11 +231,105 @@ fn scaled_less_min(q: __m256i, scale: f32, min: f32) -> __m256 {
     _mm256_sub_ps(scaled(q, scale), _mm256_set1_ps(min))
 }
 
+/// Sixteen bytes from `p` widened to sixteen i32 lanes, unsigned.
+///
+/// # Safety
+/// AVX-512F/BW, and `p .. p + 16` readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn bytes16_u(p: *const u8) -> __m512i {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())) }
+}
+
+/// The lanes `0, 1, .., 15`: the 4-bit codes, in the order of a 16-entry table.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn code_lanes512() -> __m512i {
+    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+}
+
+/// The 32 elements of a 32-element group whose 16 code bytes at `qs` hold element `j`
+/// in the low nibble of byte `j` and element `16 + j` in the high one, each looked up
+/// in `table` (the group's dequantized value per code) and stored at `out`.
+/// `vpermps` reads only the low 4 bits of each index lane, so the low nibbles need no
+/// mask.
+///
+/// # Safety
+/// AVX-512F/BW, `qs .. qs + 16` readable and `out .. out + 32` writable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn nibble_halves512(qs: *const u8, table: __m512, out: *mut f32) {
+    // SAFETY: the caller guarantees the 16 bytes and the 32 f32.
+    unsafe {
+        let raw = bytes16_u(qs);
+        _mm512_storeu_ps(out, _mm512_permutexvar_ps(raw, table));
+        let high = _mm512_srli_epi32::<4>(raw);
+        _mm512_storeu_ps(out.add(16), _mm512_permutexvar_ps(high, table));
+    }
+}
+
+/// The scale `d (ls - 32)` of 32-element group `ib` of an IQ4_XS block.
+///
+/// # Safety
+/// The block's first 8 bytes are readable.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn iq4_xs_scale(block: *const u8, ib: usize) -> f32 {
+    // SAFETY: the caller guarantees the 8 bytes (d, scales_h, scales_l).
+    unsafe {
+        let scales_h = u16::from_le(block.add(2).cast::<u16>().read_unaligned());
+        let ls = i32::from((*block.add(4 + ib / 2) >> (4 * (ib % 2))) & 0xF)
+            | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
+        f16_at(block, 0) * (ls - 32) as f32
+    }
+}
+
 /// Q8_0: `x = q d`.
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Q8_0Block;
 
 impl SimdBlock for Q8_0Block {
     const TYPE: GgmlType = GgmlType::Q8_0;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        // SAFETY: 34 readable bytes at `block`, e + 16 <= 32 (caller).
+        unsafe {
+            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + e).cast()));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(block, 0)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: 34 readable bytes at `block`, 32 writable f32 at `out` (caller).
+        unsafe {
+            let d = _mm512_set1_ps(f16_at(block, 0));
+            for h in 0..2 {
+                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + 16 * h).cast()));
+                _mm512_storeu_ps(out.add(16 * h), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: as decode512.
+        unsafe {
+            let d = f16_at(block, 0);
+            for e in (0..32).step_by(8) {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(2 + e).cast()));
+                _mm256_storeu_ps(out.add(e), scaled(q, d));
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
@@ -186,10 +344,55 @@ impl SimdBlock for Q8_0Block {
 }
 
 /// Q4_0: `x = (q - 8) d`; byte `j` holds elements `j` (low nibble) and `j + 16`.
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Q4_0Block;
 
 impl SimdBlock for Q4_0Block {
     const TYPE: GgmlType = GgmlType::Q4_0;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        // SAFETY: 18 readable bytes at `block`, e + 16 <= 32 (caller).
+        unsafe {
+            let raw = bytes16_u(block.add(2));
+            let q = if e == 0 {
+                _mm512_and_si512(raw, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(block, 0)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: 18 readable bytes at `block`, 32 writable f32 at `out` (caller).
+        unsafe {
+            let codes = _mm512_sub_epi32(code_lanes512(), _mm512_set1_epi32(8));
+            let table = _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(f16_at(block, 0)));
+            nibble_halves512(block.add(2), table, out);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: as decode512.
+        unsafe {
+            let d = f16_at(block, 0);
+            let eight = _mm256_set1_epi32(8);
+            for l in [0, 8] {
+                let w = bytes8_u(block.add(2 + l));
+                let low = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
+                let high = _mm256_srli_epi32::<4>(w);
+                _mm256_storeu_ps(out.add(l), scaled(_mm256_sub_epi32(low, eight), d));
+                _mm256_storeu_ps(out.add(16 + l), scaled(_mm256_sub_epi32(high, eight), d));
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
@@ -223,10 +426,78 @@ unsafe fn k4_scale_min(block: *const u8, group: usize) -> (f32, f32) {
 
 /// Q4_K: 8 groups of 32, `x = (d sc) q - dmin m`; bytes `32 j ..` of the codes hold
 /// groups `2 j` (low nibbles) and `2 j + 1` (high).
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Q4KBlock;
 
 impl SimdBlock for Q4KBlock {
     const TYPE: GgmlType = GgmlType::Q4_K;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (j, upper, l) = (e / 64, (e % 64) / 32, e % 32);
+        // SAFETY: 144 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let (d, min) = k4_scale_min(block, 2 * j + upper);
+            let raw = bytes16_u(block.add(16 + 32 * j + l));
+            let q = if upper == 0 {
+                _mm512_and_si512(raw, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d)),
+                _mm512_set1_ps(min),
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: 144 readable bytes at `block`, 256 writable f32 at `out` (caller).
+        unsafe {
+            let codes = _mm512_cvtepi32_ps(code_lanes512());
+            let (scales, mins) = k4_scales_mins(block);
+            for j in 0..4 {
+                let [low, high] = [2 * j, 2 * j + 1].map(|group| {
+                    _mm512_sub_ps(
+                        _mm512_mul_ps(codes, _mm512_set1_ps(scales[group])),
+                        _mm512_set1_ps(mins[group]),
+                    )
+                });
+                let qs = block.add(16 + 32 * j);
+                let out = out.add(64 * j);
+                for h in 0..2 {
+                    let raw = bytes16_u(qs.add(16 * h));
+                    _mm512_storeu_ps(out.add(16 * h), _mm512_permutexvar_ps(raw, low));
+                    let upper = _mm512_srli_epi32::<4>(raw);
+                    _mm512_storeu_ps(out.add(32 + 16 * h), _mm512_permutexvar_ps(upper, high));
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: as decode512.
+        unsafe {
+            let (scales, mins) = k4_scales_mins(block);
+            for j in 0..4 {
+                let (d_low, min_low) = (scales[2 * j], mins[2 * j]);
+                let (d_high, min_high) = (scales[2 * j + 1], mins[2 * j + 1]);
+                for l in (0..32).step_by(8) {
+                    let w = bytes8_u(block.add(16 + 32 * j + l));
+                    let low = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
+                    let high = _mm256_srli_epi32::<4>(w);
+                    let out = out.add(64 * j + l);
+                    _mm256_storeu_ps(out, scaled_less_min(low, d_low, min_low));
+                    _mm256_storeu_ps(out.add(32), scaled_less_min(high, d_high, min_high));
+                }
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
@@ -242,10 +513,103 @@ impl SimdBlock for Q4KBlock {
 
 /// Q5_K: Q4_K's layout with a fifth bit per element in `qh` (byte `l`, bit
 /// `group`).
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Q5KBlock;
 
 impl SimdBlock for Q5KBlock {
     const TYPE: GgmlType = GgmlType::Q5_K;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (j, upper, l) = (e / 64, (e % 64) / 32, e % 32);
+        let group = 2 * j + upper;
+        // SAFETY: 176 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let (d, min) = k4_scale_min(block, group);
+            let raw = bytes16_u(block.add(48 + 32 * j + l));
+            let low = if upper == 0 {
+                _mm512_and_si512(raw, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let bit = _mm512_srl_epi32(
+                bytes16_u(block.add(16 + l)),
+                _mm_cvtsi32_si128(group as i32),
+            );
+            let high = _mm512_slli_epi32::<4>(_mm512_and_si512(bit, _mm512_set1_epi32(1)));
+            let q = _mm512_or_si512(low, high);
+            _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d)),
+                _mm512_set1_ps(min),
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: 176 readable bytes at `block`, 256 writable f32 at `out` (caller).
+        unsafe {
+            let codes = code_lanes512();
+            let codes_high = _mm512_add_epi32(codes, _mm512_set1_epi32(16));
+            // qh byte l, shifted left by 4: bit `group` of the byte lands on bit
+            // 4 + group, and a right shift by `group` brings it to bit 4.
+            let qh = [0, 16].map(|l| _mm512_slli_epi32::<4>(bytes16_u(block.add(16 + l))));
+            let (scales, mins) = k4_scales_mins(block);
+            for j in 0..4 {
+                let tables = [2 * j, 2 * j + 1].map(|group| {
+                    [codes, codes_high].map(|c| {
+                        _mm512_sub_ps(
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(scales[group])),
+                            _mm512_set1_ps(mins[group]),
+                        )
+                    })
+                });
+                for (h, &qh) in qh.iter().enumerate() {
+                    let raw = bytes16_u(block.add(48 + 32 * j + 16 * h));
+                    let nibbles = [
+                        _mm512_and_si512(raw, _mm512_set1_epi32(0xF)),
+                        _mm512_srli_epi32::<4>(raw),
+                    ];
+                    for upper in 0..2 {
+                        let group = 2 * j + upper;
+                        let bit = _mm512_and_si512(
+                            _mm512_srl_epi32(qh, _mm_cvtsi32_si128(group as i32)),
+                            _mm512_set1_epi32(16),
+                        );
+                        let index = _mm512_or_si512(nibbles[upper], bit);
+                        let [low, high] = tables[upper];
+                        _mm512_storeu_ps(
+                            out.add(64 * j + 32 * upper + 16 * h),
+                            _mm512_permutex2var_ps(low, index, high),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: as decode512.
+        unsafe {
+            let (scales, mins) = k4_scales_mins(block);
+            for group in 0..8 {
+                let (j, upper) = (group / 2, group % 2);
+                let (d, min) = (scales[group], mins[group]);
+                let shift = _mm_cvtsi32_si128(group as i32);
+                for l in (0..32).step_by(8) {
+                    let low = nibbles8(block.add(48 + 32 * j + l), upper == 1);
+                    let bit = _mm256_srl_epi32(bytes8_u(block.add(16 + l)), shift);
+                    let high = _mm256_slli_epi32::<4>(_mm256_and_si256(bit, _mm256_set1_epi32(1)));
+                    let q = _mm256_or_si256(low, high);
+                    _mm256_storeu_ps(out.add(32 * group + l), scaled_less_min(q, d, min));
+                }
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
@@ -266,10 +630,109 @@ impl SimdBlock for Q5KBlock {
 
 /// Q6_K: two halves of 128, each four quarters of 32 (low nibbles in `ql`, two high
 /// bits in `qh`), an int8 scale per 16, `x = (d sc) (q - 32)`.
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Q6KBlock;
 
 impl SimdBlock for Q6KBlock {
     const TYPE: GgmlType = GgmlType::Q6_K;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (n, quarter, l) = (e / 128, (e % 128) / 32, e % 32);
+        // SAFETY: 210 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let ql = bytes16_u(block.add(64 * n + l + 32 * (quarter % 2)));
+            let low = if quarter < 2 {
+                _mm512_and_si512(ql, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32::<4>(ql)
+            };
+            let qh = bytes16_u(block.add(128 + 32 * n + l));
+            let high = _mm512_and_si512(
+                _mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
+                _mm512_set1_epi32(3),
+            );
+            let q = _mm512_sub_epi32(
+                _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                _mm512_set1_epi32(32),
+            );
+            let sc = *block.add(192 + 8 * n + l / 16 + 2 * quarter) as i8;
+            let scale = _mm512_set1_ps(f16_at(block, 208) * f32::from(sc));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: 210 readable bytes at `block`, 256 writable f32 at `out` (caller).
+        unsafe {
+            let scales = q6_k_scales(block);
+            for n in 0..2 {
+                for h in 0..2 {
+                    // Quarters 0 and 2 share `ql` bytes l, quarters 1 and 3 bytes 32 + l;
+                    // all four share `qh` byte l.
+                    let ql = [0, 32].map(|q| bytes16_u(block.add(64 * n + q + 16 * h)));
+                    let qh = bytes16_u(block.add(128 + 32 * n + 16 * h));
+                    for quarter in 0..4 {
+                        let low = if quarter < 2 {
+                            _mm512_and_si512(ql[quarter % 2], _mm512_set1_epi32(0xF))
+                        } else {
+                            _mm512_srli_epi32::<4>(ql[quarter % 2])
+                        };
+                        let high = _mm512_and_si512(
+                            _mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
+                            _mm512_set1_epi32(3),
+                        );
+                        let q = _mm512_sub_epi32(
+                            _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                            _mm512_set1_epi32(32),
+                        );
+                        let scale = _mm512_set1_ps(scales[8 * n + h + 2 * quarter]);
+                        _mm512_storeu_ps(
+                            out.add(128 * n + 32 * quarter + 16 * h),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: as decode512.
+        unsafe {
+            let scales = q6_k_scales(block);
+            for n in 0..2 {
+                for l in (0..32).step_by(8) {
+                    let ql = [0, 32].map(|q| bytes8_u(block.add(64 * n + q + l)));
+                    let qh = bytes8_u(block.add(128 + 32 * n + l));
+                    for quarter in 0..4 {
+                        let low = if quarter < 2 {
+                            _mm256_and_si256(ql[quarter % 2], _mm256_set1_epi32(0xF))
+                        } else {
+                            _mm256_srli_epi32::<4>(ql[quarter % 2])
+                        };
+                        let high = _mm256_and_si256(
+                            _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
+                            _mm256_set1_epi32(3),
+                        );
+                        let q = _mm256_sub_epi32(
+                            _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
+                            _mm256_set1_epi32(32),
+                        );
+                        _mm256_storeu_ps(
+                            out.add(128 * n + 32 * quarter + l),
+                            scaled(q, scales[8 * n + l / 16 + 2 * quarter]),
+                        );
+                    }
+                }
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
@@ -294,20 +757,77 @@ impl SimdBlock for Q6KBlock {
 
 /// IQ4_XS: 8 groups of 32 with a 6-bit scale each, 4-bit indices into the
 /// non-linear IQ4 table, `x = (d (ls - 32)) table[q]`.
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Iq4XsBlock;
 
 impl SimdBlock for Iq4XsBlock {
     const TYPE: GgmlType = GgmlType::IQ4_XS;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(block: *const u8, e: usize) -> __m512 {
+        let (ib, j) = (e / 32, e % 32);
+        // SAFETY: 136 readable bytes at `block`, e + 16 <= 256 (caller).
+        unsafe {
+            let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                IQ4_VALUES.as_ptr().cast(),
+            )));
+            let raw = bytes16_u(block.add(8 + 16 * ib));
+            let index = if j == 0 {
+                raw
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let dl = _mm512_set1_ps(iq4_xs_scale(block, ib));
+            _mm512_mul_ps(_mm512_permutexvar_ps(index, values), dl)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: 136 readable bytes at `block`, 256 writable f32 at `out` (caller).
+        unsafe {
+            let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                IQ4_VALUES.as_ptr().cast(),
+            )));
+            let scales = iq4_xs_scales(block);
+            for (ib, &dl) in scales.iter().enumerate() {
+                let table = _mm512_mul_ps(_mm512_set1_ps(dl), values);
+                nibble_halves512(block.add(8 + 16 * ib), table, out.add(32 * ib));
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: as decode512.
+        unsafe {
+            let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
+            let mask = _mm_set1_epi8(0xF);
+            let scales = iq4_xs_scales(block);
+            for (ib, &dl) in scales.iter().enumerate() {
+                let raw = _mm_loadu_si128(block.add(8 + 16 * ib).cast());
+                let low = _mm_shuffle_epi8(table, _mm_and_si128(raw, mask));
+                let high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), mask));
+                let out = out.add(32 * ib);
+                for (i, v) in [low, high].into_iter().enumerate() {
+                    let first = _mm256_cvtepi8_epi32(v);
+                    let second = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v));
+                    _mm256_storeu_ps(out.add(16 * i), scaled(first, dl));
+                    _mm256_storeu_ps(out.add(16 * i + 8), scaled(second, dl));
+                }
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
         let (ib, j) = (e / 32, e % 32);
         // SAFETY: the 136-byte block is readable and e + 8 <= 256 (caller).
         unsafe {
-            let scales_h = u16::from_le(block.add(2).cast::<u16>().read_unaligned());
-            let ls = i32::from((*block.add(4 + ib / 2) >> (4 * (ib % 2))) & 0xF)
-                | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
-            let dl = f16_at(block, 0) * (ls - 32) as f32;
+            let dl = iq4_xs_scale(block, ib);
             let raw = _mm_loadl_epi64(block.add(8 + 16 * ib + j % 16).cast());
             let raw = if j >= 16 {
                 _mm_srli_epi16::<4>(raw)
@@ -322,41 +842,147 @@ impl SimdBlock for Iq4XsBlock {
     }
 }
 
-/// A ggml weight of a [`SimdBlock`] type: blocks one after another, `row_bytes` per
-/// row.
-pub(crate) struct BlockRows<'a, B: SimdBlock> {
+/// How the elements of one ggml type are read from a row of its blocks: a [`SimdBlock`]
+/// type's SIMD load, or [`ScalarBlock`]'s element-by-element decode.
+pub(crate) trait BlockFormat: Sync {
+    /// The type.
+    fn ggml_type(&self) -> GgmlType;
+    /// Elements `k .. k + 8` of `row` (one row's blocks), dequantized.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available, `k % 8 == 0` and `k + 8` is at most the row's
+    /// elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(&self, row: &[u8], k: usize) -> __m256;
+    /// Elements `k .. k + 16` of `row`, dequantized.
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available, `k % 16 == 0` and `k + 16` is at most the row's
+    /// elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(&self, row: &[u8], k: usize) -> __m512;
+}
+
+impl<B: SimdBlock> BlockFormat for B {
+    fn ggml_type(&self) -> GgmlType {
+        B::TYPE
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(&self, row: &[u8], k: usize) -> __m256 {
+        // SAFETY: k + 8 <= the row's elements with k % 8 == 0 (caller), and every block
+        // holds a multiple of 8 elements: the run lies in one whole block of the row.
+        unsafe {
+            B::load8(
+                row.as_ptr().add(k / B::ELEMENTS * B::BYTES),
+                k % B::ELEMENTS,
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(&self, row: &[u8], k: usize) -> __m512 {
+        // SAFETY: as load8; every block holds a multiple of 16 elements.
+        unsafe {
+            B::load16(
+                row.as_ptr().add(k / B::ELEMENTS * B::BYTES),
+                k % B::ELEMENTS,
+            )
+        }
+    }
+}
+
+/// The types without a SIMD load (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float
+/// types): every lane by `block_element`.
+pub(crate) struct ScalarBlock(pub GgmlType);
+
+impl BlockFormat for ScalarBlock {
+    fn ggml_type(&self) -> GgmlType {
+        self.0
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load8(&self, row: &[u8], k: usize) -> __m256 {
+        let values: [f32; 8] = std::array::from_fn(|i| element(self.0, row, k + i));
+        // SAFETY: `values` holds 8 f32.
+        unsafe { _mm256_loadu_ps(values.as_ptr()) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: &[u8], k: usize) -> __m512 {
+        let values: [f32; 16] = std::array::from_fn(|i| element(self.0, row, k + i));
+        // SAFETY: `values` holds 16 f32.
+        unsafe { _mm512_loadu_ps(values.as_ptr()) }
+    }
+}
+
+/// Element `k` of `row` (one row's blocks of `ggml_type`), by `block_element`.
+#[inline(always)]
+fn element(ggml_type: GgmlType, row: &[u8], k: usize) -> f32 {
+    let block: BlockGeometry = ggml_type.block();
+    let start = k / block.elements * block.bytes;
+    block_element(
+        ggml_type,
+        &row[start..start + block.bytes],
+        k % block.elements,
+    )
+}
+
+/// A ggml weight's rows: blocks one after another, `row_bytes` per row, read through
+/// the type's [`BlockFormat`].
+pub(crate) struct BlockRows<'a, F: BlockFormat> {
     data: &'a [u8],
+    format: F,
     rows: usize,
     cols: usize,
     row_bytes: usize,
-    format: PhantomData<B>,
 }
 
-impl<'a, B: SimdBlock> BlockRows<'a, B> {
-    /// Borrows a weight of type `B::TYPE` whose lengths were checked
+impl<'a, F: BlockFormat> BlockRows<'a, F> {
+    /// Borrows a weight of `format`'s type whose lengths were checked
     /// (`weight::check_runnable`).
-    pub(crate) fn new(w: &'a GgmlWeight) -> Self {
-        debug_assert_eq!(w.ggml_type, B::TYPE);
+    pub(crate) fn new(w: &'a GgmlWeight, format: F) -> Self {
+        debug_assert_eq!(w.ggml_type, format.ggml_type());
         Self {
             data: &w.data,
+            format,
             rows: w.out_features,
             cols: w.in_features,
             row_bytes: w.row_bytes(),
-            format: PhantomData,
         }
     }
 
-    /// Byte offset of the block holding element `(row, k)`.
+    /// The stored blocks of `row`.
     #[inline(always)]
-    fn block_start(&self, row: usize, k: usize) -> usize {
-        row * self.row_bytes + k / B::ELEMENTS * B::BYTES
+    pub(crate) fn row(&self, row: usize) -> &'a [u8] {
+        &self.data[row * self.row_bytes..(row + 1) * self.row_bytes]
+    }
+
+    /// The stored blocks of `row`, without a bounds check.
+    ///
+    /// # Safety
+    /// `row < rows`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) unsafe fn row_unchecked(&self, row: usize) -> &'a [u8] {
+        // SAFETY: the weight holds rows * row_bytes bytes (checked at construction of
+        // the GgmlWeight) and row < rows (caller).
+        unsafe {
+            self.data
+                .get_unchecked(row * self.row_bytes..(row + 1) * self.row_bytes)
+        }
     }
 }
 
-impl<B: SimdBlock> RowDecode for BlockRows<'_, B> {
+impl<F: BlockFormat> RowDecode for BlockRows<'_, F> {
     #[inline(always)]
     fn code_address(&self, row: usize, k: usize) -> *const u8 {
-        self.data.as_ptr().wrapping_add(self.block_start(row, k))
+        let block = self.format.ggml_type().block();
+        self.data
+            .as_ptr()
+            .wrapping_add(row * self.row_bytes + k / block.elements * block.bytes)
     }
     fn rows(&self) -> usize {
         self.rows
@@ -366,39 +992,21 @@ impl<B: SimdBlock> RowDecode for BlockRows<'_, B> {
     }
     #[inline(always)]
     fn get(&self, row: usize, k: usize) -> f32 {
-        let start = self.block_start(row, k);
-        block_element(
-            B::TYPE,
-            &self.data[start..start + B::BYTES],
-            k % B::ELEMENTS,
-        )
+        element(self.format.ggml_type(), self.row(row), k)
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
-        // Every block holds a multiple of 16 elements, so a run of 16 from k % 16 == 0
-        // is two runs of 8 in one block.
-        // SAFETY: row < rows and k + 16 <= cols (trait contract): the block is in
-        // bounds; AVX-512F implies AVX2 and FMA.
-        unsafe {
-            let block = self.data.as_ptr().add(self.block_start(row, k));
-            let e = k % B::ELEMENTS;
-            let lo = _mm256_castps_pd(B::load8(block, e));
-            let hi = _mm256_castps_pd(B::load8(block, e + 8));
-            _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castpd256_pd512(lo), hi))
-        }
+        // SAFETY: row < rows and k + 16 <= cols with k % 16 == 0 (trait contract).
+        unsafe { self.format.load16(self.row_unchecked(row), k) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
-        // SAFETY: row < rows and k + 8 <= cols with k % 8 == 0 (trait contract): the
-        // block is in bounds and the run inside it.
-        unsafe {
-            let block = self.data.as_ptr().add(self.block_start(row, k));
-            B::load8(block, k % B::ELEMENTS)
-        }
+        // SAFETY: row < rows and k + 8 <= cols with k % 8 == 0 (trait contract).
+        unsafe { self.format.load8(self.row_unchecked(row), k) }
     }
 }
 
@@ -447,7 +1055,7 @@ mod tests {
                 blocks[..rows * per_row * B::BYTES].to_vec(),
             )
             .unwrap();
-            let d = BlockRows::<B>::new(&weight);
+            let d = BlockRows::new(&weight, B::default());
             for row in 0..rows {
                 let want = &expected[row * in_features..(row + 1) * in_features];
                 for (k, &w) in want.iter().enumerate() {
@@ -492,5 +1100,158 @@ mod tests {
         check::<Q5KBlock>();
         check::<Q6KBlock>();
         check::<Iq4XsBlock>();
+    }
+
+    /// f16 scales the random blocks take in turn: one, zeros of both signs, the
+    /// smallest and largest subnormals, the smallest normal, the largest finite values
+    /// of both signs (products overflow to infinity), infinity and NaN, and a few odd
+    /// values.
+    const F16_SCALES: [u16; 14] = [
+        0x3C00, 0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x7C00, 0x7E00, 0x2E66,
+        0xA9F1, 0x1234, 0xB800,
+    ];
+
+    /// `count` random blocks of `B`, the f16 scale fields set from [`F16_SCALES`] (the
+    /// `d` and `dmin` of a block take different entries).
+    fn random_blocks<B: SimdBlock>(count: usize, seed: u64) -> Vec<u8> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut blocks = vec![0u8; count * B::BYTES];
+        rng.fill(blocks.as_mut_slice());
+        for (i, block) in blocks.chunks_exact_mut(B::BYTES).enumerate() {
+            for (f, &offset) in loraq_quant::ggml::f16_scale_offsets(B::TYPE)
+                .iter()
+                .enumerate()
+            {
+                let bits = F16_SCALES[(i + 5 * f) % F16_SCALES.len()];
+                block[offset..offset + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+            // Every fourth block: all codes zero (and the K types' packed scales).
+            if i % 4 == 3 {
+                let scales = loraq_quant::ggml::f16_scale_offsets(B::TYPE);
+                for (b, byte) in block.iter_mut().enumerate() {
+                    if !scales.iter().any(|&o| b == o || b == o + 1) {
+                        *byte = 0;
+                    }
+                }
+            }
+        }
+        blocks
+    }
+
+    /// The whole-block decoders of every available ISA give the bits of
+    /// `block_element` on every element of every block (NaN: any NaN).
+    fn check_block_decoders<B: SimdBlock>(blocks: &[u8]) {
+        for (i, block) in blocks.chunks_exact(B::BYTES).enumerate() {
+            let want: Vec<f32> = (0..B::ELEMENTS)
+                .map(|e| block_element(B::TYPE, block, e))
+                .collect();
+            #[cfg(target_arch = "x86_64")]
+            for isa in Isa::available() {
+                let mut got = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+                match isa {
+                    // SAFETY: the ISA was detected; a whole block in, its elements out.
+                    Isa::Avx512 => unsafe { B::decode512(block.as_ptr(), got.as_mut_ptr()) },
+                    // SAFETY: as above.
+                    Isa::Avx2 => unsafe { B::decode256(block.as_ptr(), got.as_mut_ptr()) },
+                    Isa::Scalar => continue,
+                }
+                // The 16- and 8-lane loads (the prefill's panel decode) of the same block.
+                let mut loaded = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+                for e in (0..B::ELEMENTS).step_by(16) {
+                    // SAFETY: the ISA was detected; e + 16 <= ELEMENTS; 16 f32 out.
+                    unsafe {
+                        let out = loaded.as_mut_ptr().add(e);
+                        match isa {
+                            Isa::Avx512 => _mm512_storeu_ps(out, B::load16(block.as_ptr(), e)),
+                            _ => {
+                                _mm256_storeu_ps(out, B::load8(block.as_ptr(), e));
+                                _mm256_storeu_ps(out.add(8), B::load8(block.as_ptr(), e + 8));
+                            }
+                        }
+                    }
+                }
+                for (what, values) in [("block decode", &got), ("load", &loaded)] {
+                    for (e, (g, w)) in values.iter().zip(&want).enumerate() {
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{} {isa:?} {what}: block {i} element {e}: {g:e}, block_element {w:e}",
+                            B::TYPE
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_decoders<B: SimdBlock>(seed: u64) {
+        check_block_decoders::<B>(&vectors(B::TYPE).0);
+        check_block_decoders::<B>(&random_blocks::<B>(200, seed));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_conversion_is_loraq_quants_on_every_input() {
+        for h in 0..=u16::MAX {
+            let (got, want) = (f16_bits_to_f32(h), loraq_quant::ggml::fp16_to_f32(h));
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "f16 {h:#06x}: {got:e} vs {want:e}"
+            );
+        }
+    }
+
+    #[test]
+    fn block_decoders_are_block_element_bit_for_bit() {
+        check_decoders::<Q8_0Block>(1);
+        check_decoders::<Q4_0Block>(2);
+        check_decoders::<Q4KBlock>(3);
+        check_decoders::<Q5KBlock>(4);
+        check_decoders::<Q6KBlock>(5);
+        check_decoders::<Iq4XsBlock>(6);
+    }
+
+    /// The types without a SIMD load decode through `ScalarBlock`'s 8-lane load as
+    /// through the element getter, rows of several blocks (and, for F16, runs that
+    /// span blocks).
+    #[test]
+    fn scalar_block_loads_are_the_element_getter() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for ggml_type in [
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q2_K,
+            GgmlType::F16,
+        ] {
+            let block = ggml_type.block();
+            let in_features = 2 * block.elements.max(32);
+            let mut data = vec![0u8; 3 * in_features / block.elements * block.bytes];
+            rng.fill(data.as_mut_slice());
+            for chunk in data.chunks_exact_mut(block.bytes) {
+                for &offset in loraq_quant::ggml::f16_scale_offsets(ggml_type) {
+                    chunk[offset..offset + 2].copy_from_slice(&0x2E66u16.to_le_bytes());
+                }
+            }
+            if ggml_type == GgmlType::F16 {
+                // Finite halves only: clear the top exponent bit.
+                for pair in data.chunks_exact_mut(2) {
+                    pair[1] &= 0xBF;
+                }
+            }
+            let weight = GgmlWeight::new("scalar", ggml_type, 3, in_features, data).unwrap();
+            let d = BlockRows::new(&weight, ScalarBlock(ggml_type));
+            for isa in Isa::available() {
+                for row in 0..3 {
+                    let mut got = vec![0f32; in_features];
+                    crate::cpu::gemm::decode_segment(isa, &d, row, 0, &mut got);
+                    for (k, g) in got.iter().enumerate() {
+                        let want = element(ggml_type, d.row(row), k);
+                        assert_eq!(g.to_bits(), want.to_bits(), "{ggml_type} {isa:?} {row} {k}");
+                    }
+                }
+            }
+        }
     }
 }

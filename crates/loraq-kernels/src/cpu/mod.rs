@@ -20,6 +20,8 @@ pub(crate) mod gemv_fp4;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod gemv_fp8;
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod gemv_ggml;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod gemv_int4;
 
 use crate::error::Result;
@@ -193,17 +195,18 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
         QuantizedWeight::Int4(w) => v.visit(&int4_rows(w)),
         QuantizedWeight::Ggml(w) => {
             use decode_ggml::{
-                BlockRows, GgmlRows, Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block,
+                BlockRows, Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block,
+                ScalarBlock,
             };
             use loraq_quant::ggml::GgmlType;
             match w.ggml_type {
-                GgmlType::Q8_0 => v.visit(&BlockRows::<Q8_0Block>::new(w)),
-                GgmlType::Q4_0 => v.visit(&BlockRows::<Q4_0Block>::new(w)),
-                GgmlType::Q4_K => v.visit(&BlockRows::<Q4KBlock>::new(w)),
-                GgmlType::Q5_K => v.visit(&BlockRows::<Q5KBlock>::new(w)),
-                GgmlType::Q6_K => v.visit(&BlockRows::<Q6KBlock>::new(w)),
-                GgmlType::IQ4_XS => v.visit(&BlockRows::<Iq4XsBlock>::new(w)),
-                _ => v.visit(&GgmlRows::new(w)),
+                GgmlType::Q8_0 => v.visit(&BlockRows::new(w, Q8_0Block)),
+                GgmlType::Q4_0 => v.visit(&BlockRows::new(w, Q4_0Block)),
+                GgmlType::Q4_K => v.visit(&BlockRows::new(w, Q4KBlock)),
+                GgmlType::Q5_K => v.visit(&BlockRows::new(w, Q5KBlock)),
+                GgmlType::Q6_K => v.visit(&BlockRows::new(w, Q6KBlock)),
+                GgmlType::IQ4_XS => v.visit(&BlockRows::new(w, Iq4XsBlock)),
+                _ => v.visit(&BlockRows::new(w, ScalarBlock(w.ggml_type))),
             }
         }
     }
@@ -419,8 +422,9 @@ impl<const T: usize> DecoderVisitor for GenericDecode<'_, T> {
     }
 }
 
-/// Picks the decode loop: the format-specific ones (fp8-block128, NVFP4, MXFP4 and INT4
-/// on AVX-512 and AVX2), the generic one otherwise (bf16, the scalar ISA, an NVFP4 global
+/// Picks the decode loop: the format-specific ones (fp8-block128, NVFP4, MXFP4, INT4 and
+/// the GGUF types Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS on AVX-512 and AVX2), the
+/// generic one otherwise (bf16, the other GGUF types, the scalar ISA, an NVFP4 global
 /// scale too large for the paired loops).
 #[allow(clippy::too_many_arguments)]
 fn decode_base<const T: usize>(
@@ -494,6 +498,11 @@ fn decode_base<const T: usize>(
                     x_paired: x_paired(),
                 };
                 return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+            }
+            (QuantizedWeight::Ggml(w), _)
+                if gemv_ggml::decode::<T>(w, isa, par, schedule, xq, in_features, lora, out) =>
+            {
+                return;
             }
             _ => {}
         }
