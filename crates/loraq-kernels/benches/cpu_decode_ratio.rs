@@ -60,13 +60,33 @@ fn lora() -> LoraAdapter {
     LoraAdapter::new(RANK, IN, OUT, a, b, 1.0).unwrap()
 }
 
+/// A 17408 x 5120 weight of Gaussian values quantized to fp8-block128 the way a
+/// checkpoint is (`quantize_fp8`, scale = tile max / 448). Uniformly random code bytes
+/// would make one code in 18 an E4M3 subnormal (exponent field 0), which the kernel's
+/// exact bit-trick decode turns into an f32 subnormal, and on Intel cores an FMA with a
+/// subnormal operand takes a microcode assist (about 25x slower): such a bench measures
+/// the assists. A quantized Gaussian weight has about one subnormal code in 10^4, as a
+/// real checkpoint has.
+fn fp8_block128_of_gaussian_weight() -> Fp8Weight {
+    let mut values = vec![0f32; OUT * IN];
+    values
+        .par_chunks_mut(1 << 20)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let mut rng = ChaCha8Rng::seed_from_u64(1u64.wrapping_add(i as u64));
+            for v in chunk.iter_mut() {
+                // Box-Muller: one standard normal value per pair of uniforms.
+                let u1: f32 = 1.0 - rng.random::<f32>();
+                let u2: f32 = rng.random::<f32>();
+                *v = 0.02 * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+            }
+        });
+    let view = loraq_quant::WeightView::new("bench.fp8", OUT, IN, &values).unwrap();
+    loraq_quant::scheme::quantize_fp8(view, loraq_quant::Fp8Granularity::Block128).unwrap()
+}
+
 fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
-    let fp8 = Fp8Weight::block128(
-        OUT,
-        IN,
-        random_bytes(OUT * IN, 1, |b| if b & 0x7F == 0x7F { b ^ 1 } else { b }),
-        vec![1e-3; OUT.div_ceil(128) * IN.div_ceil(128)],
-    );
+    let fp8 = fp8_block128_of_gaussian_weight();
     let nvfp4 = Nvfp4Weight::new(
         OUT,
         IN,
