@@ -1,6 +1,6 @@
 //! Factors a raw little-endian f32 delta file (as the `factorize` bench writes it) and
-//! prints the seconds the factorization took, its residual and the seconds per stage
-//! (`stages`), as one JSON line. Used by
+//! prints the seconds the factorization took, its residual and the wall and CPU seconds
+//! per stage (`stages`, `stages_cpu`: CPU of all threads), as one JSON line. Used by
 //! `scripts/bench_svd_reference.py --interleave` to time loraq and torch alternately on
 //! a shared machine. A tool for that script, not a usage example: the examples of the
 //! libraries are the workspace's top-level `examples/` (README.md, "Using the libraries").
@@ -12,7 +12,7 @@
 //!
 //! `cargo run --release -p loraq-extract --example factor_file -- FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]`
 
-use loraq_extract::factor::{FactorParams, Method, factorize};
+use loraq_extract::factor::{FactorParams, Method, factorize, process_cpu_seconds};
 use loraq_extract::split::{Split, split_and_cast};
 use std::time::Instant;
 
@@ -40,38 +40,49 @@ fn main() {
     let started = Instant::now();
     let f = factorize("file", &delta, rows, cols, &params).expect("factorize");
     let seconds = started.elapsed().as_secs_f64();
-    // Seconds per stage, summed over iterations, in first-seen order.
-    let mut totals: Vec<(&str, f64)> = Vec::new();
-    for &(name, s) in &f.stages {
-        match totals.iter_mut().find(|(n, _)| *n == name) {
-            Some(entry) => entry.1 += s,
-            None => totals.push((name, s)),
+    // Wall and CPU seconds per stage, summed over iterations, in first-seen order.
+    let mut totals: Vec<(&str, f64, f64)> = Vec::new();
+    for stage in &f.stages {
+        match totals.iter_mut().find(|(n, _, _)| *n == stage.name) {
+            Some(entry) => {
+                entry.1 += stage.seconds;
+                entry.2 += stage.cpu_seconds;
+            }
+            None => totals.push((stage.name, stage.seconds, stage.cpu_seconds)),
         }
     }
     let mut cast = String::new();
     if let Some(out) = args.get(6) {
         let started = Instant::now();
+        let started_cpu = process_cpu_seconds();
         let factors = split_and_cast("file", &f, rank, Split::Balanced, faer::Par::rayon(0))
             .expect("bf16 factors");
         let cast_seconds = started.elapsed().as_secs_f64();
+        let cast_cpu = process_cpu_seconds() - started_cpu;
         let mut bytes = factors.b_bf16.clone();
         bytes.extend_from_slice(&factors.a_bf16);
         std::fs::write(out, bytes).expect("write the factors");
-        totals.push(("cast", cast_seconds));
+        totals.push(("cast", cast_seconds, cast_cpu));
         cast = format!(
             ", \"cast_error\": {:e}, \"rank\": {}",
             factors.cast_error, factors.rank
         );
     }
-    let stages: Vec<String> = totals
-        .iter()
-        .map(|(name, s)| format!("\"{name}\": {s:.4}"))
-        .collect();
+    let listed = |cpu: bool| -> String {
+        totals
+            .iter()
+            .map(|&(name, wall, cpu_seconds)| {
+                format!("\"{name}\": {:.4}", if cpu { cpu_seconds } else { wall })
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
-        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"passes\": {}, \"converged\": {}, \"stages\": {{{}}}{cast}}}",
+        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"passes\": {}, \"converged\": {}, \"stages\": {{{}}}, \"stages_cpu\": {{{}}}{cast}}}",
         f.truncation_residual(rank),
         f.passes,
         f.converged,
-        stages.join(", ")
+        listed(false),
+        listed(true)
     );
 }

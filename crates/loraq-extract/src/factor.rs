@@ -131,10 +131,22 @@ pub struct Factorization {
     pub passes: f64,
     /// Whether the randomized iteration met its stopping rule (always true for exact).
     pub converged: bool,
-    /// Seconds spent per stage, in order (`check`, `sample`, `pass_w`,
+    /// Time spent per stage, in order (`check`, `sample`, `pass_w`,
     /// `orthonormalize`, `pass_z`, `project`; `gram`, `reproject` for the exact
     /// method): the breakdown `factor_file` prints.
-    pub stages: Vec<(&'static str, f64)>,
+    pub stages: Vec<Stage>,
+}
+
+/// The time one stage of [`factorize`] took.
+#[derive(Debug, Clone, Copy)]
+pub struct Stage {
+    /// The stage's name.
+    pub name: &'static str,
+    /// Wall-clock seconds.
+    pub seconds: f64,
+    /// CPU seconds of the whole process (all threads) over the stage: on a machine
+    /// shared with other work, the figure that compares two runs.
+    pub cpu_seconds: f64,
 }
 
 /// Residual figures of a rank-k truncation.
@@ -206,25 +218,48 @@ impl Factorization {
     }
 }
 
-/// Stage times: each `lap` records the seconds since the previous one.
+/// CPU seconds the process has used so far (every thread), 0 where the clock is not
+/// available.
+pub fn process_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc == 0 {
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    } else {
+        0.0
+    }
+}
+
+/// Stage times: each `lap` records the wall and CPU seconds since the previous one.
 struct StageClock {
     last: Instant,
-    stages: Vec<(&'static str, f64)>,
+    last_cpu: f64,
+    stages: Vec<Stage>,
 }
 
 impl StageClock {
     fn start() -> StageClock {
         StageClock {
             last: Instant::now(),
+            last_cpu: process_cpu_seconds(),
             stages: Vec::new(),
         }
     }
 
-    fn lap(&mut self, stage: &'static str) {
+    fn lap(&mut self, name: &'static str) {
         let now = Instant::now();
-        self.stages
-            .push((stage, now.duration_since(self.last).as_secs_f64()));
+        let cpu = process_cpu_seconds();
+        self.stages.push(Stage {
+            name,
+            seconds: now.duration_since(self.last).as_secs_f64(),
+            cpu_seconds: cpu - self.last_cpu,
+        });
         self.last = now;
+        self.last_cpu = cpu;
     }
 }
 
