@@ -187,7 +187,9 @@ fn spd_solve(h: MatRef<'_, f64>, rhs: MatRef<'_, f64>) -> Option<Mat<f64>> {
     finite.then_some(x)
 }
 
-/// The next bf16 value above (`up`) or below `x`, if finite.
+/// The next bf16 value above (`up`) or below `x`, if finite: the reference that
+/// [`bf16_step_f32`] is tested against.
+#[cfg(test)]
 fn bf16_step(x: bf16, up: bool) -> Option<bf16> {
     let bits = x.to_bits();
     let negative = bits & 0x8000 != 0;
@@ -203,6 +205,40 @@ fn bf16_step(x: bf16, up: bool) -> Option<bf16> {
     };
     let y = bf16::from_bits(next);
     y.is_finite().then_some(y)
+}
+
+/// [`bf16_step`] on a bf16 value held in an f32 (its low 16 bits zero), without
+/// branches so that the polish sweeps vectorize: the neighbour above (`up`) or below,
+/// and whether it is finite. bf16 is the top half of f32, so one bf16 ulp is `0x10000`
+/// in the f32 bits.
+#[inline(always)]
+fn bf16_step_f32(x: f32, up: bool) -> (f32, bool) {
+    let bits = x.to_bits();
+    let negative = bits >> 31 != 0;
+    let zero = bits & 0x7fff_ffff == 0;
+    let away = up != negative;
+    let toward_or_across = if zero {
+        // From a zero of either sign to the smallest subnormal on the other side.
+        if up { 0x0001_0000 } else { 0x8001_0000 }
+    } else {
+        bits.wrapping_sub(0x1_0000)
+    };
+    let next = if away {
+        bits.wrapping_add(0x1_0000)
+    } else {
+        toward_or_across
+    };
+    (f32::from_bits(next), next & 0x7f80_0000 != 0x7f80_0000)
+}
+
+/// `bf16::from_f32(x).to_f32()` (round to nearest, ties to even) on the f32 bits, so the
+/// loop it is in vectorizes: a NaN stays non-finite (it may come out as an infinity),
+/// which the caller's finite check refuses either way.
+#[inline(always)]
+fn round_to_bf16_f32(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+    f32::from_bits(rounded)
 }
 
 /// How the vectors to round lie in a row-major matrix.
@@ -303,7 +339,7 @@ fn round_block(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
 ) -> Vec<f32> {
-    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let round = round_to_bf16_f32;
     let mut work = x.to_vec();
     let mut q = vec![0f32; k * len];
     let mut scratch = vec![0f32; FEEDBACK_BLOCK * len];
@@ -376,18 +412,12 @@ fn round_block(
                 let mut any = false;
                 for ((qv, dv), &gv) in ql.iter_mut().zip(dl.iter_mut()).zip(gl) {
                     // Only a step against the gradient can lower the loss.
-                    if gv == 0.0 {
-                        continue;
-                    }
-                    let Some(c) = bf16_step(bf16::from_f32(*qv), gv < 0.0) else {
-                        continue;
-                    };
-                    let d = c.to_f32() - *qv;
-                    if 2.0 * d * gv + d * d * hll < 0.0 {
-                        *qv = c.to_f32();
-                        *dv = d;
-                        any = true;
-                    }
+                    let (c, finite) = bf16_step_f32(*qv, gv < 0.0);
+                    let d = c - *qv;
+                    let accept = (gv != 0.0) & finite & (2.0 * d * gv + d * d * hll < 0.0);
+                    *qv = if accept { c } else { *qv };
+                    *dv = if accept { d } else { 0.0 };
+                    any |= accept;
                 }
                 if !any {
                     continue;
@@ -451,7 +481,26 @@ pub(crate) fn cast_aware(
         par,
     );
     let finite = |what: &'static str, x: &[bf16]| -> Result<()> {
-        match x.par_iter().position_first(|v| !v.is_finite()) {
+        // Chunks tested with a branch-free exponent mask, the index searched only in a
+        // chunk that fails (an element-wise parallel search costs more than the test).
+        const CHUNK: usize = 1 << 14;
+        let bad = x
+            .par_chunks(CHUNK)
+            .enumerate()
+            .find_map_first(|(c, chunk)| {
+                let all_finite = chunk
+                    .iter()
+                    .fold(true, |ok, v| ok & (v.to_bits() & 0x7f80 != 0x7f80));
+                if all_finite {
+                    None
+                } else {
+                    chunk
+                        .iter()
+                        .position(|v| !v.is_finite())
+                        .map(|i| c * CHUNK + i)
+                }
+            });
+        match bad {
             Some(index) => Err(ExtractError::NonFinite {
                 module: module.to_string(),
                 what,
@@ -470,10 +519,7 @@ pub(crate) fn cast_aware(
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
-        let bqf = widen(&bq);
-        let btb = tall_cross_f64(&bqf, None, k, par);
-        let btb0 = tall_cross_f64(&bqf, Some(&b0), k, par);
-        drop(bqf);
+        let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k, par);
         let Some(t) = spd_solve(btb.as_ref(), btb0.as_ref()) else {
             break;
         };
@@ -494,6 +540,64 @@ pub(crate) fn cast_aware(
         bq = bq1;
     }
     Ok((bq, aq, b0, a0))
+}
+
+/// $B_q^\top B_q$ and $B_q^\top B_0$ in f64 for the rounded $B_q$ of $B_0$, from $B_0^\top
+/// B_0$ (f64) and the rounding error $E = B_q - B_0$: $B_q^\top B_0 = B_0^\top B_0 +
+/// E^\top B_0$ and $B_q^\top B_q = B_q^\top B_0 + B_0^\top E + E^\top E$. $E$ is a few
+/// bf16 ulps of $B_0$, so its products are taken in f32 (one pass over $B_0$ and $E$,
+/// no widening) with an error about $10^{-6} \\|E\\| \\|B_0\\|$, some $10^{-9}$ of
+/// $\\|B_0\\|^2$. Where $B_q^\top B_q$ is so ill-conditioned that this could matter (a
+/// Cholesky pivot below $10^{-4}$ of the largest diagonal entry), both are formed in f64
+/// from $B_q$ instead.
+fn rounded_grams(
+    bq: &[bf16],
+    b0: &[f32],
+    b0tb0: MatRef<'_, f64>,
+    k: usize,
+    par: Par,
+) -> (Mat<f64>, Mat<f64>) {
+    let count = b0.len() / k.max(1);
+    let mut error = vec![0f32; b0.len()];
+    error
+        .par_chunks_mut(k * 64)
+        .zip(bq.par_chunks(k * 64).zip(b0.par_chunks(k * 64)))
+        .for_each(|(e, (q, b))| {
+            for ((e, q), &b) in e.iter_mut().zip(q).zip(b) {
+                *e = q.to_f32() - b;
+            }
+        });
+    let em = MatRef::from_row_major_slice(&error, count, k);
+    // [E^T B0 | E^T E] as one product over the rows.
+    let mut cross = Mat::<f32>::zeros(k, k);
+    matmul(
+        cross.as_mut(),
+        Accum::Replace,
+        em.transpose(),
+        MatRef::from_row_major_slice(b0, count, k),
+        1.0,
+        par,
+    );
+    let mut ete = Mat::<f32>::zeros(k, k);
+    lower_gram_add(ete.as_mut(), em.transpose(), par);
+    drop(error);
+    let btb0 = Mat::<f64>::from_fn(k, k, |i, j| b0tb0[(i, j)] + cross[(i, j)] as f64);
+    let btb = Mat::<f64>::from_fn(k, k, |i, j| {
+        let (lo, hi) = if i >= j { (i, j) } else { (j, i) };
+        btb0[(i, j)] + cross[(j, i)] as f64 + ete[(lo, hi)] as f64
+    });
+    let well_conditioned = btb.llt(Side::Lower).is_ok_and(|llt| {
+        let l = llt.L();
+        let largest = (0..k).map(|i| btb[(i, i)]).fold(0.0f64, f64::max);
+        (0..k).all(|i| l[(i, i)] * l[(i, i)] > 1e-4 * largest)
+    });
+    if well_conditioned {
+        return (btb, btb0);
+    }
+    let bqf = widen(bq);
+    let btb = tall_cross_f64(&bqf, None, k, par);
+    let btb0 = tall_cross_f64(&bqf, Some(b0), k, par);
+    (btb, btb0)
 }
 
 /// B refit against $L = B_0 A_0$ for the rounded A, then rounded row by row with
@@ -546,6 +650,47 @@ mod tests {
         assert_eq!(bf16_step(bf16::NEG_ZERO, false).unwrap().to_f32(), -tiny);
         assert_eq!(bf16_step(bf16::ZERO, false).unwrap().to_f32(), -tiny);
         assert!(bf16_step(bf16::MAX, true).is_none());
+    }
+
+    /// The branch-free step and rounding on f32 bits agree with `bf16_step` and with
+    /// half's `bf16::from_f32` on every bf16 value and direction, and on f32 values of
+    /// every exponent (ties included).
+    #[test]
+    fn branch_free_bf16_step_and_rounding_match_the_references() {
+        for bits in 0..=u16::MAX {
+            let x = bf16::from_bits(bits);
+            if !x.is_finite() {
+                continue;
+            }
+            for up in [false, true] {
+                let (value, finite) = bf16_step_f32(x.to_f32(), up);
+                match bf16_step(x, up) {
+                    Some(next) => {
+                        assert!(finite, "{bits:#06x} up {up}");
+                        assert_eq!(value.to_bits(), next.to_f32().to_bits(), "{bits:#06x}");
+                    }
+                    None => assert!(!finite, "{bits:#06x} up {up}"),
+                }
+            }
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        for i in 0..1_000_000u32 {
+            // Random bit patterns, and every fourth one a tie (low half 0x8000).
+            let mut bits: u32 = rng.random();
+            if i % 4 == 0 {
+                bits = (bits & 0xffff_0000) | 0x8000;
+            }
+            let x = f32::from_bits(bits);
+            if !x.is_finite() {
+                continue;
+            }
+            let expected = bf16::from_f32(x).to_f32();
+            assert_eq!(
+                round_to_bf16_f32(x).to_bits(),
+                expected.to_bits(),
+                "{bits:#010x}"
+            );
+        }
     }
 
     /// f32 factors of a rank-`k` product with singular values decaying `decay` times

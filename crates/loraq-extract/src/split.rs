@@ -59,12 +59,22 @@ pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<
             Split::OrthonormalA => (s, 1.0),
         })
         .unzip();
+    // U is column-major: blocks of rows, each filled column by column (reading U by
+    // rows would touch one cache line per value).
+    const BLOCK_ROWS: usize = 64;
     let mut b = vec![0f32; f.rows * k];
-    b.par_chunks_mut(k.max(1)).enumerate().for_each(|(i, row)| {
-        for (l, x) in row.iter_mut().enumerate() {
-            *x = (f.u[(i, l)] * wb[l]) as f32;
-        }
-    });
+    b.par_chunks_mut((k * BLOCK_ROWS).max(1))
+        .enumerate()
+        .for_each(|(block, rows)| {
+            let first = block * BLOCK_ROWS;
+            let len = rows.len() / k.max(1);
+            for (l, &w) in wb.iter().enumerate() {
+                let column = f.u.col(l);
+                for r in 0..len {
+                    rows[r * k + l] = (column[first + r] * w) as f32;
+                }
+            }
+        });
     let mut a = vec![0f32; k * f.cols];
     a.par_chunks_mut(f.cols).enumerate().for_each(|(l, row)| {
         for (j, x) in row.iter_mut().enumerate() {
