@@ -25,6 +25,7 @@
 //! Numerical rank: only $s_i > s_0 \cdot 10^{-7}$ are kept. Nothing divides by a singular
 //! value: the factors are built from orthonormal bases and $S^{1/2}$.
 
+use crate::cast::{lower_gram_add, mirror_lower};
 use crate::error::{ExtractError, Result};
 use crate::floor::expected_floor_ratio;
 use faer::linalg::matmul::matmul;
@@ -481,17 +482,7 @@ fn numerical_rank(s: &[f64], max_rank: usize) -> usize {
 /// is below `1e-6` of the largest are dropped: they carry no energy that matters next
 /// to any rounding floor). Returns `None` when `w` is zero.
 fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
-    let w64 = to_f64(w);
-    let mut g = Mat::<f64>::zeros(w.ncols(), w.ncols());
-    matmul(
-        g.as_mut(),
-        Accum::Replace,
-        w64.transpose(),
-        w64.as_ref(),
-        1.0,
-        par,
-    );
-    drop(w64);
+    let g = gram_f64(w, par);
     // Fast path: Cholesky-QR, Q = W L^-T with G = L L^T, when no direction of W is
     // below 1e-5 of its largest (every pivot above 1e-10 of the largest diagonal);
     // otherwise the eigendecomposition, which drops the negligible directions.
@@ -587,6 +578,18 @@ fn cholesky_factors(g: MatRef<'_, f64>, relative: f64) -> Option<(Mat<f64>, Mat<
     let finite = t.col_iter().all(|c| c.iter().all(|v| v.is_finite()));
     let lower = Mat::<f64>::from_fn(n, n, |i, j| if i >= j { l[(i, j)] } else { 0.0 });
     finite.then_some((lower, t))
+}
+
+/// $M^\top M$ in f64 of an f32 matrix (widened, so the products are exact and only the
+/// sums round): the lower triangle computed (half the multiply-adds of a full product)
+/// and mirrored.
+fn gram_f64(m: MatRef<'_, f32>, par: Par) -> Mat<f64> {
+    let m64 = to_f64(m);
+    let mut g = Mat::<f64>::zeros(m.ncols(), m.ncols());
+    lower_gram_add(g.as_mut(), m64.transpose(), par);
+    drop(m64);
+    mirror_lower(g.as_mut());
+    g
 }
 
 /// Widens a matrix to f64, by columns in parallel.
@@ -835,17 +838,7 @@ fn project(
 ) -> Result<Factorization> {
     let (big, q) = (qw.nrows(), qw.ncols());
     let small = z.nrows();
-    let q64 = to_f64(qw);
-    let mut g = Mat::<f64>::zeros(q, q);
-    matmul(
-        g.as_mut(),
-        Accum::Replace,
-        q64.transpose(),
-        q64.as_ref(),
-        1.0,
-        par,
-    );
-    drop(q64);
+    let g = gram_f64(qw, par);
     // Q~ = Q L^-T with G = L L^T is orthonormal in exact arithmetic. Q is orthonormal
     // to f32 precision, so every pivot must be near 1: one below 0.5 means the basis
     // lost its orthonormality.
