@@ -5,11 +5,11 @@
 
 use crate::error::{ExtractError, Result};
 use crate::factor::{FactorParams, Factorization, factorize_prechecked};
-use crate::floor::{DeltaFigures, PairBytes, expected_floor_ratio, read_pair};
+use crate::floor::{DeltaFigures, PairBytes, expected_floor_ratio};
 use crate::options::{AUTO_RANK_CAP, AUTO_RANK_SLACK, ExtractOptions, RankChoice};
 use crate::plan::{ExtractionPlan, MAX_MODULE_RANK, ModuleRole, PlannedModule};
 use crate::quant_aware::{QaContext, qa_module};
-use crate::read::ShardFiles;
+use crate::read::{PairQueue, ShardFiles};
 use crate::report::{CorrectionReport, ModuleReport};
 use crate::scan::{Projection, ScanReport};
 use crate::split::{CastFactors, split_and_cast};
@@ -133,36 +133,14 @@ pub fn factor(
     let total = plan.modules.len();
     let mut modules = Vec::with_capacity(total);
     let mut zero_delta = Vec::new();
-    // The reader runs one module ahead: while a module is factored, the next LoRA
-    // module's two tensors are read (a rendezvous channel: the reader holds at most one
-    // read pair while it waits, so memory stays at two modules' bytes and one delta).
-    std::thread::scope(|scope| -> Result<()> {
-        let (sender, receiver) = std::sync::mpsc::sync_channel::<Option<Result<PairBytes>>>(0);
-        let (merged_files, base_files) = (&merged_files, &base_files);
-        let (merged, base, planned_modules) = (&plan.merged, &plan.base, &plan.modules);
-        scope.spawn(move || {
-            for planned in planned_modules {
-                let pair = (planned.role == ModuleRole::Lora).then(|| {
-                    read_pair(
-                        merged,
-                        base,
-                        merged_files,
-                        base_files,
-                        &planned.projection.tensor,
-                    )
-                });
-                if sender.send(pair).is_err() {
-                    // The factor loop stopped (an error): nothing more to read.
-                    break;
-                }
-            }
-        });
+    // The reader runs one module ahead (`read::with_reader_ahead`).
+    crate::read::with_reader_ahead(&plan.merged, &plan.base, &plan.modules, |pairs| {
         factor_in_order(
             plan,
             options,
             qa_context.as_ref(),
             par,
-            &receiver,
+            pairs,
             progress,
             &mut modules,
             &mut zero_delta,
@@ -182,16 +160,14 @@ fn factor_in_order(
     options: &ExtractOptions,
     qa_context: Option<&QaContext<'_>>,
     par: Par,
-    pairs: &std::sync::mpsc::Receiver<Option<Result<PairBytes>>>,
+    pairs: &PairQueue,
     progress: &mut (dyn FnMut(Progress<'_>) + Send),
     modules: &mut Vec<FactoredModule>,
     zero_delta: &mut Vec<String>,
 ) -> Result<()> {
     let total = plan.modules.len();
     for (index, planned) in plan.modules.iter().enumerate() {
-        let pair = pairs
-            .recv()
-            .expect("the reader sends one item per planned module");
+        let pair = pairs.next_pair();
         progress(Progress::ModuleStarted {
             index,
             total,
@@ -216,6 +192,7 @@ fn factor_in_order(
             continue;
         };
         let seconds = module_started.elapsed().as_secs_f64();
+        crate::timeline::span("factor module", &planned.projection.tensor, module_started);
         let figures = match figures {
             ModuleFigures::Lora(mut report) => {
                 report.seconds = seconds;

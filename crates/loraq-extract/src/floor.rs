@@ -154,10 +154,8 @@ pub fn read_pair(
             ),
         });
     }
-    let mut merged_bytes = vec![0u8; info.byte_len()];
-    merged_files.read(info, 0, &mut merged_bytes)?;
-    let mut base_bytes = vec![0u8; base_info.byte_len()];
-    base_files.read(base_info, 0, &mut base_bytes)?;
+    let merged_bytes = merged_files.read_tensor(info)?;
+    let base_bytes = base_files.read_tensor(base_info)?;
     Ok(PairBytes {
         tensor: tensor.to_string(),
         dtype: info.dtype,

@@ -36,6 +36,7 @@ pub mod report;
 pub mod scan;
 pub mod split;
 pub mod target;
+pub mod timeline;
 pub mod verify;
 
 pub use error::{ExtractError, Refusal, Result};
