@@ -15,6 +15,14 @@
                                         delta with f32 factors, and the exact residual of
                                         the bf16 factors as stored (adapter_model.safetensors
                                         beside REPORT) over the same; prints one JSON line
+  perf_table.py clef-slice SLICE DST    a Clef-shaped slice: the 27b-slice pair SLICE (its
+                                        shards linked) plus, in each checkpoint, the same
+                                        tensors the LoRA leaves alone in the proportion a
+                                        Clef-shaped model has them (54 GB per checkpoint,
+                                        186 LoRA'd projections), as a third shard that is
+                                        a separate file in DST/base and DST/merged (so a
+                                        cold-cache run reads both from the disk); prints
+                                        one JSON line (bytes per checkpoint, tensors added)
 
 Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6, safetensors (scripts/requirements-model.txt).
 """
@@ -101,6 +109,82 @@ def cast_residual(base_dir: str, merged_dir: str, report_path: str, tensor: str)
     }))
 
 
+CLEF_BYTES_PER_CHECKPOINT = 54e9
+CLEF_PROJECTIONS = 186
+
+
+def clef_slice(slice_dir: str, out_dir: str) -> None:
+    import struct
+
+    def header(path):
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            return json.loads(f.read(n))
+
+    merged = os.path.join(slice_dir, "merged")
+    shards = sorted(x for x in os.listdir(merged) if x.endswith(".safetensors"))
+    tensors = {}
+    for shard in shards:
+        for name, meta in header(os.path.join(merged, shard)).items():
+            if name != "__metadata__":
+                tensors[name] = meta
+    size = {n: m["data_offsets"][1] - m["data_offsets"][0] for n, m in tensors.items()}
+    # The slice's LoRA'd projections: its 2-D *_proj weights (15 for the 27b-slice).
+    lora = [n for n, m in tensors.items() if n.endswith("_proj.weight") and len(m["shape"]) == 2]
+    lora_bytes = sum(size[n] for n in lora)
+    outside_bytes = sum(size.values()) - lora_bytes
+    # Per slice's share of the model: 54 GB x 15 / 186 in all, of which the projections.
+    share = CLEF_BYTES_PER_CHECKPOINT * len(lora) / CLEF_PROJECTIONS
+    shape = [17408, 5120]
+    tensor_bytes = shape[0] * shape[1] * 2
+    count = max(0, round((share - lora_bytes - outside_bytes) / tensor_bytes))
+    extra_shard = "model-extra-identical.safetensors"
+    names = [f"model.language_model.layers.{2 + i}.mlp.up_proj.weight" for i in range(count)]
+    meta = {}
+    for i, name in enumerate(names):
+        meta[name] = {"dtype": "BF16", "shape": shape,
+                      "data_offsets": [i * tensor_bytes, (i + 1) * tensor_bytes]}
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    rng = __import__("numpy").random.default_rng(20)
+    outputs = {}
+    for side in ("base", "merged"):
+        src = os.path.join(slice_dir, side)
+        dst = os.path.join(out_dir, side)
+        os.makedirs(dst, exist_ok=True)
+        index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+        for name in os.listdir(src):
+            if name.endswith(".safetensors") or name == "config.json":
+                target = os.path.join(dst, name)
+                if not os.path.lexists(target):
+                    os.symlink(os.path.abspath(os.path.join(src, name)), target)
+        for name in names:
+            index["weight_map"][name] = extra_shard
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        outputs[side] = open(os.path.join(dst, extra_shard), "wb")
+        outputs[side].write(struct.pack("<Q", len(head)) + head)
+    # The same bytes on both sides (contents do not matter to a byte comparison).
+    chunk = 64 << 20
+    left = count * tensor_bytes
+    while left > 0:
+        block = rng.bytes(min(chunk, left))
+        for f in outputs.values():
+            f.write(block)
+        left -= len(block)
+    for f in outputs.values():
+        f.close()
+    print(json.dumps({
+        "projections": len(lora),
+        "projection_bytes": lora_bytes,
+        "outside_bytes_before": outside_bytes,
+        "tensors_added": count,
+        "bytes_added_per_checkpoint": count * tensor_bytes,
+        "bytes_per_checkpoint": lora_bytes + outside_bytes + count * tensor_bytes,
+        "clef_share_per_checkpoint": share,
+    }))
+
+
 def main() -> None:
     command, args = sys.argv[1], sys.argv[2:]
     if command == "answers":
@@ -109,6 +193,8 @@ def main() -> None:
         records(args[0], int(args[1]), int(args[2]), int(args[3]))
     elif command == "cast-residual":
         cast_residual(*args)
+    elif command == "clef-slice":
+        clef_slice(*args)
     else:
         sys.exit(__doc__)
 

@@ -194,8 +194,16 @@ pub fn show_progress(bar: &indicatif::ProgressBar, event: Progress<'_>) {
     match event {
         Progress::Scanned(scan) => {
             bar.set_length(scan.projections.len() as u64);
+            let pending = if scan.pending_identical > 0 {
+                format!(
+                    " ({} more with an identical first block, compared in full while factoring)",
+                    scan.pending_identical
+                )
+            } else {
+                String::new()
+            };
             bar.println(format!(
-                "scan: {} identical, {} differing projections, {} base-only (ignored)",
+                "scan: {} identical{pending}, {} differing projections, {} base-only (ignored)",
                 scan.identical,
                 scan.projections.len(),
                 scan.base_only.len()

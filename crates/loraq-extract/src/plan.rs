@@ -7,7 +7,7 @@
 use crate::activation_stats::ActivationStatsFile;
 use crate::error::{ExtractError, Result};
 use crate::options::{ExtractOptions, RankChoice};
-use crate::scan::{Projection, ScanReport, scan};
+use crate::scan::{PendingScan, Projection, ScanReport, scan_first_blocks};
 use crate::target::{TargetBase, TargetSpec};
 use loraq_io::peft::VLLM_MAX_LORA_RANKS;
 use loraq_io::{Checkpoint, DType, ModuleName};
@@ -42,8 +42,12 @@ pub struct ExtractionPlan {
     pub merged: Checkpoint,
     /// The base.
     pub base: Checkpoint,
-    /// What the scan found (the LoRA's projections, identical and base-only tensors).
+    /// What the scan found (the LoRA's projections, identical and base-only tensors):
+    /// complete once [`ExtractionPlan::pending`] has been compared and absorbed.
     pub scan: ScanReport,
+    /// The tensors whose first block matched the base's, to compare in full while the
+    /// modules are factored.
+    pub pending: PendingScan,
     /// The base the adapter will run on (`--target-base`).
     pub target: Option<TargetBase>,
     /// Input second moments (`--calibration`).
@@ -77,13 +81,16 @@ pub fn input_paths(options: &ExtractOptions) -> Vec<&Path> {
     inputs
 }
 
-/// The plan stage: opens and scans both checkpoints (refusing what is not base +
-/// LoRA), opens the target and the calibration, lists the modules and checks every
-/// module's statistics before any factorization.
+/// The plan stage: opens both checkpoints and scans them (dtype, shape and first block
+/// of every tensor, refusing what is not base + LoRA; the rest of the tensors whose
+/// first block matched is left in [`ExtractionPlan::pending`]), opens the target and
+/// the calibration, lists the modules and checks every module's statistics before any
+/// factorization.
 pub fn plan(options: &ExtractOptions) -> Result<ExtractionPlan> {
     let merged = Checkpoint::open(&options.merged)?;
     let base = Checkpoint::open(&options.base)?;
-    let scanned = scan(&merged, &base)?.into_result()?;
+    let (scanned, pending) = scan_first_blocks(&merged, &base)?;
+    let scanned = scanned.into_result()?;
     let target = options
         .target_base
         .as_ref()
@@ -94,44 +101,58 @@ pub fn plan(options: &ExtractOptions) -> Result<ExtractionPlan> {
         .as_deref()
         .map(ActivationStatsFile::open)
         .transpose()?;
-    let corrections = if options.all_layers {
-        let target = target
-            .as_ref()
-            .expect("validated: --all-layers needs a target");
-        untouched_linears(&merged, &scanned)
-            .into_iter()
-            .filter(|p| target.may_change(&p.tensor))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let modules: Vec<PlannedModule> = scanned
-        .projections
-        .iter()
-        .cloned()
-        .map(|projection| PlannedModule {
-            projection,
-            role: ModuleRole::Lora,
-        })
-        .chain(corrections.into_iter().map(|projection| PlannedModule {
-            projection,
-            role: ModuleRole::Correction,
-        }))
-        .collect();
-    // Every module's statistics are checked before any work.
-    if let Some(c) = &activation_stats {
-        for p in modules.iter().map(|m| &m.projection) {
-            c.input_sq_mean(&p.module_path, p.in_features)?;
-        }
-    }
-    Ok(ExtractionPlan {
+    let mut plan = ExtractionPlan {
         merged,
         base,
         scan: scanned,
+        pending,
         target,
         activation_stats,
-        modules,
-    })
+        modules: Vec::new(),
+    };
+    plan.modules = plan.list_modules(options)?;
+    Ok(plan)
+}
+
+impl ExtractionPlan {
+    /// The modules to factor as [`ExtractionPlan::scan`] stands: the scan's projections,
+    /// then (`--all-layers`) the untouched linears the target changes; every module's
+    /// statistics checked.
+    pub fn list_modules(&self, options: &ExtractOptions) -> Result<Vec<PlannedModule>> {
+        let corrections = if options.all_layers {
+            let target = self
+                .target
+                .as_ref()
+                .expect("validated: --all-layers needs a target");
+            untouched_linears(&self.merged, &self.scan)
+                .into_iter()
+                .filter(|p| target.may_change(&p.tensor))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let modules: Vec<PlannedModule> = self
+            .scan
+            .projections
+            .iter()
+            .cloned()
+            .map(|projection| PlannedModule {
+                projection,
+                role: ModuleRole::Lora,
+            })
+            .chain(corrections.into_iter().map(|projection| PlannedModule {
+                projection,
+                role: ModuleRole::Correction,
+            }))
+            .collect();
+        // Every module's statistics are checked before any work.
+        if let Some(c) = &self.activation_stats {
+            for p in modules.iter().map(|m| &m.projection) {
+                c.input_sq_mean(&p.module_path, p.in_features)?;
+            }
+        }
+        Ok(modules)
+    }
 }
 
 fn validate_rank(rank: RankChoice) -> Result<()> {
