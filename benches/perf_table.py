@@ -129,8 +129,14 @@ def clef_slice(slice_dir: str, out_dir: str) -> None:
             if name != "__metadata__":
                 tensors[name] = meta
     size = {n: m["data_offsets"][1] - m["data_offsets"][0] for n, m in tensors.items()}
-    # The slice's LoRA'd projections: its 2-D *_proj weights (15 for the 27b-slice).
-    lora = [n for n, m in tensors.items() if n.endswith("_proj.weight") and len(m["shape"]) == 2]
+    # The slice's LoRA'd projections: the modules of its true adapter (15 for the
+    # 27b-slice), named in the adapter as base_model.model.<module>.lora_A.weight.
+    adapter = header(os.path.join(slice_dir, "true-adapter", "adapter_model.safetensors"))
+    modules = {n[len("base_model.model."):-len(".lora_A.weight")]
+               for n in adapter if n.endswith(".lora_A.weight")}
+    lora = [n for n in tensors if n[:-len(".weight")] in modules]
+    if len(lora) != len(modules):
+        sys.exit(f"{slice_dir}: {len(modules)} adapter modules, {len(lora)} found in the merge")
     lora_bytes = sum(size[n] for n in lora)
     outside_bytes = sum(size.values()) - lora_bytes
     # Per slice's share of the model: 54 GB x 15 / 186 in all, of which the projections.

@@ -751,3 +751,174 @@ fn nine_b_slice_modules_are_at_the_floor() {
         }
     }
 }
+
+/// bf16 bits of `x`, rounded to nearest even (finite values).
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+fn bf16_value(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Deterministic values in [-1, 1) (a 64-bit LCG), independent of the code under test.
+fn lcg_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Little-endian bf16 bytes of `values`.
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| bf16_bits(v).to_le_bytes())
+        .collect()
+}
+
+/// A tiny pair plus one tensor `name` of `shape` in both checkpoints: the base's values
+/// random, the merge's the base's plus `delta(row, col)` rounded to bf16, the rows
+/// before `first_changed_row` left byte-identical. Returns (guard, root, merged, base,
+/// the merge's f32 values minus the base's).
+fn pair_with_late_difference(
+    seed: u64,
+    name: &str,
+    shape: &[usize],
+    first_changed_row: usize,
+    delta: &dyn Fn(usize, usize) -> f64,
+) -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf, Vec<f64>) {
+    let (guard, root) = tiny(seed, &[]);
+    let cols: usize = shape[1..].iter().product();
+    let rows = shape[0];
+    let base_values: Vec<f32> = lcg_values(seed, rows * cols)
+        .iter()
+        .map(|v| 0.02 * v)
+        .collect();
+    let base_bf16: Vec<f32> = base_values
+        .iter()
+        .map(|&v| bf16_value(bf16_bits(v)))
+        .collect();
+    let merged_bf16: Vec<f32> = (0..rows * cols)
+        .map(|k| {
+            let (i, j) = (k / cols, k % cols);
+            if i < first_changed_row {
+                base_bf16[k]
+            } else {
+                bf16_value(bf16_bits((base_bf16[k] as f64 + delta(i, j)) as f32))
+            }
+        })
+        .collect();
+    let difference: Vec<f64> = merged_bf16
+        .iter()
+        .zip(&base_bf16)
+        .map(|(&m, &b)| m as f64 - b as f64)
+        .collect();
+    let mut written = Vec::new();
+    for (side, values) in [("base", &base_bf16), ("merged", &merged_bf16)] {
+        let dst = root.join(format!("{side}-late"));
+        rewrite(
+            &root.join(side),
+            &dst,
+            &keep,
+            vec![(
+                TensorSpec::new(name, DType::BF16, shape.to_vec()),
+                bf16_bytes(values),
+            )],
+        );
+        written.push(dst);
+    }
+    let base = written.remove(0);
+    let merged = written.remove(0);
+    (guard, root, merged, base, difference)
+}
+
+/// A projection whose first 1 MiB (the part the scan compares before factoring) is
+/// byte-identical in both checkpoints is found by the rest of the scan, which runs
+/// while the other modules are factored, and is factored afterwards: it is in the
+/// report and the adapter, in name order, and its factors reproduce the known delta
+/// within the floor.
+#[test]
+fn a_projection_differing_only_past_its_first_mebibyte_is_extracted() {
+    let name = "model.language_model.layers.7.mlp.up_proj.weight";
+    let (rows, cols) = (1024, 1024);
+    let u = lcg_values(101, rows);
+    let v = lcg_values(102, cols);
+    // Rank 1, about 40 bf16 ulps of the base's values, in rows 600 and on only (the
+    // first 512 rows are the first MiB).
+    let (_guard, root, merged, base, difference) =
+        pair_with_late_difference(21, name, &[rows, cols], 600, &|i, j| {
+            5e-3 * u[i] as f64 * v[j] as f64
+        });
+    assert!(difference[..512 * cols].iter().all(|&d| d == 0.0));
+    let out = root.join("out-late");
+    let report = extract_ok(&merged, &base, &out, &["--rank", "8"]);
+    let modules: Vec<String> = module_reports(&report)
+        .iter()
+        .map(|m| m["module"].as_str().unwrap().to_string())
+        .collect();
+    let module = name.trim_end_matches(".weight");
+    assert!(
+        modules.iter().any(|m| m == module),
+        "{module} not extracted: {modules:?}"
+    );
+    let mut sorted = modules.clone();
+    sorted.sort();
+    assert_eq!(modules, sorted, "modules in name order");
+    // The same identical tensors as the tiny pair alone.
+    let plain = extract_ok(
+        &root.join("merged"),
+        &root.join("base"),
+        &root.join("out-plain"),
+        &["--rank", "8"],
+    );
+    assert_eq!(report["identical_tensors"], plain["identical_tensors"]);
+    assert_eq!(modules.len(), module_reports(&plain).len() + 1);
+    let row = module_reports(&report)
+        .into_iter()
+        .find(|m| m["module"] == module)
+        .unwrap();
+    let floor = row["floor"].as_f64().unwrap();
+    let adapter = LoraAdapter::open(&out).unwrap();
+    let ours = adapter_delta(&adapter, module);
+    // The rank-1 delta before the merge's rounding: the fit is within the floor of it.
+    let truth: Vec<f64> = (0..rows * cols)
+        .map(|k| {
+            let (i, j) = (k / cols, k % cols);
+            if i < 600 {
+                0.0
+            } else {
+                5e-3 * u[i] as f64 * v[j] as f64
+            }
+        })
+        .collect();
+    let error = ours
+        .iter()
+        .zip(&truth)
+        .map(|(x, y)| (x - y).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        error <= floor,
+        "||BA - true delta|| = {error:e}, floor {floor:e}"
+    );
+    let norm = difference.iter().map(|d| d * d).sum::<f64>().sqrt();
+    assert!(norm > 10.0 * floor, "the delta is well above the floor");
+}
+
+/// A tensor that cannot be in an adapter and differs only past its first MiB is
+/// refused by name, with no output, though the factoring had started.
+#[test]
+fn a_norm_differing_only_past_its_first_mebibyte_is_refused() {
+    let name = "model.language_model.layers.7.post_attention_layernorm.weight";
+    let (_guard, root, merged, base, _) =
+        pair_with_late_difference(22, name, &[600_000, 1], 590_000, &|_, _| 1e-2);
+    let out = root.join("out-late");
+    assert_refused(&extract(&merged, &base, &out, &["--rank", "8"]), &out, name);
+}

@@ -203,11 +203,11 @@ fn read_into_spare(
 /// Marks the 2 MiB-aligned part of `buf` for transparent huge pages (Linux; a hint: a
 /// refusal, e.g. with huge pages off, changes nothing).
 #[cfg(target_os = "linux")]
-fn advise_huge_pages(buf: &mut [std::mem::MaybeUninit<u8>]) {
+fn advise_huge_pages<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
     const HUGE: usize = 2 << 20;
     let start = buf.as_mut_ptr() as usize;
     let aligned = start.next_multiple_of(HUGE);
-    let end = (start + buf.len()) / HUGE * HUGE;
+    let end = (start + std::mem::size_of_val(buf)) / HUGE * HUGE;
     if end > aligned {
         // SAFETY: the range lies inside `buf`'s allocation; MADV_HUGEPAGE changes how
         // its pages are backed, not their contents.
@@ -222,7 +222,7 @@ fn advise_huge_pages(buf: &mut [std::mem::MaybeUninit<u8>]) {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_: &mut [std::mem::MaybeUninit<u8>]) {}
+fn advise_huge_pages<T>(_: &mut [std::mem::MaybeUninit<T>]) {}
 
 #[cfg(unix)]
 fn read_at(file: &File, buf: &mut [u8], position: u64) -> std::io::Result<()> {
