@@ -26,11 +26,11 @@ LORAQ_EXTRACT_TIMELINE=1 /usr/bin/time -f 'wall %e s, user %U s, sys %S s, peak 
 after="$(read_sectors)"
 grep -v '^timeline ' "$LINES" | tail -n 1
 awk '/^timeline / {
-    kind = $5; for (i = 6; i <= NF && $i !~ /[.0-9]/; i++) kind = kind " " $i
-    seconds[kind] += $4 - $3; count[kind]++
+    kind = $6; for (i = 7; i <= NF && $i !~ /[.0-9]/; i++) kind = kind " " $i
+    seconds[kind] += $4 - $3; count[kind]++; if ($5 != "-") cpu[kind] += $5
     if ($4 > end) end = $4
 } END {
-    for (k in seconds) printf "%-22s %4d spans %9.3f s\n", k, count[k], seconds[k]
+    for (k in seconds) printf "%-22s %4d spans %9.3f s wall %9.3f s CPU of its thread\n", k, count[k], seconds[k], cpu[k]
     printf "last span ends at %.3f s\n", end
 }' "$LINES" | sort
 awk -v a="$before" -v b="$after" 'BEGIN { printf "disk read during the run: %.0f MB (all devices)\n", (b - a) * 512 / 1e6 }'

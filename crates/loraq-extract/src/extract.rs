@@ -67,7 +67,7 @@ fn extract_on_current_pool(
     let factored = factor_while_scanning(&mut plan, options, progress)?;
     let above_threshold = check_residuals(&factored, options)?;
     progress(Progress::Writing);
-    let writing = Instant::now();
+    let writing = timeline::Span::start();
     let written = write_adapter_dir(
         out.path(),
         &plan,
@@ -78,7 +78,7 @@ fn extract_on_current_pool(
     )?;
     check_written(out.path(), &plan, options, &written.entries)?;
     out.commit()?;
-    timeline::span("write and check", "", writing);
+    writing.end("write and check", "");
     Ok(written.report)
 }
 

@@ -14,7 +14,6 @@ use loraq_io::{Checkpoint, TensorInfo};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, sync_channel};
-use std::time::Instant;
 
 /// The shard files of a checkpoint, open for positioned reads.
 pub struct ShardFiles {
@@ -70,12 +69,12 @@ pub struct PairQueue {
 impl PairQueue {
     /// The next planned module's pair, waiting for the reader if it is still reading.
     pub fn next_pair(&self) -> Option<Result<PairBytes>> {
-        let started = Instant::now();
+        let span = timeline::Span::start();
         let pair = self
             .pairs
             .recv()
             .expect("the reader sends one item per planned module");
-        timeline::span("wait for reader", "", started);
+        span.end("wait for reader", "");
         pair
     }
 }
@@ -103,10 +102,10 @@ pub fn with_reader_ahead<T>(
             .spawn_scoped(scope, move || {
                 for planned in modules {
                     let pair = (planned.role == ModuleRole::Lora).then(|| {
-                        let started = Instant::now();
+                        let span = timeline::Span::start();
                         let tensor = &planned.projection.tensor;
                         let pair = read_pair(merged, base, merged_files, base_files, tensor);
-                        timeline::span("read pair", tensor, started);
+                        span.end("read pair", tensor);
                         pair
                     });
                     if sender.send(pair).is_err() {

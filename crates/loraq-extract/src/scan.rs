@@ -209,7 +209,7 @@ impl PendingScan {
     ) -> Result<PendingOutcome> {
         let merged_files = ShardFiles::open(merged)?;
         let base_files = ShardFiles::open(base)?;
-        let started = std::time::Instant::now();
+        let span = crate::timeline::Span::start();
         let mut outcome = PendingOutcome::default();
         let mut x = Vec::new();
         let mut y = Vec::new();
@@ -246,10 +246,9 @@ impl PendingScan {
                 }
             }
         }
-        crate::timeline::span(
+        span.end(
             "scan rest",
             &format!("{} tensors, {} bytes", self.tensors.len(), self.bytes),
-            started,
         );
         Ok(outcome)
     }
@@ -282,7 +281,7 @@ fn scan_first_blocks_by(
     block: usize,
     rest_block: usize,
 ) -> Result<(ScanReport, PendingScan)> {
-    let started = std::time::Instant::now();
+    let span = crate::timeline::Span::start();
     let merged_files = ShardFiles::open(merged)?;
     let base_files = ShardFiles::open(base)?;
     let merged_tensors: Vec<&TensorInfo> = merged.tensors().collect();
@@ -325,10 +324,9 @@ fn scan_first_blocks_by(
         .collect();
     report.projections.sort_by(|a, b| a.tensor.cmp(&b.tensor));
     report.refusals.sort_by(|a, b| a.tensor.cmp(&b.tensor));
-    crate::timeline::span(
+    span.end(
         "scan first blocks",
         &format!("{} tensors", merged_tensors.len()),
-        started,
     );
     Ok((report, pending))
 }
