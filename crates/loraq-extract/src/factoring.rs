@@ -134,7 +134,7 @@ pub fn factor(
     let mut modules = Vec::with_capacity(total);
     let mut zero_delta = Vec::new();
     // The reader runs one module ahead (`read::with_reader_ahead`).
-    crate::read::with_reader_ahead(&plan.merged, &plan.base, &plan.modules, |pairs| {
+    crate::read::with_reader_ahead(plan, |pairs| {
         factor_in_order(
             plan,
             options,

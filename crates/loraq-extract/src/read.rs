@@ -8,7 +8,7 @@
 
 use crate::error::{ExtractError, Result};
 use crate::floor::{PairBytes, read_pair};
-use crate::plan::{ModuleRole, PlannedModule};
+use crate::plan::{ExtractionPlan, ModuleRole};
 use crate::timeline;
 use loraq_io::{Checkpoint, TensorInfo};
 use std::fs::File;
@@ -86,12 +86,16 @@ impl PairQueue {
 /// bytes and one delta; reading is overlapped as long as a pair reads faster than a
 /// module factors (at disk speed, 0.4 s for the largest 27B pair against 1.5-2.5 s of
 /// factoring).
+///
+/// When the rest of the scan, running beside, has refused a tensor
+/// ([`crate::scan::PendingScan::refused_so_far`]), the reader hands the factoring that
+/// refusal instead of the next pair, so a merge that is not base + LoRA is refused
+/// without factoring the rest of the model first.
 pub fn with_reader_ahead<T>(
-    merged: &Checkpoint,
-    base: &Checkpoint,
-    modules: &[PlannedModule],
+    plan: &ExtractionPlan,
     body: impl FnOnce(&PairQueue) -> Result<T>,
 ) -> Result<T> {
+    let (merged, base, modules) = (&plan.merged, &plan.base, &plan.modules);
     let merged_files = ShardFiles::open(merged)?;
     let base_files = ShardFiles::open(base)?;
     std::thread::scope(|scope| {
@@ -101,6 +105,18 @@ pub fn with_reader_ahead<T>(
             .name("pair reader".into())
             .spawn_scoped(scope, move || {
                 for planned in modules {
+                    let refusals = plan.pending.refused_so_far();
+                    if !refusals.is_empty() {
+                        // In place of every remaining pair: a LoRA module's stops the
+                        // factoring (a correction reads its own tensors and goes on).
+                        if sender
+                            .send(Some(Err(ExtractError::Refused { refusals })))
+                            .is_err()
+                        {
+                            break;
+                        }
+                        continue;
+                    }
                     let pair = (planned.role == ModuleRole::Lora).then(|| {
                         let span = timeline::Span::start();
                         let tensor = &planned.projection.tensor;

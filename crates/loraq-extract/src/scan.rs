@@ -158,10 +158,14 @@ fn classify_differing(m: &TensorInfo) -> Difference {
 /// The tensors whose first block matched the base's, left to compare in full: in
 /// `loraq extract` while the modules are factored, so that reading them (most of a
 /// model the LoRA leaves alone) overlaps the factorization instead of preceding it.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct PendingScan {
-    /// Tensor names, in the merge's order.
+    /// Tensor names: those that could only be refused if they differ (embeddings,
+    /// lm_head, norms: e.g. rows for added tokens at the end of embed_tokens) first,
+    /// then the linears, each group in the merge's order.
     tensors: Vec<String>,
+    /// Refusals found so far, for [`PendingScan::refused_so_far`].
+    refused: std::sync::Mutex<Vec<Refusal>>,
     /// Bytes per checkpoint still to compare.
     bytes: u64,
     /// Bytes at the start of each tensor already compared.
@@ -195,6 +199,15 @@ impl PendingScan {
     /// Bytes per checkpoint left to compare.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// The refusals [`PendingScan::finish`] has found so far (while it runs beside the
+    /// factoring, which stops at the next module when there is one).
+    pub fn refused_so_far(&self) -> Vec<Refusal> {
+        self.refused
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     /// Compares the rest of every pending tensor, one tensor after another in large
@@ -242,7 +255,13 @@ impl PendingScan {
             } else {
                 match classify_differing(m) {
                     Difference::Projection(p) => outcome.projections.push(p),
-                    Difference::Refused(r) => outcome.refusals.push(r),
+                    Difference::Refused(r) => {
+                        self.refused
+                            .lock()
+                            .unwrap_or_else(|poisoned| poisoned.into_inner())
+                            .push(r.clone());
+                        outcome.refusals.push(r);
+                    }
                 }
             }
         }
@@ -316,6 +335,13 @@ fn scan_first_blocks_by(
             Verdict::Differs(Difference::Refused(r)) => report.refusals.push(r),
         }
     }
+    // Tensors that can only be refused first, so that such a refusal stops the
+    // factoring early.
+    pending.tensors.sort_by_key(|name| {
+        ModuleName::parse(name)
+            .as_ref()
+            .is_some_and(ModuleName::is_linear_weight)
+    });
     report.pending_identical = pending.len();
     report.base_only = base
         .tensors()
