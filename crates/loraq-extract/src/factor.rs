@@ -508,7 +508,7 @@ fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
     Some(f32_product(w, m.as_ref(), par))
 }
 
-/// A thin SVD $Z = U_z \,\mathrm{diag}(s)\, V_z^\top$: `left` $U_z$ (`n x q`), `right`
+/// A thin SVD $Z = U_z \\,\mathrm{diag}(s)\\, V_z^\top$: `left` $U_z$ (`n x q`), `right`
 /// $V_z$ (`q x q`).
 struct TallSvd {
     s: Vec<f64>,
