@@ -83,8 +83,11 @@ impl Default for IdTable {
 
 impl IdTable {
     fn with_bits(bits: u32) -> Self {
+        let mut slots = Vec::with_capacity(1 << bits);
+        advise_huge_pages(&slots);
+        slots.resize(1 << bits, FREE);
         Self {
-            slots: vec![FREE; 1 << bits],
+            slots,
             bits,
             len: 0,
         }
@@ -206,6 +209,29 @@ pub(crate) fn prefetch(address: *const u8) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = address;
+}
+
+/// Asks the kernel to back the spare capacity of `vec` with huge pages (a hint; Linux
+/// only): tables read at random then miss the TLB far less often, and fill with far
+/// fewer page faults. Call before the memory is first written.
+pub(crate) fn advise_huge_pages<T>(vec: &Vec<T>) {
+    const HUGE_PAGE: usize = 2 << 20;
+    let bytes = vec.capacity().saturating_mul(std::mem::size_of::<T>());
+    if bytes < 2 * HUGE_PAGE {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let start = vec.as_ptr() as usize;
+        let aligned = start.next_multiple_of(PAGE);
+        let length = (start + bytes - aligned) / PAGE * PAGE;
+        // SAFETY: the range lies inside the vector's allocation, which this process
+        // owns; MADV_HUGEPAGE changes how pages are backed, never their contents.
+        unsafe {
+            libc::madvise(aligned as *mut libc::c_void, length, libc::MADV_HUGEPAGE);
+        }
+    }
 }
 
 /// rustc's Fx hash: ids are not adversarial, and SipHash was a tenth of the time of

@@ -16,7 +16,7 @@ use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock, ParsedPiece};
 use crate::error::{EvalError, FieldMismatch, Result};
-use crate::id_table::{FastHasher, IdKey, IdTable, prefetch};
+use crate::id_table::{FastHasher, IdKey, IdTable, advise_huge_pages, prefetch};
 
 /// Pieces each block of lines is split into per thread, so that a piece of long
 /// lines does not leave the other threads idle.
@@ -128,6 +128,8 @@ impl ReferenceStore {
     fn reserve(&mut self, lines: usize) {
         self.entries.reserve(lines);
         self.values.reserve(lines.saturating_mul(8));
+        advise_huge_pages(&self.entries);
+        advise_huge_pages(&self.values);
         self.index.reserve(lines);
     }
 
@@ -391,7 +393,9 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
             gold: None,
         },
     };
-    let mut slots: Vec<Slot> = vec![empty; entries.len()];
+    let mut slots: Vec<Slot> = Vec::with_capacity(entries.len());
+    advise_huge_pages(&slots);
+    slots.resize(entries.len(), empty);
     let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
     // Candidates are looked up and reduced in parallel, then placed in file order
     // while the next block is parsed, looked up and reduced.
