@@ -395,7 +395,8 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     };
     let mut slots: Vec<Slot> = Vec::with_capacity(entries.len());
     advise_huge_pages(&slots);
-    slots.resize(entries.len(), empty);
+    // Filled by every thread: the first write of each page is a fault and a clear.
+    slots.par_extend(rayon::iter::repeat_n(empty, entries.len()));
     let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
     // Candidates are looked up and reduced in parallel, then placed in file order
     // while the next block is parsed, looked up and reduced.
