@@ -149,7 +149,11 @@ impl ReferenceStore {
             ids,
             index: table,
         } = self;
-        let index = u32::try_from(entries.len()).expect("fewer than 2^32 questions");
+        // u32::MAX marks a free slot of the table.
+        let index = u32::try_from(entries.len())
+            .ok()
+            .filter(|&index| index != u32::MAX)
+            .expect("fewer than 2^32 - 1 questions");
         let same_id = |entry: u32| id_of(entries, ids, entry as usize) == row.id;
         if let Err(first) = table.insert(key, index, same_id) {
             return Err(entries[first as usize].line);
