@@ -145,6 +145,8 @@ pub struct AnswersReader<R> {
     /// An error found while reading ahead, reported after the lines before it.
     pending: Option<EvalError>,
     failed: bool,
+    /// The file's length when opened from a path.
+    file_len: Option<u64>,
 }
 
 impl AnswersReader<BufReader<File>> {
@@ -155,7 +157,10 @@ impl AnswersReader<BufReader<File>> {
             path: path.to_path_buf(),
             error,
         })?;
-        Ok(Self::new(BufReader::with_capacity(1 << 20, file), path))
+        let file_len = file.metadata().ok().map(|m| m.len());
+        let mut reader = Self::new(BufReader::with_capacity(1 << 20, file), path);
+        reader.file_len = file_len;
+        Ok(reader)
     }
 }
 
@@ -170,7 +175,15 @@ impl<R: BufRead> AnswersReader<R> {
             carry: Vec::new(),
             pending: None,
             failed: false,
+            file_len: None,
         }
+    }
+
+    /// The length in bytes of the file read, when it was opened from a path
+    /// ([`AnswersReader::open`]): an estimate of its size for callers that reserve
+    /// memory, not a limit.
+    pub fn file_len(&self) -> Option<u64> {
+        self.file_len
     }
 
     /// The file name used in error messages.
@@ -333,6 +346,16 @@ pub struct ParsedPiece<'a> {
 }
 
 impl LineBlock {
+    /// Bytes of whole lines in the block.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The block holds no line.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
     /// Splits the block into about `pieces` runs of whole lines and parses them in
     /// parallel; every piece stops at its first bad line. Blank lines are skipped,
     /// lines longer than [`MAX_JSON_LINE_BYTES`] refused.

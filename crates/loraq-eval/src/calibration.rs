@@ -89,26 +89,85 @@ pub fn adaptive_calibration_error(
     if n == 0 {
         return None;
     }
-    let sorted = sorted_by_confidence(confidence, correct);
+    let sorted = sorted_keys(confidence);
     let (base, larger) = (n / bins, n % bins);
+    // Group g holds ranks starts[g]..starts[g + 1] of the stable order.
+    let mut starts = Vec::with_capacity(bins + 1);
     let mut start = 0;
+    for g in 0..bins {
+        starts.push(start);
+        start += base + usize::from(g < larger);
+    }
+    starts.push(n);
+    let correct_below = correct_below_ranks(&sorted, confidence, correct, &starts);
     let mut ece = 0.0;
     for g in 0..bins {
-        let size = base + usize::from(g < larger);
+        let size = starts[g + 1] - starts[g];
         if size == 0 {
             continue;
         }
-        let group = &sorted[start..start + size];
-        start += size;
-        let mean_confidence = group
+        let mean_confidence = sorted[starts[g]..starts[g + 1]]
             .iter()
-            .map(|&(key, _)| confidence_of_key(key))
+            .map(|&key| confidence_of_key(key))
             .sum::<f64>()
             / size as f64;
-        let accuracy = group.iter().filter(|&&(_, ok)| ok).count() as f64 / size as f64;
+        let accuracy = (correct_below[g + 1] - correct_below[g]) as f64 / size as f64;
         ece += size as f64 / n as f64 * (accuracy - mean_confidence).abs();
     }
     Some(ece)
+}
+
+/// For each rank `r` of `ranks` (ascending), how many of the first `r` questions of
+/// the stable order by confidence (ties in input order) are correct, without
+/// ordering the questions themselves: the first `r` are those whose key is below
+/// the key at rank `r` and the first few, in input order, of those whose key equals
+/// it (as many as rank `r` lies past the first of that key in `sorted`).
+fn correct_below_ranks(
+    sorted: &[u64],
+    confidence: &[f64],
+    correct: &[bool],
+    ranks: &[usize],
+) -> Vec<usize> {
+    // (key at the rank, questions of that key before the rank); past the end every
+    // question lies below.
+    let bounds: Vec<(u64, usize)> = ranks
+        .iter()
+        .map(|&rank| match sorted.get(rank) {
+            Some(&key) => (key, rank - sorted.partition_point(|&k| k < key)),
+            None => (u64::MAX, usize::MAX),
+        })
+        .collect();
+    // A correct question counts for every bound from some index on: one increment
+    // there, then a running sum.
+    let mut first_counted = vec![0usize; bounds.len() + 1];
+    // Questions seen so far of the key of the bounds starting at each index.
+    let mut ties_seen = vec![0usize; bounds.len()];
+    for (&c, &ok) in confidence.iter().zip(correct) {
+        let key = total_order_key(c);
+        let below = bounds.partition_point(|&(k, _)| k < key);
+        let mut from = below;
+        if bounds.get(below).is_some_and(|&(k, _)| k == key) {
+            let seen = ties_seen[below];
+            ties_seen[below] += 1;
+            while bounds
+                .get(from)
+                .is_some_and(|&(k, need)| k == key && need <= seen)
+            {
+                from += 1;
+            }
+        }
+        if ok {
+            first_counted[from] += 1;
+        }
+    }
+    let mut running = 0;
+    first_counted[..bounds.len()]
+        .iter()
+        .map(|&count| {
+            running += count;
+            running
+        })
+        .collect()
 }
 
 /// The key of `x` in `f64::total_cmp`'s order, as an unsigned integer.
@@ -125,41 +184,41 @@ fn confidence_of_key(key: u64) -> f64 {
     f64::from_bits(bits ^ ((((bits as i64) >> 63) as u64) >> 1))
 }
 
-/// (confidence key, correct) sorted by confidence in `f64::total_cmp`'s order, ties
-/// in input order: what a stable sort of the questions by confidence gives, by a
-/// least-significant-digit radix sort (byte by byte, each pass stable; a byte every
-/// key shares is skipped), linear in the number of questions.
-fn sorted_by_confidence(confidence: &[f64], correct: &[bool]) -> Vec<(u64, bool)> {
-    let mut items: Vec<(u64, bool)> = confidence
-        .iter()
-        .zip(correct)
-        .map(|(&c, &ok)| (total_order_key(c), ok))
-        .collect();
-    let mut counts = vec![[0usize; 256]; 8];
-    for &(key, _) in &items {
-        for (byte, count) in counts.iter_mut().enumerate() {
-            count[(key >> (8 * byte)) as usize & 0xFF] += 1;
+/// The confidences' [`total_order_key`]s in ascending order, by a
+/// least-significant-digit radix sort (11 bits a pass; a digit every key shares is
+/// skipped), linear in the number of questions. Equal keys are equal confidences,
+/// so the order of ties is not needed here ([`correct_below_ranks`] places them).
+fn sorted_keys(confidence: &[f64]) -> Vec<u64> {
+    const BITS: u32 = 11;
+    const DIGITS: usize = 64_usize.div_ceil(BITS as usize);
+    const BUCKETS: usize = 1 << BITS;
+    let digit = |key: u64, pass: usize| (key >> (BITS as usize * pass)) as usize & (BUCKETS - 1);
+    let mut keys: Vec<u64> = confidence.iter().map(|&c| total_order_key(c)).collect();
+    let mut counts = vec![[0usize; BUCKETS]; DIGITS];
+    for &key in &keys {
+        for (pass, count) in counts.iter_mut().enumerate() {
+            count[digit(key, pass)] += 1;
         }
     }
-    let mut scattered = vec![(0u64, false); items.len()];
-    for (byte, count) in counts.iter().enumerate() {
-        if count.contains(&items.len()) {
+    let mut scattered = vec![0u64; keys.len()];
+    for (pass, count) in counts.iter().enumerate() {
+        if count.contains(&keys.len()) {
             continue;
         }
-        let mut next = [0usize; 256];
+        let mut next = [0usize; BUCKETS];
         let mut total = 0;
         for (next, &count) in next.iter_mut().zip(count) {
             *next = total;
             total += count;
         }
-        for &item in &items {
-            let digit = (item.0 >> (8 * byte)) as usize & 0xFF;
-            scattered[next[digit]] = item;
-            next[digit] += 1;
+        for &key in &keys {
+            let d = digit(key, pass);
+            scattered[next[d]] = key;
+            next[d] += 1;
         }
-        std::mem::swap(&mut items, &mut scattered);
+        std::mem::swap(&mut keys, &mut scattered);
     }
-    items
+    keys
 }
 
 #[cfg(test)]
@@ -184,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn radix_order_is_a_stable_sort_by_total_order() {
+    fn radix_order_is_the_total_order() {
         let values = [
             0.5,
             -0.0,
@@ -200,18 +259,60 @@ mod tests {
             -1e-300,
             0.7,
         ];
-        let correct: Vec<bool> = (0..values.len()).map(|i| i % 2 == 0).collect();
-        let mut expected: Vec<usize> = (0..values.len()).collect();
-        expected.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
-        let sorted = sorted_by_confidence(&values, &correct);
-        let got: Vec<(u64, bool)> = expected
+        let mut expected = values.to_vec();
+        expected.sort_by(f64::total_cmp);
+        let ours: Vec<u64> = sorted_keys(&values)
             .iter()
-            .map(|&i| (values[i].to_bits(), correct[i]))
+            .map(|&key| confidence_of_key(key).to_bits())
             .collect();
-        let ours: Vec<(u64, bool)> = sorted
-            .iter()
-            .map(|&(key, ok)| (confidence_of_key(key).to_bits(), ok))
-            .collect();
-        assert_eq!(ours, got);
+        let expected: Vec<u64> = expected.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(ours, expected);
+    }
+
+    /// The definition: questions stably sorted by confidence, split as
+    /// `numpy.array_split`, sums in sorted order.
+    fn adaptive_by_stable_sort(confidence: &[f64], correct: &[bool], bins: usize) -> f64 {
+        let n = confidence.len();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| confidence[a].total_cmp(&confidence[b]));
+        let (base, larger) = (n / bins, n % bins);
+        let (mut start, mut ece) = (0, 0.0);
+        for g in 0..bins {
+            let size = base + usize::from(g < larger);
+            if size == 0 {
+                continue;
+            }
+            let group = &order[start..start + size];
+            start += size;
+            let mean = group.iter().map(|&i| confidence[i]).sum::<f64>() / size as f64;
+            let accuracy = group.iter().filter(|&&i| correct[i]).count() as f64 / size as f64;
+            ece += size as f64 / n as f64 * (accuracy - mean).abs();
+        }
+        ece
+    }
+
+    #[test]
+    fn adaptive_ece_places_ties_as_a_stable_sort() {
+        // Few distinct confidences, so that ties straddle the group boundaries.
+        let mut state = 3u64;
+        let mut next = |bound: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % bound
+        };
+        for trial in 0..300 {
+            let n = 1 + next(400) as usize;
+            let distinct = 1 + next(if trial % 2 == 0 { 5 } else { 1000 });
+            let confidence: Vec<f64> = (0..n)
+                .map(|_| 0.25 + 0.75 * next(distinct) as f64 / distinct as f64)
+                .collect();
+            let correct: Vec<bool> = (0..n).map(|_| next(2) == 0).collect();
+            for bins in [1, 2, 3, 7, 15, n, n + 3] {
+                let ours = adaptive_calibration_error(&confidence, &correct, bins).unwrap();
+                let expected = adaptive_by_stable_sort(&confidence, &correct, bins);
+                assert_eq!(ours.to_bits(), expected.to_bits(), "n {n}, bins {bins}");
+            }
+        }
     }
 }

@@ -16,6 +16,7 @@ pub mod calibration;
 pub mod compare;
 pub mod error;
 pub mod hidden;
+mod id_table;
 pub mod pair;
 mod plain_line;
 pub mod render;

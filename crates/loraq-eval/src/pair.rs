@@ -16,7 +16,7 @@ use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock, ParsedPiece};
 use crate::error::{EvalError, FieldMismatch, Result};
-use hashbrown::HashTable;
+use crate::id_table::{FastHasher, IdKey, IdTable, advise_huge_pages, prefetch};
 
 /// Pieces each block of lines is split into per thread, so that a piece of long
 /// lines does not leave the other threads idle.
@@ -81,7 +81,8 @@ struct ReferenceEntry {
     options: u32,
     group: Option<u32>,
     gold: Option<u32>,
-    /// Start of the probabilities in [`ReferenceStore::probs`] (and log-probs).
+    /// Start of the probabilities in [`ReferenceStore::values`], the log-probabilities
+    /// right after them (one cache line for four options).
     start: usize,
     /// Start of the id in [`ReferenceStore::ids`] (it ends where the next begins).
     id_start: usize,
@@ -91,13 +92,12 @@ struct ReferenceEntry {
 #[derive(Default)]
 struct ReferenceStore {
     entries: Vec<ReferenceEntry>,
-    probs: Vec<f64>,
-    log_probs: Vec<f64>,
+    /// Each entry's probabilities then its log-probabilities.
+    values: Vec<f64>,
     /// Every id, one after the other.
     ids: String,
-    /// Each entry's index (low 32 bits) and its id's [`IdHash`] (high 32 bits), so
-    /// that growing the table never reads an id again.
-    index: HashTable<u64>,
+    /// Each id's entry.
+    index: IdTable,
 }
 
 impl ReferenceStore {
@@ -105,20 +105,39 @@ impl ReferenceStore {
         id_of(&self.entries, &self.ids, index)
     }
 
-    /// The entry of `id`, given its [`IdHash`].
-    fn find(&self, hash: IdHash, id: &str) -> Option<u32> {
-        self.index
-            .find(hash.table_hash(), |&slot| {
-                IdHash::of_slot(slot) == hash && self.id(entry_of_slot(slot)) == id
-            })
-            .map(|&slot| entry_of_slot(slot) as u32)
+    /// The entry of `id`, given its key.
+    #[inline]
+    fn find(&self, key: &IdKey, id: &str) -> Option<u32> {
+        self.index.find(key, |entry| self.id(entry as usize) == id)
+    }
+
+    /// The probabilities and log-probabilities of `entry`, which has `width` options.
+    fn values_of(&self, entry: &ReferenceEntry, width: usize) -> (&[f64], &[f64]) {
+        self.values[entry.start..entry.start + 2 * width].split_at(width)
+    }
+
+    /// Starts loading the values of `entry` (a hint).
+    #[inline]
+    fn prefetch_values(&self, entry: &ReferenceEntry) {
+        if let Some(first) = self.values.get(entry.start) {
+            prefetch(std::ptr::from_ref(first).cast());
+        }
+    }
+
+    /// Makes room for `lines` more answers of four options.
+    fn reserve(&mut self, lines: usize) {
+        self.entries.reserve(lines);
+        self.values.reserve(lines.saturating_mul(8));
+        advise_huge_pages(&self.entries);
+        advise_huge_pages(&self.values);
+        self.index.reserve(lines);
     }
 
     /// Appends a reference answer and indexes its id; the line of the first answer
     /// with the same id when there is one (nothing is appended then).
     fn push(
         &mut self,
-        hash: IdHash,
+        key: &IdKey,
         row: &AnswerRow<'_>,
         columns: &AnswerColumns<'_>,
         options: u32,
@@ -126,39 +145,49 @@ impl ReferenceStore {
     ) -> std::result::Result<(), u64> {
         let Self {
             entries,
-            probs,
-            log_probs,
+            values,
             ids,
             index: table,
         } = self;
-        let index = u32::try_from(entries.len()).expect("fewer than 2^32 questions");
-        let same_id = |&slot: &u64| {
-            IdHash::of_slot(slot) == hash && id_of(entries, ids, entry_of_slot(slot)) == row.id
-        };
-        match table.entry(hash.table_hash(), same_id, |&slot| {
-            IdHash::of_slot(slot).table_hash()
-        }) {
-            hashbrown::hash_table::Entry::Occupied(first) => {
-                return Err(entries[entry_of_slot(*first.get())].line);
-            }
-            hashbrown::hash_table::Entry::Vacant(slot) => {
-                slot.insert(u64::from(hash.0) << 32 | u64::from(index));
-            }
+        // u32::MAX marks a free slot of the table.
+        let index = u32::try_from(entries.len())
+            .ok()
+            .filter(|&index| index != u32::MAX)
+            .expect("fewer than 2^32 - 1 questions");
+        let same_id = |entry: u32| id_of(entries, ids, entry as usize) == row.id;
+        if let Err(first) = table.insert(key, index, same_id) {
+            return Err(entries[first as usize].line);
         }
         entries.push(ReferenceEntry {
             line: row.line,
             options,
             group,
             gold: row.gold.map(|g| g as u32),
-            start: probs.len(),
+            start: values.len(),
             id_start: ids.len(),
         });
         ids.push_str(&row.id);
-        let values = row.start..row.start + row.width;
-        probs.extend_from_slice(&columns.probs[values.clone()]);
-        log_probs.extend_from_slice(&columns.log_probs[values]);
+        let range = row.start..row.start + row.width;
+        values.extend_from_slice(&columns.probs[range.clone()]);
+        values.extend_from_slice(&columns.log_probs[range]);
         Ok(())
     }
+}
+
+/// The answers a file of `file_len` bytes holds, estimated from its first block (of
+/// `block_bytes` bytes and `block_lines` answers), a little over so that the
+/// reference store is sized once; 0 when the file's length is unknown.
+fn estimated_lines(file_len: Option<u64>, block_bytes: usize, block_lines: usize) -> usize {
+    let Some(file_len) = file_len else {
+        return 0;
+    };
+    if block_bytes == 0 {
+        return 0;
+    }
+    let per_line = block_bytes as f64 / block_lines.max(1) as f64;
+    // Whatever the file claims, the table grows as usual past the first block's size.
+    let estimate = (file_len as f64 / per_line * 1.02) as usize;
+    estimate.min(block_lines.saturating_mul(1 << 16))
 }
 
 /// The id of entry `index` (ids lie one after the other in `ids`).
@@ -169,33 +198,9 @@ fn id_of<'s>(entries: &[ReferenceEntry], ids: &'s str, index: usize) -> &'s str 
     &ids[entries[index].id_start..end]
 }
 
-/// The entry index kept in a table slot.
-fn entry_of_slot(slot: u64) -> usize {
-    (slot & u64::from(u32::MAX)) as usize
-}
-
-/// 32 bits of an id's hash, kept beside the entry's index in the table.
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct IdHash(u32);
-
-impl IdHash {
-    fn of(id: &str) -> Self {
-        let mut hasher = FastHasher::default();
-        hasher.write(id.as_bytes());
-        let hash = hasher.finish();
-        Self((hash ^ (hash >> 32)) as u32)
-    }
-
-    fn of_slot(slot: u64) -> Self {
-        Self((slot >> 32) as u32)
-    }
-
-    /// The table's 64-bit hash: the 32 bits in both halves, so that hashbrown's
-    /// bucket (low bits) and tag (top seven bits) come from different bits.
-    fn table_hash(self) -> u64 {
-        u64::from(self.0) * 0x1_0000_0001
-    }
-}
+/// Rows whose memory is requested ahead of the row being worked on: enough to cover
+/// a miss to memory, few enough to stay in the first-level cache.
+const PREFETCH_AHEAD: usize = 12;
 
 /// Option lists shared by many questions ("A".."D") are stored once.
 #[derive(Default)]
@@ -247,32 +252,6 @@ fn same_options(list: &[String], options: &[Cow<'_, str>]) -> bool {
     list.len() == options.len() && list.iter().zip(options).all(|(a, b)| a == b)
 }
 
-/// rustc's Fx hash: ids are not adversarial, and SipHash was a tenth of the time of
-/// a million-question comparison.
-#[derive(Default, Clone, Copy)]
-struct FastHasher(u64);
-
-impl Hasher for FastHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        const K: u64 = 0xf135_7aea_2e62_a9c5;
-        let mut chunks = bytes.chunks_exact(8);
-        for chunk in &mut chunks {
-            let word = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
-            self.0 = (self.0.rotate_left(26) ^ word).wrapping_mul(K);
-        }
-        let mut tail = [0u8; 8];
-        let rest = chunks.remainder();
-        tail[..rest.len()].copy_from_slice(rest);
-        self.0 =
-            (self.0.rotate_left(26) ^ u64::from_le_bytes(tail) ^ rest.len() as u64).wrapping_mul(K);
-    }
-
-    fn finish(&self) -> u64 {
-        // Spread the high bits down: hashbrown takes its control bits from the top.
-        self.0.rotate_left(26)
-    }
-}
-
 type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
 
 /// A candidate slot of each reference entry: the candidate's line (0 while none came)
@@ -283,10 +262,10 @@ struct Slot {
     stats: PairStats,
 }
 
-/// What the parallel pass finds for one reference answer: its id's hash, and its
+/// What the parallel pass finds for one reference answer: its id's key, and its
 /// option list's and group's ids when they were interned before its block.
 struct ReferenceKeys {
-    hash: IdHash,
+    key: IdKey,
     options: Option<u32>,
     group: Option<u32>,
 }
@@ -334,6 +313,7 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
 ) -> Result<PairedAnswers> {
     use rayon::prelude::*;
     let reference_path = reference.path().to_path_buf();
+    let reference_len = reference.file_len();
     let candidate_path = candidate.path().to_path_buf();
     let pieces = rayon::current_num_threads().saturating_mul(PIECES_PER_THREAD);
 
@@ -352,7 +332,7 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                 .map(|piece| {
                     let columns = &piece.columns;
                     let keys = |row: &AnswerRow<'_>| ReferenceKeys {
-                        hash: IdHash::of(&row.id),
+                        key: IdKey::of(&row.id),
                         options: option_lists.find(columns.options_of(row)),
                         group: row.group.as_ref().and_then(|g| groups.find(g)),
                     };
@@ -360,20 +340,29 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                 })
                 .collect()
         },
-        |parsed, keys| {
-            let mut option_lists = write(&option_lists);
-            let mut groups = write(&groups);
-            for (piece, keys) in parsed.into_iter().zip(keys) {
+        |parsed, keys, block_bytes| {
+            if store.entries.is_empty() {
+                let lines: usize = parsed.iter().map(|piece| piece.columns.rows.len()).sum();
+                store.reserve(estimated_lines(reference_len, block_bytes, lines));
+            }
+            // The next block's extras read the lists meanwhile: a lock is taken only
+            // for a list or group not seen before.
+            for (piece, piece_keys) in parsed.into_iter().zip(keys) {
                 let columns = &piece.columns;
-                for (row, keys) in columns.rows.iter().zip(keys) {
+                for (n, (row, keys)) in columns.rows.iter().zip(&piece_keys).enumerate() {
+                    // Each insert misses the cache once (the table is larger than
+                    // it): the slot is requested some rows ahead.
+                    if let Some(ahead) = piece_keys.get(n + PREFETCH_AHEAD) {
+                        store.index.prefetch(&ahead.key);
+                    }
                     let options = keys
                         .options
-                        .unwrap_or_else(|| option_lists.intern(columns.options_of(row)));
+                        .unwrap_or_else(|| write(&option_lists).intern(columns.options_of(row)));
                     let group = row
                         .group
                         .as_ref()
-                        .map(|g| keys.group.unwrap_or_else(|| groups.intern(g)));
-                    let pushed = store.push(keys.hash, row, columns, options, group);
+                        .map(|g| keys.group.unwrap_or_else(|| write(&groups).intern(g)));
+                    let pushed = store.push(&keys.key, row, columns, options, group);
                     if let Err(first_line) = pushed {
                         return Err(EvalError::DuplicateId {
                             path: reference_path.clone(),
@@ -408,7 +397,10 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
             gold: None,
         },
     };
-    let mut slots: Vec<Slot> = vec![empty; entries.len()];
+    let mut slots: Vec<Slot> = Vec::with_capacity(entries.len());
+    advise_huge_pages(&slots);
+    // Filled by every thread: the first write of each page is a fault and a clear.
+    slots.par_extend(rayon::iter::repeat_n(empty, entries.len()));
     let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
     // Candidates are looked up and reduced in parallel, then placed in file order
     // while the next block is parsed, looked up and reduced.
@@ -421,11 +413,30 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                 .par_iter()
                 .map(|piece| {
                     let columns = &piece.columns;
-                    columns
-                        .rows
-                        .iter()
-                        .map(|row| {
-                            let index = store.find(IdHash::of(&row.id), &row.id);
+                    let rows = &columns.rows;
+                    // Every lookup misses the cache (the shuffled candidate visits the
+                    // table at random), and so does reading the entry and its values:
+                    // each is requested some rows ahead (software pipelining), the
+                    // slots first, then the entries, then their values.
+                    let keys: Vec<IdKey> = rows.iter().map(|row| IdKey::of(&row.id)).collect();
+                    let indices: Vec<Option<u32>> = (0..rows.len())
+                        .map(|n| {
+                            if let Some(ahead) = keys.get(n + PREFETCH_AHEAD) {
+                                store.index.prefetch(ahead);
+                            }
+                            store.find(&keys[n], &rows[n].id)
+                        })
+                        .collect();
+                    rows.iter()
+                        .zip(&indices)
+                        .enumerate()
+                        .map(|(n, (row, &index))| {
+                            if let Some(&Some(ahead)) = indices.get(n + 2 * PREFETCH_AHEAD) {
+                                prefetch(std::ptr::from_ref(&entries[ahead as usize]).cast());
+                            }
+                            if let Some(&Some(ahead)) = indices.get(n + PREFETCH_AHEAD) {
+                                store.prefetch_values(&entries[ahead as usize]);
+                            }
                             let Some(index) = index else {
                                 return CandidateOutcome {
                                     index,
@@ -435,13 +446,13 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                             };
                             let entry = &entries[index as usize];
                             let options = &option_lists.lists[entry.options as usize];
-                            let width = options.len();
+                            let (probs, log_probs) = store.values_of(entry, options.len());
                             let context = PairContext {
                                 reference_path: &reference_path,
                                 candidate_path: &candidate_path,
                                 options,
-                                probs: &store.probs[entry.start..entry.start + width],
-                                log_probs: &store.log_probs[entry.start..entry.start + width],
+                                probs,
+                                log_probs,
                             };
                             let answer = CandidateAnswer::new(columns, row);
                             CandidateOutcome {
@@ -456,10 +467,18 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                 })
                 .collect()
         },
-        |parsed, outcomes| {
+        |parsed, outcomes, _| {
             for (piece, outcomes) in parsed.into_iter().zip(outcomes) {
                 let columns = &piece.columns;
-                for (row, outcome) in columns.rows.iter().zip(outcomes) {
+                // Placing is a random write too: each slot is requested ahead.
+                let indices: Vec<Option<u32>> = outcomes.iter().map(|o| o.index).collect();
+                for (n, (row, outcome)) in columns.rows.iter().zip(outcomes).enumerate() {
+                    if let Some(&Some(ahead)) = indices.get(n + PREFETCH_AHEAD) {
+                        let slot = &slots[ahead as usize];
+                        let first: *const u8 = std::ptr::from_ref(slot).cast();
+                        prefetch(first);
+                        prefetch(first.wrapping_add(std::mem::size_of::<Slot>() - 1));
+                    }
                     let Some(index) = outcome.index else {
                         if !allow_unpaired {
                             return Err(EvalError::UnpairedCandidate {
@@ -591,10 +610,11 @@ impl<'r, 'a> CandidateAnswer<'r, 'a> {
 }
 
 /// Reads `reader` block by block, parses each block and computes `extras` of its
-/// pieces (both in parallel), and hands them to `consume` in file order; the next
-/// block is read while `consume` works on the current one (two blocks alternate), so
-/// that reading, sequential, overlaps the sequential part of the work. Stops at the
-/// first error, `consume`'s before the next block's.
+/// pieces (both in parallel), and hands them to `consume` in file order (with the
+/// block's length in bytes). `consume`, sequential, works on one block while the
+/// next is read, parsed and given its extras on the other threads (two blocks
+/// alternate), so that the sequential part of the work overlaps the parallel one.
+/// Stops at the first error, `consume`'s before the next block's.
 fn for_each_block<R, X, E, C>(
     reader: &mut AnswersReader<R>,
     pieces: usize,
@@ -604,25 +624,62 @@ fn for_each_block<R, X, E, C>(
 where
     R: BufRead + Send,
     X: Send,
-    E: Fn(&[ParsedPiece<'_>]) -> X,
-    C: FnMut(Vec<ParsedPiece<'_>>, X) -> Result<()> + Send,
+    E: Fn(&[ParsedPiece<'_>]) -> X + Sync,
+    C: FnMut(Vec<ParsedPiece<'_>>, X, usize) -> Result<()> + Send,
 {
     let path = reader.path().to_path_buf();
-    let (mut current, mut next) = (LineBlock::default(), LineBlock::default());
-    if !reader.next_block(&mut current)? {
+    let (mut first, mut second) = (LineBlock::default(), LineBlock::default());
+    let Some(mut ready) = read_and_parse(reader, &mut first, &path, pieces, &extras)? else {
         return Ok(());
-    }
+    };
     loop {
-        let parsed = current.parse(&path, pieces);
-        let extra = extras(&parsed);
-        let (consumed, more) =
-            rayon::join(|| consume(parsed, extra), || reader.next_block(&mut next));
+        let (consumed, next) = rayon::join(
+            || consume(ready.parsed, ready.extra, ready.bytes),
+            || read_and_parse(reader, &mut second, &path, pieces, &extras),
+        );
         consumed?;
-        if !more? {
+        let Some(next) = next? else {
             return Ok(());
-        }
-        std::mem::swap(&mut current, &mut next);
+        };
+        let (consumed, after) = rayon::join(
+            || consume(next.parsed, next.extra, next.bytes),
+            || read_and_parse(reader, &mut first, &path, pieces, &extras),
+        );
+        consumed?;
+        let Some(after) = after? else {
+            return Ok(());
+        };
+        ready = after;
     }
+}
+
+/// A block read and parsed, with its extras.
+struct ParsedBlock<'b, X> {
+    parsed: Vec<ParsedPiece<'b>>,
+    extra: X,
+    bytes: usize,
+}
+
+/// Reads the next block into `block` and parses it ([`for_each_block`]); `None` at
+/// the end of the file.
+fn read_and_parse<'b, R: BufRead, X>(
+    reader: &mut AnswersReader<R>,
+    block: &'b mut LineBlock,
+    path: &Path,
+    pieces: usize,
+    extras: &impl Fn(&[ParsedPiece<'_>]) -> X,
+) -> Result<Option<ParsedBlock<'b, X>>> {
+    if !reader.next_block(block)? {
+        return Ok(None);
+    }
+    let block: &'b LineBlock = block;
+    let parsed = block.parse(path, pieces);
+    let extra = extras(&parsed);
+    Ok(Some(ParsedBlock {
+        parsed,
+        extra,
+        bytes: block.len(),
+    }))
 }
 
 /// Opens and pairs two answers files ([`pair_answers`]).

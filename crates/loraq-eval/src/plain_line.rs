@@ -11,8 +11,9 @@
 //! parses the line with serde_json exactly as before, so that every line gives the
 //! same record or the same error whichever path reads it.
 //!
-//! Numbers: a decimal `-?(0|[1-9][0-9]*)\.[0-9]+` whose digits, read as an integer
-//! $m$, stay below $2^{53}$ with at most 22 digits after the point is $m / 10^k$ in
+//! Numbers: a decimal `-?(0|[1-9][0-9]*)\.[0-9]+` of at most 19 digits (a leading
+//! `0` before the point not counted) whose digits, read as an integer $m$, stay
+//! below $2^{53}$ with at most 22 digits after the point is $m / 10^k$ in
 //! one correctly rounded division of two exact f64 values, which is what serde_json
 //! computes for it (`f64_from_parts`, and the correctly rounded value its
 //! `float_roundtrip` feature computes); any other number is handed to
@@ -251,22 +252,20 @@ impl<'a> Cursor<'a> {
         if negative {
             self.pos += 1;
         }
-        // Digits beyond 2^53 (or u64) leave the number to serde_json.
+        // Up to 19 digits cannot overflow a u64 (no check per digit); more, or a
+        // significand of 2^53 or more, leave the number to serde_json.
         let mut significand: u64 = 0;
-        let mut exact = true;
-        let mut digit = |significand: &mut u64, d: u8| match significand
-            .checked_mul(10)
-            .and_then(|s| s.checked_add(u64::from(d - b'0')))
-        {
-            Some(s) => *significand = s,
-            None => exact = false,
-        };
+        let mut digits = 0usize;
         match self.next()? {
             b'0' => {}
             d @ b'1'..=b'9' => {
-                digit(&mut significand, d);
+                significand = u64::from(d - b'0');
+                digits = 1;
                 while let Some(d @ b'0'..=b'9') = self.peek() {
-                    digit(&mut significand, d);
+                    significand = significand
+                        .wrapping_mul(10)
+                        .wrapping_add(u64::from(d - b'0'));
+                    digits += 1;
                     self.pos += 1;
                 }
             }
@@ -278,11 +277,13 @@ impl<'a> Cursor<'a> {
         self.pos += 1;
         let fraction_start = self.pos;
         while let Some(d @ b'0'..=b'9') = self.peek() {
-            digit(&mut significand, d);
+            significand = significand
+                .wrapping_mul(10)
+                .wrapping_add(u64::from(d - b'0'));
             self.pos += 1;
         }
         let fraction_digits = self.pos - fraction_start;
-        if !exact
+        if digits + fraction_digits > 19
             || fraction_digits == 0
             || matches!(self.peek(), Some(b'e' | b'E' | b'+' | b'-' | b'.'))
             || significand >= 1 << 53
@@ -386,6 +387,62 @@ mod tests {
             r#"{"id": "q1", "options": ["A", "B"], "logits": [1.5, 2], "n": 1e999}"#,
         ] {
             assert!(scan(fallback).is_none(), "{fallback}");
+        }
+    }
+
+    /// Random decimals (1 to 12 integer digits, 1 to 24 fraction digits, leading
+    /// zeros, both signs; a 64-bit LCG): the scanner's value equals serde_json's and,
+    /// on the fast path's domain (module docs), Rust's correctly rounded
+    /// `str::parse`, bit for bit.
+    #[test]
+    fn random_decimals_match_serde_json_and_str_parse() {
+        let mut state = 1u64;
+        let mut next = |bound: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) % bound
+        };
+        for _ in 0..200_000 {
+            let mut token = String::new();
+            if next(2) == 0 {
+                token.push('-');
+            }
+            let integer_digits = 1 + next(12);
+            let zero_integer = next(3) == 0;
+            for i in 0..integer_digits {
+                if zero_integer {
+                    token.push('0');
+                    break;
+                }
+                let low = u64::from(i == 0);
+                token.push(char::from(b'0' + (low + next(10 - low)) as u8));
+            }
+            token.push('.');
+            let leading_zeros = next(4) * next(4);
+            for _ in 0..leading_zeros {
+                token.push('0');
+            }
+            for _ in 0..1 + next(24 - leading_zeros) {
+                token.push(char::from(b'0' + next(10) as u8));
+            }
+            let mut c = Cursor {
+                bytes: token.as_bytes(),
+                text: &token,
+                pos: 0,
+            };
+            let ours = c.number().unwrap();
+            assert_eq!(c.pos, token.len(), "{token}");
+            let serde: f64 = serde_json::from_str(&token).unwrap();
+            assert_eq!(ours.to_bits(), serde.to_bits(), "{token}");
+            // The fast path's domain, where m / 10^k is correctly rounded.
+            let (integer, fraction) = token.trim_start_matches('-').split_once('.').unwrap();
+            let written = fraction.len() + if integer == "0" { 0 } else { integer.len() };
+            let m: u64 = format!("{integer}{fraction}").parse().unwrap_or(u64::MAX);
+            if written <= 19 && fraction.len() <= 22 && m < 1 << 53 {
+                let parsed: f64 = token.parse().unwrap();
+                assert_eq!(ours.to_bits(), parsed.to_bits(), "{token}");
+            }
         }
     }
 
