@@ -13,7 +13,7 @@
 //! + scales + LoRA A and B), as in `cpu_linear`.
 //!
 //! Formats: fp8-block128, NVFP4, INT4, MXFP4, bf16, and the GGUF types Q4_K, Q6_K,
-//! Q8_0 and IQ4_XS (a GGUF base's linears).
+//! Q5_K, Q8_0 and IQ4_XS (a GGUF base's linears).
 //!
 //! `cargo bench -p loraq-kernels --bench cpu_decode_ratio` (`LORAQ_BENCH_ROUNDS`, default 31;
 //! `LORAQ_BENCH_ISA=avx2` or `scalar` times a narrower instruction set than the CPU's
@@ -125,11 +125,12 @@ fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
         ("mxfp4", QuantizedWeight::Mxfp4(mxfp4)),
         ("bf16", QuantizedWeight::Bf16(bf16_base)),
     ];
-    // The GGUF (llama.cpp) types of a Q4_K_M / Q6_K / Q8_0 / IQ4_XS base: random
+    // The GGUF (llama.cpp) types of a Q4_K_M / Q5_K_M / Q6_K / Q8_0 / IQ4_XS base: random
     // blocks whose f16 scales are set to 2^-10 (1e-3 for the K mins).
     for (seed, name, ggml_type) in [
         (10, "gguf-q4_k", GgmlType::Q4_K),
         (11, "gguf-q6_k", GgmlType::Q6_K),
+        (14, "gguf-q5_k", GgmlType::Q5_K),
         (12, "gguf-q8_0", GgmlType::Q8_0),
         (13, "gguf-iq4_xs", GgmlType::IQ4_XS),
     ] {
