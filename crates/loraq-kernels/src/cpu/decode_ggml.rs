@@ -774,17 +774,19 @@ impl SimdBlock for Q5KBlock {
     unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
         // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
         unsafe {
-            let codes = code_lanes512();
-            let codes_high = _mm512_add_epi32(codes, _mm512_set1_epi32(16));
-            // Groups 2j and 2j + 1: each 5-bit code's value, codes 0..16 and 16..32.
-            let tables = [2 * j, 2 * j + 1].map(|group| {
-                [codes, codes_high].map(|c| {
-                    _mm512_sub_ps(
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(scales[group])),
-                        _mm512_set1_ps(scales[8 + group]),
-                    )
-                })
-            });
+            let codes = _mm512_cvtepi32_ps(code_lanes512());
+            let codes_high = _mm512_add_ps(codes, _mm512_set1_ps(16.0));
+            // Groups 2j and 2j + 1: each 5-bit code's value, codes 0..16 and 16..32
+            // (written out: a closure here is not inlined).
+            let mut tables = [[_mm512_setzero_ps(); 2]; 2];
+            for (upper, table) in tables.iter_mut().enumerate() {
+                let (d, min) = (scales[2 * j + upper], scales[8 + 2 * j + upper]);
+                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
+                *table = [
+                    _mm512_sub_ps(_mm512_mul_ps(codes, d), min),
+                    _mm512_sub_ps(_mm512_mul_ps(codes_high, d), min),
+                ];
+            }
             let mut out = [_mm512_setzero_ps(); 4];
             for h in 0..2 {
                 // qh byte l, shifted left by 4: bit `group` of the byte lands on bit
