@@ -3,14 +3,14 @@
 //! stored blocks once and never a dequantized copy.
 //!
 //! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
-//! loads of one run (the generic and prefill loops) and whole-block decoders
-//! (`decode512` / `decode256`, the span loop of [`super::gemv_ggml`]) that unpack a
-//! block's scales once. Each lane is computed with the operations, in the order, of
+//! loads of one run (the generic and prefill loops) and block decoders in steps
+//! (`scales512` then `step512`, `scales256` then `step256`: the fused loop of
+//! `super::gemv_ggml`) that unpack a block's scales once. Each lane is computed with the operations, in the order, of
 //! `loraq_quant::ggml::block_element` (a product, or a product then a subtraction,
 //! never a fused multiply-add), so every SIMD path and the scalar decode give the same
 //! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
 //! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
-//! [`BlockRows`].
+//! [`BlockRows`]; [`visit_ggml`] maps a type to its format.
 
 use super::decode::RowDecode;
 use loraq_quant::ggml::{BlockGeometry, GgmlType, GgmlWeight, block_element};
@@ -965,32 +965,44 @@ impl SimdBlock for Q6KBlock {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn step256(block: *const u8, scales: &[f32; 16], step: usize) -> [__m256; 8] {
+        // As step512, a quarter (32 codes `q - 32` as bytes) at a time: its low four
+        // bits from `ql` bytes 64 n + 32 (quarter % 2) .., low or high nibbles, its two
+        // high bits from `qh` bytes 128 + 32 n .., shifted to bits 4 and 5 (16-bit
+        // shifts; the bits carried in from the neighbouring byte are masked off).
         let (n, part) = (step / 2, step % 2);
+        let mut out = [_mm256_setzero_ps(); 8];
         // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
         unsafe {
-            let mut out = [_mm256_setzero_ps(); 8];
-            for (i, quarter) in [2 * part, 2 * part + 1].into_iter().enumerate() {
-                for l in (0..32).step_by(8) {
-                    let ql = bytes8_u(block.add(64 * n + 32 * (quarter % 2) + l));
-                    let low = if quarter < 2 {
-                        _mm256_and_si256(ql, _mm256_set1_epi32(0xF))
-                    } else {
-                        _mm256_srli_epi32::<4>(ql)
-                    };
-                    let qh = bytes8_u(block.add(128 + 32 * n + l));
-                    let high = _mm256_and_si256(
-                        _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
-                        _mm256_set1_epi32(3),
-                    );
-                    let q = _mm256_sub_epi32(
-                        _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
-                        _mm256_set1_epi32(32),
-                    );
-                    out[4 * i + l / 8] = scaled(q, scales[8 * n + l / 16 + 2 * quarter]);
+            let qh = _mm256_loadu_si256(block.add(128 + 32 * n).cast());
+            let nibble = _mm256_set1_epi8(0x0F);
+            for i in 0..2 {
+                let quarter = 2 * part + i;
+                let ql = _mm256_loadu_si256(block.add(64 * n + 32 * i).cast());
+                let low = if part == 0 {
+                    _mm256_and_si256(ql, nibble)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql), nibble)
+                };
+                let high = match quarter {
+                    0 => _mm256_slli_epi16::<4>(qh),
+                    1 => _mm256_slli_epi16::<2>(qh),
+                    2 => qh,
+                    _ => _mm256_srli_epi16::<2>(qh),
+                };
+                let high = _mm256_and_si256(high, _mm256_set1_epi8(0x30));
+                let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                for (h, half) in halves.into_iter().enumerate() {
+                    for (e, bytes) in [half, _mm_srli_si128::<8>(half)].into_iter().enumerate() {
+                        let l = 16 * h + 8 * e;
+                        let values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                        let scale = scales[8 * n + l / 16 + 2 * quarter];
+                        out[4 * i + 2 * h + e] = _mm256_mul_ps(values, _mm256_set1_ps(scale));
+                    }
                 }
             }
-            out
         }
+        out
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
