@@ -13,16 +13,18 @@
 //! + scales + LoRA A and B), as in `cpu_linear`.
 //!
 //! Formats: fp8-block128, NVFP4, INT4, MXFP4, bf16, and the GGUF types Q4_K, Q6_K,
-//! Q8_0 and IQ4_XS (a GGUF base's linears).
+//! Q5_K, Q8_0 and IQ4_XS (a GGUF base's linears).
 //!
 //! `cargo bench -p loraq-kernels --bench cpu_decode_ratio` (`LORAQ_BENCH_ROUNDS`, default 31;
 //! `LORAQ_BENCH_ISA=avx2` or `scalar` times a narrower instruction set than the CPU's
-//! widest, e.g. what a machine without AVX-512 runs)
+//! widest, e.g. what a machine without AVX-512 runs). Instruction counts per weight
+//! byte: `valgrind --tool=callgrind target/release/deps/cpu_decode_ratio-* --count NAME
+//! CALLS` at `CALLS` 1 and 3 ([`count`]).
 
 use half::bf16;
 use loraq_kernels::{
     Bf16Weight, CpuOptions, Fp8Weight, Int4Weight, Isa, LoraAdapter, Mxfp4Weight, Nvfp4Weight,
-    QuantLoraLinear, QuantizedWeight,
+    Parallelism, QuantLoraLinear, QuantizedWeight,
 };
 use loraq_quant::Nvfp4GlobalScale;
 use loraq_quant::ggml::{self, GgmlType, GgmlWeight};
@@ -85,23 +87,99 @@ fn fp8_block128_of_gaussian_weight() -> Fp8Weight {
     loraq_quant::scheme::quantize_fp8(view, loraq_quant::Fp8Granularity::Block128).unwrap()
 }
 
-fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
-    let fp8 = fp8_block128_of_gaussian_weight();
-    let nvfp4 = Nvfp4Weight::new(
-        OUT,
-        IN,
-        random_bytes(OUT * IN / 2, 2, |b| b),
-        random_bytes(OUT * IN / 16, 3, |b| 0x30 + (b & 0x0F)),
-        Nvfp4GlobalScale::Multiplier(1e-3),
+/// The GGUF (llama.cpp) types of a Q4_K_M / Q5_K_M / Q6_K / Q8_0 / IQ4_XS base, with
+/// their bench names and random seeds.
+const GGUF_TYPES: [(&str, u64, GgmlType); 5] = [
+    ("gguf-q4_k", 10, GgmlType::Q4_K),
+    ("gguf-q6_k", 11, GgmlType::Q6_K),
+    ("gguf-q5_k", 14, GgmlType::Q5_K),
+    ("gguf-q8_0", 12, GgmlType::Q8_0),
+    ("gguf-iq4_xs", 13, GgmlType::IQ4_XS),
+];
+
+/// An `out_features x IN` weight of random `ggml_type` blocks whose f16 scales are set
+/// to 2^-10 (1e-3 for the K mins).
+fn ggml_base(name: &str, seed: u64, ggml_type: GgmlType, out_features: usize) -> GgmlWeight {
+    let block = ggml_type.block();
+    let mut data = random_bytes(
+        out_features * IN / block.elements * block.bytes,
+        seed,
+        |b| b,
     );
-    let groups = OUT * IN.div_ceil(128);
-    let int4 = Int4Weight::from_packed(
-        OUT,
+    for chunk in data.chunks_exact_mut(block.bytes) {
+        for (i, &offset) in ggml::f16_scale_offsets(ggml_type).iter().enumerate() {
+            let scale = ggml::fp32_to_fp16(if i == 0 { 1.0 / 1024.0 } else { 1e-3 });
+            chunk[offset..offset + 2].copy_from_slice(&scale.to_le_bytes());
+        }
+    }
+    GgmlWeight::new(name, ggml_type, out_features, IN, data).unwrap()
+}
+
+/// An `out_features x IN` NVFP4 weight of random codes, E4M3 block scales 2^-9 .. 2^-8.
+fn nvfp4_base(out_features: usize) -> Nvfp4Weight {
+    Nvfp4Weight::new(
+        out_features,
         IN,
-        random_bytes(OUT * IN / 2, 4, |b| b),
+        random_bytes(out_features * IN / 2, 2, |b| b),
+        random_bytes(out_features * IN / 16, 3, |b| 0x30 + (b & 0x0F)),
+        Nvfp4GlobalScale::Multiplier(1e-3),
+    )
+}
+
+/// An `out_features x IN` INT4 group-128 weight of random codes and zero points.
+fn int4_base(out_features: usize) -> Int4Weight {
+    let groups = out_features * IN.div_ceil(128);
+    Int4Weight::from_packed(
+        out_features,
+        IN,
+        random_bytes(out_features * IN / 2, 4, |b| b),
         vec![2e-3; groups],
         random_bytes(groups, 5, |b| b & 0x0F),
+    )
+}
+
+/// Rows of the `--count` runs' base.
+const COUNT_OUT: usize = 512;
+
+/// `--count NAME CALLS`: `CALLS` one-thread fused decodes (batch 1, no LoRA) of a
+/// `COUNT_OUT x IN` base `NAME` (`nvfp4`, `int4-g128` or a `gguf-*` row), and nothing
+/// else, for instruction counts under callgrind (which runs the AVX2 loops): the
+/// difference of the counts at `CALLS` 3 and 1, halved, is one call's.
+fn count(name: &str, calls: usize) {
+    let base = match name {
+        "nvfp4" => QuantizedWeight::Nvfp4(nvfp4_base(COUNT_OUT)),
+        "int4-g128" => QuantizedWeight::Int4(int4_base(COUNT_OUT)),
+        _ => {
+            let &(name, seed, ggml_type) = GGUF_TYPES
+                .iter()
+                .find(|(n, _, _)| *n == name)
+                .unwrap_or_else(|| panic!("--count {name}: not a bench row"));
+            QuantizedWeight::Ggml(ggml_base(name, seed, ggml_type, COUNT_OUT))
+        }
+    };
+    let linear = QuantLoraLinear::new(base, None).unwrap();
+    let opts = CpuOptions {
+        isa: std::env::var("LORAQ_BENCH_ISA")
+            .ok()
+            .and_then(|n| Isa::from_name(&n)),
+        parallelism: Parallelism::Sequential,
+    };
+    let x: Vec<f32> = (0..IN).map(|k| ((k % 17) as f32 - 8.0) / 8.0).collect();
+    let mut y = vec![0f32; COUNT_OUT];
+    for _ in 0..calls {
+        linear.forward(black_box(&x), 1, &mut y, opts).unwrap();
+    }
+    black_box(&y);
+    println!(
+        "{name}: {calls} calls, {} weight bytes each",
+        linear.weight_bytes()
     );
+}
+
+fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
+    let fp8 = fp8_block128_of_gaussian_weight();
+    let nvfp4 = nvfp4_base(OUT);
+    let int4 = int4_base(OUT);
     // MXFP4: E8M0 scales 2^-10 .. 2^-5 (codes 117 ..= 122).
     let mxfp4 = Mxfp4Weight::new(
         OUT,
@@ -125,24 +203,11 @@ fn linears() -> Vec<(&'static str, QuantLoraLinear)> {
         ("mxfp4", QuantizedWeight::Mxfp4(mxfp4)),
         ("bf16", QuantizedWeight::Bf16(bf16_base)),
     ];
-    // The GGUF (llama.cpp) types of a Q4_K_M / Q6_K / Q8_0 / IQ4_XS base: random
-    // blocks whose f16 scales are set to 2^-10 (1e-3 for the K mins).
-    for (seed, name, ggml_type) in [
-        (10, "gguf-q4_k", GgmlType::Q4_K),
-        (11, "gguf-q6_k", GgmlType::Q6_K),
-        (12, "gguf-q8_0", GgmlType::Q8_0),
-        (13, "gguf-iq4_xs", GgmlType::IQ4_XS),
-    ] {
-        let block = ggml_type.block();
-        let mut data = random_bytes(OUT * IN / block.elements * block.bytes, seed, |b| b);
-        for chunk in data.chunks_exact_mut(block.bytes) {
-            for (i, &offset) in ggml::f16_scale_offsets(ggml_type).iter().enumerate() {
-                let scale = ggml::fp32_to_fp16(if i == 0 { 1.0 / 1024.0 } else { 1e-3 });
-                chunk[offset..offset + 2].copy_from_slice(&scale.to_le_bytes());
-            }
-        }
-        let weight = GgmlWeight::new(name, ggml_type, OUT, IN, data).unwrap();
-        bases.push((name, QuantizedWeight::Ggml(weight)));
+    for (name, seed, ggml_type) in GGUF_TYPES {
+        bases.push((
+            name,
+            QuantizedWeight::Ggml(ggml_base(name, seed, ggml_type, OUT)),
+        ));
     }
     bases
         .into_iter()
@@ -238,6 +303,12 @@ fn main() {
             assert!(y.iter().all(|v| v.is_finite()), "{name}");
             println!("{name}: ok");
         }
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--count") {
+        let calls = args.get(i + 2).and_then(|c| c.parse().ok()).unwrap_or(1);
+        count(&args[i + 1], calls);
         return;
     }
     if !std::env::args().any(|a| a == "--bench") {

@@ -3,14 +3,14 @@
 //! stored blocks once and never a dequantized copy.
 //!
 //! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
-//! loads of one run (the generic and prefill loops) and whole-block decoders
-//! (`decode512` / `decode256`, the span loop of [`super::gemv_ggml`]) that unpack a
-//! block's scales once. Each lane is computed with the operations, in the order, of
+//! loads of one run (the generic and prefill loops) and block decoders in steps
+//! (`scales512` then `step512`, `scales256` then `step256`: the fused loop of
+//! `super::gemv_ggml`) that unpack a block's scales once. Each lane is computed with the operations, in the order, of
 //! `loraq_quant::ggml::block_element` (a product, or a product then a subtraction,
 //! never a fused multiply-add), so every SIMD path and the scalar decode give the same
 //! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
 //! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
-//! [`BlockRows`].
+//! [`BlockRows`]; [`visit_ggml`] maps a type to its format.
 
 use super::decode::RowDecode;
 use loraq_quant::ggml::{BlockGeometry, GgmlType, GgmlWeight, block_element};
@@ -45,22 +45,91 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `e % 16 == 0` and `e + 16 <= Self::ELEMENTS`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(block: *const u8, e: usize) -> __m512;
-    /// The block's `Self::ELEMENTS` values, dequantized into `out`, 16 lanes at a time:
-    /// the scales unpacked once per block (or per 32-element group), every value the
-    /// bits of `block_element`.
+    /// Elements per step of the block decoders: the unit whose scales are applied
+    /// together (Q8_0, Q4_0, IQ4_XS: a 32-element group; Q4_K, Q5_K: the two groups
+    /// that share a run of code bytes; Q6_K: a quarter of a 256-element block).
+    #[cfg(target_arch = "x86_64")]
+    const STEP: usize;
+    /// A block's scales, unpacked once for the 16-lane steps.
+    #[cfg(target_arch = "x86_64")]
+    type Scales512: Copy;
+    /// The `STEP / 16` vectors of one 16-lane step.
+    #[cfg(target_arch = "x86_64")]
+    type Step512: AsRef<[__m512]>;
+    /// The block's scales, unpacked for [`SimdBlock::step512`].
     ///
     /// # Safety
-    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes and
-    /// `out` at `Self::ELEMENTS` writable f32.
+    /// AVX-512F/BW are available and `block` points at `Self::BYTES` readable bytes.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn decode512(block: *const u8, out: *mut f32);
-    /// As [`SimdBlock::decode512`], 8 lanes at a time.
+    unsafe fn scales512(block: *const u8) -> Self::Scales512;
+    /// Elements `STEP * step ..` of the block, dequantized, 16 per vector in input
+    /// order; every value the bits of `block_element`.
     ///
     /// # Safety
-    /// AVX2 and FMA are available, `block` points at `Self::BYTES` readable bytes and
-    /// `out` at `Self::ELEMENTS` writable f32.
+    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes,
+    /// `scales` are its [`SimdBlock::scales512`] and `step < ELEMENTS / STEP`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn decode256(block: *const u8, out: *mut f32);
+    unsafe fn step512(block: *const u8, scales: &Self::Scales512, step: usize) -> Self::Step512;
+    /// A block's scales, unpacked once for the 8-lane steps.
+    #[cfg(target_arch = "x86_64")]
+    type Scales256: Copy;
+    /// The `STEP / 8` vectors of one 8-lane step.
+    #[cfg(target_arch = "x86_64")]
+    type Step256: AsRef<[__m256]>;
+    /// As [`SimdBlock::scales512`], for [`SimdBlock::step256`].
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available and `block` points at `Self::BYTES` readable bytes.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn scales256(block: *const u8) -> Self::Scales256;
+    /// As [`SimdBlock::step512`], 8 elements per vector.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available, `block` points at `Self::BYTES` readable bytes,
+    /// `scales` are its [`SimdBlock::scales256`] and `step < ELEMENTS / STEP`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn step256(block: *const u8, scales: &Self::Scales256, step: usize) -> Self::Step256;
+    /// The block's `Self::ELEMENTS` values through [`SimdBlock::step512`], stored at
+    /// `out` (the tests' view of the steps).
+    ///
+    /// # Safety
+    /// As [`SimdBlock::step512`], and `out` points at `Self::ELEMENTS` writable f32.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    unsafe fn decode512(block: *const u8, out: *mut f32) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            let scales = Self::scales512(block);
+            for step in 0..Self::ELEMENTS / Self::STEP {
+                for (v, w) in Self::step512(block, &scales, step)
+                    .as_ref()
+                    .iter()
+                    .enumerate()
+                {
+                    _mm512_storeu_ps(out.add(step * Self::STEP + 16 * v), *w);
+                }
+            }
+        }
+    }
+    /// As [`SimdBlock::decode512`], through [`SimdBlock::step256`].
+    ///
+    /// # Safety
+    /// As [`SimdBlock::step256`], and `out` points at `Self::ELEMENTS` writable f32.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    unsafe fn decode256(block: *const u8, out: *mut f32) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            let scales = Self::scales256(block);
+            for step in 0..Self::ELEMENTS / Self::STEP {
+                for (v, w) in Self::step256(block, &scales, step)
+                    .as_ref()
+                    .iter()
+                    .enumerate()
+                {
+                    _mm256_storeu_ps(out.add(step * Self::STEP + 8 * v), *w);
+                }
+            }
+        }
+    }
 }
 
 /// The f16 at `block + offset`.
@@ -99,72 +168,132 @@ fn f16_bits_to_f32(h: u16) -> f32 {
     f32::from_bits(sign | (f32::from_bits(magnitude << 13) * F16_REBIAS).to_bits())
 }
 
-/// The eight scales `d sc` and mins `dmin m` of a Q4_K / Q5_K super-block: the 6-bit
-/// values unpacked from their 12 bytes with ggml's word masks
-/// (llama.cpp `ggml/src/ggml-cpu/arch/x86/quants.c`, `ggml_vec_dot_q4_K_q8_K`:
-/// `kmask1..3`), each product
-/// rounded as `block_element` rounds it.
+/// The eight 6-bit scales (bytes 0..8) and mins (bytes 8..16) of a Q4_K / Q5_K
+/// super-block, unpacked from its 12 packed bytes by two byte shuffles: scale and min
+/// `j < 4` are the low six bits of bytes `j` and `j + 4`; scale and min `j >= 4` take
+/// the low and high nibble of byte `j + 4` and, as bits 4 and 5, the top two bits of
+/// bytes `j - 4` and `j` (`loraq_quant::ggml::decode::scale_min_k4`, llama.cpp
+/// `ggml/src/ggml-quants.c` `get_scale_min_k4`).
 ///
 /// # Safety
-/// AVX2, and the block's first 16 bytes readable.
+/// AVX2, and the block's first 20 bytes readable.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn k4_scales_mins(block: *const u8) -> ([f32; 8], [f32; 8]) {
-    const LOW6: u32 = 0x3F3F_3F3F;
-    const LOW4: u32 = 0x0F0F_0F0F;
-    const LOW2: u32 = 0x0303_0303;
-    // SAFETY: the caller guarantees the 16 bytes.
-    let (d, dmin, w) = unsafe {
-        let word = |i: usize| u32::from_le(block.add(4 + 4 * i).cast::<u32>().read_unaligned());
-        (
-            f16_at(block, 0),
-            f16_at(block, 2),
-            [word(0), word(1), word(2)],
-        )
-    };
-    // Bytes 0..8: the scales of groups 0..8; bytes 8..16: their mins.
-    let scales =
-        u64::from(w[0] & LOW6) | u64::from((w[2] & LOW4) | (((w[0] >> 6) & LOW2) << 4)) << 32;
-    let mins = u64::from(w[1] & LOW6)
-        | u64::from(((w[2] >> 4) & LOW4) | (((w[1] >> 6) & LOW2) << 4)) << 32;
-    (bytes_times(scales, d), bytes_times(mins, dmin))
+unsafe fn k4_scale_bytes(block: *const u8) -> __m128i {
+    // SAFETY: bytes 4..20 are readable (caller).
+    let packed = unsafe { _mm_loadu_si128(block.add(4).cast()) };
+    // Scales 0..4, 4..8, mins 0..4, 4..8: bytes 0..4, 8..12, 4..8, 8..12.
+    let low_source = _mm_shuffle_epi8(
+        packed,
+        _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+    );
+    let low = _mm_or_si128(
+        _mm_and_si128(
+            low_source,
+            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
+        ),
+        _mm_and_si128(
+            _mm_srli_epi16::<4>(low_source),
+            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
+        ),
+    );
+    // Scales 4..8 and mins 4..8 take bits 6, 7 of bytes 0..4 and 4..8 (the other lanes
+    // zero: a shuffle index with its top bit set gives 0).
+    let high_source = _mm_shuffle_epi8(
+        packed,
+        _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+    );
+    let high = _mm_and_si128(_mm_srli_epi16::<2>(high_source), _mm_set1_epi8(0x30));
+    _mm_or_si128(low, high)
 }
 
-/// `by * b` for each byte `b` of `bytes` (little-endian order), one rounding each.
+/// The eight scales `d sc` (0..8) and mins `dmin m` (8..16) of a Q4_K / Q5_K
+/// super-block, each product rounded as `block_element` rounds it; `d` and `dmin`
+/// converted by F16C (exact, as `fp16_to_f32`).
+///
+/// # Safety
+/// AVX-512F/BW, and the block's first 20 bytes readable.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-fn bytes_times(bytes: u64, by: f32) -> [f32; 8] {
-    let lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes as i64));
-    let mut out = [0f32; 8];
-    // SAFETY: `out` holds 8 f32.
+unsafe fn k4_scales512(block: *const u8) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: bytes 0..20 are readable (caller); `out` holds 16 f32.
     unsafe {
-        _mm256_storeu_ps(
-            out.as_mut_ptr(),
-            _mm256_mul_ps(_mm256_set1_ps(by), _mm256_cvtepi32_ps(lanes)),
-        )
-    };
+        let values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block)));
+        let d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(block.cast::<i32>().read_unaligned()));
+        let by = _mm512_permutexvar_ps(
+            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+            _mm512_castps128_ps512(d_dmin),
+        );
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(values, by));
+    }
     out
 }
 
-/// The eight group scales `d (ls - 32)` of an IQ4_XS block.
+/// As [`k4_scales512`], with AVX2 (`d` and `dmin` by [`f16_at`]).
 ///
 /// # Safety
-/// The block's first 8 bytes are readable.
+/// AVX2, and the block's first 20 bytes readable.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn k4_scales256(block: *const u8) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: bytes 0..20 are readable (caller); `out` holds 16 f32.
+    unsafe {
+        let bytes = k4_scale_bytes(block);
+        for (half, by) in [f16_at(block, 0), f16_at(block, 2)].into_iter().enumerate() {
+            let lanes = if half == 0 {
+                bytes
+            } else {
+                _mm_srli_si128::<8>(bytes)
+            };
+            let values = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lanes));
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(8 * half),
+                _mm256_mul_ps(values, _mm256_set1_ps(by)),
+            );
+        }
+    }
+    out
+}
+
+/// The eight group scales `d (ls - 32)` of an IQ4_XS block: `ls` is nibble `ib` of the
+/// 32-bit `scales_l` and, as bits 4 and 5, bits `2 ib`, `2 ib + 1` of `scales_h`.
+///
+/// # Safety
+/// AVX2, and the block's first 8 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn iq4_xs_scales(block: *const u8) -> [f32; 8] {
-    // SAFETY: the caller guarantees the 8 bytes (d, scales_h, scales_l).
+    let mut out = [0f32; 8];
+    // SAFETY: the caller guarantees the 8 bytes (d, scales_h, scales_l); `out` holds 8.
     unsafe {
         let d = f16_at(block, 0);
-        let scales_h = u16::from_le(block.add(2).cast::<u16>().read_unaligned());
-        std::array::from_fn(|ib| {
-            let ls = i32::from((*block.add(4 + ib / 2) >> (4 * (ib % 2))) & 0xF)
-                | (i32::from((scales_h >> (2 * ib)) & 3) << 4);
-            d * (ls - 32) as f32
-        })
+        let scales_h = block.add(2).cast::<u16>().read_unaligned();
+        let scales_l = block.add(4).cast::<i32>().read_unaligned();
+        let low = _mm256_and_si256(
+            _mm256_srlv_epi32(
+                _mm256_set1_epi32(scales_l),
+                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            ),
+            _mm256_set1_epi32(0xF),
+        );
+        let high = _mm256_and_si256(
+            _mm256_srlv_epi32(
+                _mm256_set1_epi32(i32::from(u16::from_le(scales_h))),
+                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+            ),
+            _mm256_set1_epi32(3),
+        );
+        let ls = _mm256_or_si256(low, _mm256_slli_epi32::<4>(high));
+        let values = _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), values));
     }
+    out
 }
 
 /// The sixteen scales `d sc` of a Q6_K block (one per 16 elements, in storage order).
@@ -253,23 +382,38 @@ fn code_lanes512() -> __m512i {
 
 /// The 32 elements of a 32-element group whose 16 code bytes at `qs` hold element `j`
 /// in the low nibble of byte `j` and element `16 + j` in the high one, each looked up
-/// in `table` (the group's dequantized value per code) and stored at `out`.
+/// in `table` (the group's dequantized value per code), as two vectors in input order.
 /// `vpermps` reads only the low 4 bits of each index lane, so the low nibbles need no
 /// mask.
 ///
 /// # Safety
-/// AVX-512F/BW, `qs .. qs + 16` readable and `out .. out + 32` writable.
+/// AVX-512F/BW, and `qs .. qs + 16` readable.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn nibble_halves512(qs: *const u8, table: __m512, out: *mut f32) {
-    // SAFETY: the caller guarantees the 16 bytes and the 32 f32.
-    unsafe {
-        let raw = bytes16_u(qs);
-        _mm512_storeu_ps(out, _mm512_permutexvar_ps(raw, table));
-        let high = _mm512_srli_epi32::<4>(raw);
-        _mm512_storeu_ps(out.add(16), _mm512_permutexvar_ps(high, table));
-    }
+unsafe fn nibble_halves512(qs: *const u8, table: __m512) -> [__m512; 2] {
+    // SAFETY: the caller guarantees the 16 bytes.
+    let raw = unsafe { bytes16_u(qs) };
+    [
+        _mm512_permutexvar_ps(raw, table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(raw), table),
+    ]
+}
+
+/// The f16 at `block + offset` as an f32, by F16C (exact; NaNs quieted, payload kept,
+/// as `loraq_quant::ggml::fp16_to_f32`).
+///
+/// # Safety
+/// AVX-512F (which implies F16C), and `block + offset .. + 2` readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn f16c_at(block: *const u8, offset: usize) -> f32 {
+    // SAFETY: the caller guarantees the two bytes.
+    let bits = unsafe { block.add(offset).cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(u16::from_le(
+        bits,
+    )))))
 }
 
 /// The scale `d (ls - 32)` of 32-element group `ib` of an IQ4_XS block.
@@ -305,29 +449,52 @@ impl SimdBlock for Q8_0Block {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    const STEP: usize = 32;
+    #[cfg(target_arch = "x86_64")]
+    type Scales512 = f32;
+    #[cfg(target_arch = "x86_64")]
+    type Step512 = [__m512; 2];
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: 34 readable bytes at `block`, 32 writable f32 at `out` (caller).
+    unsafe fn scales512(block: *const u8) -> f32 {
+        // SAFETY: the block's 34 bytes are readable (caller).
+        unsafe { f16c_at(block, 0) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step512(block: *const u8, d: &f32, _: usize) -> [__m512; 2] {
+        // SAFETY: 34 readable bytes at `block` (caller).
         unsafe {
-            let d = _mm512_set1_ps(f16_at(block, 0));
-            for h in 0..2 {
-                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + 16 * h).cast()));
-                _mm512_storeu_ps(out.add(16 * h), _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
-            }
+            let d = _mm512_set1_ps(*d);
+            [0, 16].map(|e| {
+                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + e).cast()));
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+            })
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    type Scales256 = f32;
+    #[cfg(target_arch = "x86_64")]
+    type Step256 = [__m256; 4];
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scales256(block: *const u8) -> f32 {
+        // SAFETY: the block's 34 bytes are readable (caller).
+        unsafe { f16_at(block, 0) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn decode256(block: *const u8, out: *mut f32) {
-        // SAFETY: as decode512.
+    unsafe fn step256(block: *const u8, d: &f32, _: usize) -> [__m256; 4] {
+        // SAFETY: 34 readable bytes at `block` (caller).
         unsafe {
-            let d = f16_at(block, 0);
-            for e in (0..32).step_by(8) {
+            [0, 8, 16, 24].map(|e| {
                 let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(block.add(2 + e).cast()));
-                _mm256_storeu_ps(out.add(e), scaled(q, d));
-            }
+                scaled(q, *d)
+            })
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -366,31 +533,55 @@ impl SimdBlock for Q4_0Block {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    const STEP: usize = 32;
+    #[cfg(target_arch = "x86_64")]
+    type Scales512 = __m512;
+    #[cfg(target_arch = "x86_64")]
+    type Step512 = [__m512; 2];
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: 18 readable bytes at `block`, 32 writable f32 at `out` (caller).
+    unsafe fn scales512(block: *const u8) -> __m512 {
+        // The block's 16 values `(q - 8) d`, by code.
+        // SAFETY: the block's 18 bytes are readable (caller).
         unsafe {
             let codes = _mm512_sub_epi32(code_lanes512(), _mm512_set1_epi32(8));
-            let table = _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(f16_at(block, 0)));
-            nibble_halves512(block.add(2), table, out);
+            _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(f16c_at(block, 0)))
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step512(block: *const u8, table: &__m512, _: usize) -> [__m512; 2] {
+        // SAFETY: 18 readable bytes at `block` (caller).
+        unsafe { nibble_halves512(block.add(2), *table) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    type Scales256 = f32;
+    #[cfg(target_arch = "x86_64")]
+    type Step256 = [__m256; 4];
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scales256(block: *const u8) -> f32 {
+        // SAFETY: the block's 18 bytes are readable (caller).
+        unsafe { f16_at(block, 0) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn decode256(block: *const u8, out: *mut f32) {
-        // SAFETY: as decode512.
+    unsafe fn step256(block: *const u8, d: &f32, _: usize) -> [__m256; 4] {
+        // SAFETY: 18 readable bytes at `block` (caller).
         unsafe {
-            let d = f16_at(block, 0);
             let eight = _mm256_set1_epi32(8);
-            for l in [0, 8] {
-                let w = bytes8_u(block.add(2 + l));
-                let low = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
-                let high = _mm256_srli_epi32::<4>(w);
-                _mm256_storeu_ps(out.add(l), scaled(_mm256_sub_epi32(low, eight), d));
-                _mm256_storeu_ps(out.add(16 + l), scaled(_mm256_sub_epi32(high, eight), d));
-            }
+            let [first, second] = [0, 8].map(|l| bytes8_u(block.add(2 + l)));
+            let low = |w| _mm256_and_si256(w, _mm256_set1_epi32(0xF));
+            [
+                scaled(_mm256_sub_epi32(low(first), eight), *d),
+                scaled(_mm256_sub_epi32(low(second), eight), *d),
+                scaled(_mm256_sub_epi32(_mm256_srli_epi32::<4>(first), eight), *d),
+                scaled(_mm256_sub_epi32(_mm256_srli_epi32::<4>(second), eight), *d),
+            ]
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -452,50 +643,69 @@ impl SimdBlock for Q4KBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    const STEP: usize = 64;
+    #[cfg(target_arch = "x86_64")]
+    type Scales512 = [f32; 16];
+    #[cfg(target_arch = "x86_64")]
+    type Step512 = [__m512; 4];
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: 144 readable bytes at `block`, 256 writable f32 at `out` (caller).
+    unsafe fn scales512(block: *const u8) -> [f32; 16] {
+        // SAFETY: the block's 144 bytes are readable (caller).
+        unsafe { k4_scales512(block) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
+        // SAFETY: 144 readable bytes at `block`, j < 4 (caller).
         unsafe {
             let codes = _mm512_cvtepi32_ps(code_lanes512());
-            let (scales, mins) = k4_scales_mins(block);
-            for j in 0..4 {
-                let [low, high] = [2 * j, 2 * j + 1].map(|group| {
-                    _mm512_sub_ps(
-                        _mm512_mul_ps(codes, _mm512_set1_ps(scales[group])),
-                        _mm512_set1_ps(mins[group]),
-                    )
-                });
-                let qs = block.add(16 + 32 * j);
-                let out = out.add(64 * j);
-                for h in 0..2 {
-                    let raw = bytes16_u(qs.add(16 * h));
-                    _mm512_storeu_ps(out.add(16 * h), _mm512_permutexvar_ps(raw, low));
-                    let upper = _mm512_srli_epi32::<4>(raw);
-                    _mm512_storeu_ps(out.add(32 + 16 * h), _mm512_permutexvar_ps(upper, high));
-                }
-            }
+            // Groups 2j (low nibbles) and 2j + 1 (high): each code's value.
+            let [low, high] = [2 * j, 2 * j + 1].map(|group| {
+                _mm512_sub_ps(
+                    _mm512_mul_ps(codes, _mm512_set1_ps(scales[group])),
+                    _mm512_set1_ps(scales[8 + group]),
+                )
+            });
+            let qs = block.add(16 + 32 * j);
+            let [first, second] = [0, 16].map(|h| bytes16_u(qs.add(h)));
+            [
+                _mm512_permutexvar_ps(first, low),
+                _mm512_permutexvar_ps(second, low),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(first), high),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(second), high),
+            ]
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    type Scales256 = [f32; 16];
+    #[cfg(target_arch = "x86_64")]
+    type Step256 = [__m256; 8];
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scales256(block: *const u8) -> [f32; 16] {
+        // SAFETY: the block's 144 bytes are readable (caller).
+        unsafe { k4_scales256(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn decode256(block: *const u8, out: *mut f32) {
-        // SAFETY: as decode512.
+    unsafe fn step256(block: *const u8, scales: &[f32; 16], j: usize) -> [__m256; 8] {
+        // SAFETY: 144 readable bytes at `block`, j < 4 (caller).
         unsafe {
-            let (scales, mins) = k4_scales_mins(block);
-            for j in 0..4 {
-                let (d_low, min_low) = (scales[2 * j], mins[2 * j]);
-                let (d_high, min_high) = (scales[2 * j + 1], mins[2 * j + 1]);
-                for l in (0..32).step_by(8) {
-                    let w = bytes8_u(block.add(16 + 32 * j + l));
-                    let low = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
-                    let high = _mm256_srli_epi32::<4>(w);
-                    let out = out.add(64 * j + l);
-                    _mm256_storeu_ps(out, scaled_less_min(low, d_low, min_low));
-                    _mm256_storeu_ps(out.add(32), scaled_less_min(high, d_high, min_high));
-                }
+            let (d_low, min_low) = (scales[2 * j], scales[8 + 2 * j]);
+            let (d_high, min_high) = (scales[2 * j + 1], scales[9 + 2 * j]);
+            let mut out = [_mm256_setzero_ps(); 8];
+            for l in 0..4 {
+                let w = bytes8_u(block.add(16 + 32 * j + 8 * l));
+                let low = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
+                out[l] = scaled_less_min(low, d_low, min_low);
+                out[4 + l] = scaled_less_min(_mm256_srli_epi32::<4>(w), d_high, min_high);
             }
+            out
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -546,68 +756,92 @@ impl SimdBlock for Q5KBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    const STEP: usize = 64;
+    #[cfg(target_arch = "x86_64")]
+    type Scales512 = [f32; 16];
+    #[cfg(target_arch = "x86_64")]
+    type Step512 = [__m512; 4];
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: 176 readable bytes at `block`, 256 writable f32 at `out` (caller).
+    unsafe fn scales512(block: *const u8) -> [f32; 16] {
+        // SAFETY: the block's 176 bytes are readable (caller).
+        unsafe { k4_scales512(block) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
+        // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
         unsafe {
-            let codes = code_lanes512();
-            let codes_high = _mm512_add_epi32(codes, _mm512_set1_epi32(16));
-            // qh byte l, shifted left by 4: bit `group` of the byte lands on bit
-            // 4 + group, and a right shift by `group` brings it to bit 4.
-            let qh = [0, 16].map(|l| _mm512_slli_epi32::<4>(bytes16_u(block.add(16 + l))));
-            let (scales, mins) = k4_scales_mins(block);
-            for j in 0..4 {
-                let tables = [2 * j, 2 * j + 1].map(|group| {
-                    [codes, codes_high].map(|c| {
-                        _mm512_sub_ps(
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(scales[group])),
-                            _mm512_set1_ps(mins[group]),
-                        )
-                    })
-                });
-                for (h, &qh) in qh.iter().enumerate() {
-                    let raw = bytes16_u(block.add(48 + 32 * j + 16 * h));
-                    let nibbles = [
-                        _mm512_and_si512(raw, _mm512_set1_epi32(0xF)),
-                        _mm512_srli_epi32::<4>(raw),
-                    ];
-                    for upper in 0..2 {
-                        let group = 2 * j + upper;
-                        let bit = _mm512_and_si512(
-                            _mm512_srl_epi32(qh, _mm_cvtsi32_si128(group as i32)),
-                            _mm512_set1_epi32(16),
-                        );
-                        let index = _mm512_or_si512(nibbles[upper], bit);
-                        let [low, high] = tables[upper];
-                        _mm512_storeu_ps(
-                            out.add(64 * j + 32 * upper + 16 * h),
-                            _mm512_permutex2var_ps(low, index, high),
-                        );
-                    }
+            let codes = _mm512_cvtepi32_ps(code_lanes512());
+            let codes_high = _mm512_add_ps(codes, _mm512_set1_ps(16.0));
+            // Groups 2j and 2j + 1: each 5-bit code's value, codes 0..16 and 16..32
+            // (written out: a closure here is not inlined).
+            let mut tables = [[_mm512_setzero_ps(); 2]; 2];
+            for (upper, table) in tables.iter_mut().enumerate() {
+                let (d, min) = (scales[2 * j + upper], scales[8 + 2 * j + upper]);
+                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
+                *table = [
+                    _mm512_sub_ps(_mm512_mul_ps(codes, d), min),
+                    _mm512_sub_ps(_mm512_mul_ps(codes_high, d), min),
+                ];
+            }
+            let mut out = [_mm512_setzero_ps(); 4];
+            for h in 0..2 {
+                // qh byte l, shifted left by 4: bit `group` of the byte lands on bit
+                // 4 + group, and a right shift by `group` brings it to bit 4.
+                let qh = _mm512_slli_epi32::<4>(bytes16_u(block.add(16 + 16 * h)));
+                let raw = bytes16_u(block.add(48 + 32 * j + 16 * h));
+                let nibbles = [
+                    _mm512_and_si512(raw, _mm512_set1_epi32(0xF)),
+                    _mm512_srli_epi32::<4>(raw),
+                ];
+                for upper in 0..2 {
+                    let group = 2 * j + upper;
+                    let bit = _mm512_and_si512(
+                        _mm512_srl_epi32(qh, _mm_cvtsi32_si128(group as i32)),
+                        _mm512_set1_epi32(16),
+                    );
+                    let index = _mm512_or_si512(nibbles[upper], bit);
+                    let [low, high] = tables[upper];
+                    out[2 * upper + h] = _mm512_permutex2var_ps(low, index, high);
                 }
             }
+            out
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    type Scales256 = [f32; 16];
+    #[cfg(target_arch = "x86_64")]
+    type Step256 = [__m256; 8];
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scales256(block: *const u8) -> [f32; 16] {
+        // SAFETY: the block's 176 bytes are readable (caller).
+        unsafe { k4_scales256(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn decode256(block: *const u8, out: *mut f32) {
-        // SAFETY: as decode512.
+    unsafe fn step256(block: *const u8, scales: &[f32; 16], j: usize) -> [__m256; 8] {
+        // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
         unsafe {
-            let (scales, mins) = k4_scales_mins(block);
-            for group in 0..8 {
-                let (j, upper) = (group / 2, group % 2);
-                let (d, min) = (scales[group], mins[group]);
+            let mut out = [_mm256_setzero_ps(); 8];
+            for upper in 0..2 {
+                let group = 2 * j + upper;
+                let (d, min) = (scales[group], scales[8 + group]);
                 let shift = _mm_cvtsi32_si128(group as i32);
-                for l in (0..32).step_by(8) {
-                    let low = nibbles8(block.add(48 + 32 * j + l), upper == 1);
-                    let bit = _mm256_srl_epi32(bytes8_u(block.add(16 + l)), shift);
+                for l in 0..4 {
+                    let low = nibbles8(block.add(48 + 32 * j + 8 * l), upper == 1);
+                    let bit = _mm256_srl_epi32(bytes8_u(block.add(16 + 8 * l)), shift);
                     let high = _mm256_slli_epi32::<4>(_mm256_and_si256(bit, _mm256_set1_epi32(1)));
                     let q = _mm256_or_si256(low, high);
-                    _mm256_storeu_ps(out.add(32 * group + l), scaled_less_min(q, d, min));
+                    out[4 * upper + l] = scaled_less_min(q, d, min);
                 }
             }
+            out
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -663,75 +897,112 @@ impl SimdBlock for Q6KBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    const STEP: usize = 64;
+    #[cfg(target_arch = "x86_64")]
+    type Scales512 = [f32; 16];
+    #[cfg(target_arch = "x86_64")]
+    type Step512 = [__m512; 4];
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: 210 readable bytes at `block`, 256 writable f32 at `out` (caller).
+    unsafe fn scales512(block: *const u8) -> [f32; 16] {
+        // SAFETY: the block's 210 bytes are readable (caller).
+        unsafe { q6_k_scales(block) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step512(block: *const u8, scales: &[f32; 16], step: usize) -> [__m512; 4] {
+        // Elements 64 step .. + 64 (half n, quarters 2 part and 2 part + 1) as 64
+        // bytes `q - 32`: byte i < 32 is quarter 2 part's element i, byte 32 + i
+        // quarter 2 part + 1's. Their low four bits are the low (part 0) or high
+        // nibbles of `ql` bytes 64 n .. + 64 in order; their two high bits are bits
+        // 2 quarter, 2 quarter + 1 of `qh` byte i, placed at bits 4 and 5 by a shift
+        // of the 32 `qh` bytes held in both halves of the vector (the bits a 32-bit
+        // shift carries in from a neighbouring byte are masked off).
+        let (n, part) = (step / 2, step % 2);
+        // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
         unsafe {
-            let scales = q6_k_scales(block);
-            for n in 0..2 {
-                for h in 0..2 {
-                    // Quarters 0 and 2 share `ql` bytes l, quarters 1 and 3 bytes 32 + l;
-                    // all four share `qh` byte l.
-                    let ql = [0, 32].map(|q| bytes16_u(block.add(64 * n + q + 16 * h)));
-                    let qh = bytes16_u(block.add(128 + 32 * n + 16 * h));
-                    for quarter in 0..4 {
-                        let low = if quarter < 2 {
-                            _mm512_and_si512(ql[quarter % 2], _mm512_set1_epi32(0xF))
-                        } else {
-                            _mm512_srli_epi32::<4>(ql[quarter % 2])
-                        };
-                        let high = _mm512_and_si512(
-                            _mm512_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
-                            _mm512_set1_epi32(3),
-                        );
-                        let q = _mm512_sub_epi32(
-                            _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
-                            _mm512_set1_epi32(32),
-                        );
-                        let scale = _mm512_set1_ps(scales[8 * n + h + 2 * quarter]);
-                        _mm512_storeu_ps(
-                            out.add(128 * n + 32 * quarter + 16 * h),
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale),
-                        );
-                    }
-                }
+            let ql = _mm512_loadu_si512(block.add(64 * n).cast());
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * n).cast()));
+            let nibble = _mm512_set1_epi8(0x0F);
+            let (low, high) = if part == 0 {
+                let shifts = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2);
+                (_mm512_and_si512(ql, nibble), _mm512_sllv_epi32(qh, shifts))
+            } else {
+                let shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+                let low = _mm512_and_si512(_mm512_srli_epi16::<4>(ql), nibble);
+                (low, _mm512_srlv_epi32(qh, shifts))
+            };
+            let high = _mm512_and_si512(high, _mm512_set1_epi8(0x30));
+            let q = _mm512_sub_epi8(_mm512_or_si512(low, high), _mm512_set1_epi8(32));
+            let lanes = [
+                _mm512_castsi512_si128(q),
+                _mm512_extracti32x4_epi32::<1>(q),
+                _mm512_extracti32x4_epi32::<2>(q),
+                _mm512_extracti32x4_epi32::<3>(q),
+            ];
+            let mut out = [_mm512_setzero_ps(); 4];
+            for (v, lane) in lanes.into_iter().enumerate() {
+                let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane));
+                out[v] = _mm512_mul_ps(values, _mm512_set1_ps(scales[4 * step + v]));
             }
+            out
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    type Scales256 = [f32; 16];
+    #[cfg(target_arch = "x86_64")]
+    type Step256 = [__m256; 8];
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scales256(block: *const u8) -> [f32; 16] {
+        // SAFETY: the block's 210 bytes are readable (caller).
+        unsafe { q6_k_scales(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn decode256(block: *const u8, out: *mut f32) {
-        // SAFETY: as decode512.
+    unsafe fn step256(block: *const u8, scales: &[f32; 16], step: usize) -> [__m256; 8] {
+        // As step512, a quarter (32 codes `q - 32` as bytes) at a time: its low four
+        // bits from `ql` bytes 64 n + 32 (quarter % 2) .., low or high nibbles, its two
+        // high bits from `qh` bytes 128 + 32 n .., shifted to bits 4 and 5 (16-bit
+        // shifts; the bits carried in from the neighbouring byte are masked off).
+        let (n, part) = (step / 2, step % 2);
+        let mut out = [_mm256_setzero_ps(); 8];
+        // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
         unsafe {
-            let scales = q6_k_scales(block);
-            for n in 0..2 {
-                for l in (0..32).step_by(8) {
-                    let ql = [0, 32].map(|q| bytes8_u(block.add(64 * n + q + l)));
-                    let qh = bytes8_u(block.add(128 + 32 * n + l));
-                    for quarter in 0..4 {
-                        let low = if quarter < 2 {
-                            _mm256_and_si256(ql[quarter % 2], _mm256_set1_epi32(0xF))
-                        } else {
-                            _mm256_srli_epi32::<4>(ql[quarter % 2])
-                        };
-                        let high = _mm256_and_si256(
-                            _mm256_srl_epi32(qh, _mm_cvtsi32_si128(2 * quarter as i32)),
-                            _mm256_set1_epi32(3),
-                        );
-                        let q = _mm256_sub_epi32(
-                            _mm256_or_si256(low, _mm256_slli_epi32::<4>(high)),
-                            _mm256_set1_epi32(32),
-                        );
-                        _mm256_storeu_ps(
-                            out.add(128 * n + 32 * quarter + l),
-                            scaled(q, scales[8 * n + l / 16 + 2 * quarter]),
-                        );
+            let qh = _mm256_loadu_si256(block.add(128 + 32 * n).cast());
+            let nibble = _mm256_set1_epi8(0x0F);
+            for i in 0..2 {
+                let quarter = 2 * part + i;
+                let ql = _mm256_loadu_si256(block.add(64 * n + 32 * i).cast());
+                let low = if part == 0 {
+                    _mm256_and_si256(ql, nibble)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql), nibble)
+                };
+                let high = match quarter {
+                    0 => _mm256_slli_epi16::<4>(qh),
+                    1 => _mm256_slli_epi16::<2>(qh),
+                    2 => qh,
+                    _ => _mm256_srli_epi16::<2>(qh),
+                };
+                let high = _mm256_and_si256(high, _mm256_set1_epi8(0x30));
+                let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                for (h, half) in halves.into_iter().enumerate() {
+                    for (e, bytes) in [half, _mm_srli_si128::<8>(half)].into_iter().enumerate() {
+                        let l = 16 * h + 8 * e;
+                        let values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                        let scale = scales[8 * n + l / 16 + 2 * quarter];
+                        out[4 * i + 2 * h + e] = _mm256_mul_ps(values, _mm256_set1_ps(scale));
                     }
                 }
             }
         }
+        out
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -783,42 +1054,66 @@ impl SimdBlock for Iq4XsBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    const STEP: usize = 32;
+    #[cfg(target_arch = "x86_64")]
+    type Scales512 = (__m512, [f32; 8]);
+    #[cfg(target_arch = "x86_64")]
+    type Step512 = [__m512; 2];
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: 136 readable bytes at `block`, 256 writable f32 at `out` (caller).
+    unsafe fn scales512(block: *const u8) -> (__m512, [f32; 8]) {
+        // SAFETY: the block's 136 bytes are readable (caller).
         unsafe {
             let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 IQ4_VALUES.as_ptr().cast(),
             )));
-            let scales = iq4_xs_scales(block);
-            for (ib, &dl) in scales.iter().enumerate() {
-                let table = _mm512_mul_ps(_mm512_set1_ps(dl), values);
-                nibble_halves512(block.add(8 + 16 * ib), table, out.add(32 * ib));
-            }
+            (values, iq4_xs_scales(block))
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step512(
+        block: *const u8,
+        (values, scales): &(__m512, [f32; 8]),
+        ib: usize,
+    ) -> [__m512; 2] {
+        // SAFETY: 136 readable bytes at `block`, ib < 8 (caller).
+        unsafe {
+            let table = _mm512_mul_ps(_mm512_set1_ps(scales[ib]), *values);
+            nibble_halves512(block.add(8 + 16 * ib), table)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    type Scales256 = [f32; 8];
+    #[cfg(target_arch = "x86_64")]
+    type Step256 = [__m256; 4];
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn scales256(block: *const u8) -> [f32; 8] {
+        // SAFETY: the block's 136 bytes are readable (caller).
+        unsafe { iq4_xs_scales(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn decode256(block: *const u8, out: *mut f32) {
-        // SAFETY: as decode512.
+    unsafe fn step256(block: *const u8, scales: &[f32; 8], ib: usize) -> [__m256; 4] {
+        // SAFETY: 136 readable bytes at `block`, ib < 8 (caller).
         unsafe {
             let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
             let mask = _mm_set1_epi8(0xF);
-            let scales = iq4_xs_scales(block);
-            for (ib, &dl) in scales.iter().enumerate() {
-                let raw = _mm_loadu_si128(block.add(8 + 16 * ib).cast());
-                let low = _mm_shuffle_epi8(table, _mm_and_si128(raw, mask));
-                let high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), mask));
-                let out = out.add(32 * ib);
-                for (i, v) in [low, high].into_iter().enumerate() {
-                    let first = _mm256_cvtepi8_epi32(v);
-                    let second = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(v));
-                    _mm256_storeu_ps(out.add(16 * i), scaled(first, dl));
-                    _mm256_storeu_ps(out.add(16 * i + 8), scaled(second, dl));
-                }
-            }
+            let dl = scales[ib];
+            let raw = _mm_loadu_si128(block.add(8 + 16 * ib).cast());
+            let low = _mm_shuffle_epi8(table, _mm_and_si128(raw, mask));
+            let high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), mask));
+            [
+                scaled(_mm256_cvtepi8_epi32(low), dl),
+                scaled(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(low)), dl),
+                scaled(_mm256_cvtepi8_epi32(high), dl),
+                scaled(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(high)), dl),
+            ]
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -839,6 +1134,30 @@ impl SimdBlock for Iq4XsBlock {
             let values = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(table, index));
             scaled(values, dl)
         }
+    }
+}
+
+/// What runs on a GGUF weight once its block format is known ([`visit_ggml`]).
+pub(crate) trait GgmlVisitor {
+    /// Result.
+    type Output;
+    /// A weight of a [`SimdBlock`] type.
+    fn simd<B: SimdBlock>(self, rows: BlockRows<'_, B>) -> Self::Output;
+    /// A weight of any other type, read element by element.
+    fn scalar(self, rows: BlockRows<'_, ScalarBlock>) -> Self::Output;
+}
+
+/// Calls `v` with `w`'s rows read through its type's block format: the one place that
+/// maps a [`GgmlType`] to its decoder.
+pub(crate) fn visit_ggml<V: GgmlVisitor>(w: &GgmlWeight, v: V) -> V::Output {
+    match w.ggml_type {
+        GgmlType::Q8_0 => v.simd(BlockRows::new(w, Q8_0Block)),
+        GgmlType::Q4_0 => v.simd(BlockRows::new(w, Q4_0Block)),
+        GgmlType::Q4_K => v.simd(BlockRows::new(w, Q4KBlock)),
+        GgmlType::Q5_K => v.simd(BlockRows::new(w, Q5KBlock)),
+        GgmlType::Q6_K => v.simd(BlockRows::new(w, Q6KBlock)),
+        GgmlType::IQ4_XS => v.simd(BlockRows::new(w, Iq4XsBlock)),
+        other => v.scalar(BlockRows::new(w, ScalarBlock(other))),
     }
 }
 
@@ -1194,6 +1513,26 @@ mod tests {
     fn f16_conversion_is_loraq_quants_on_every_input() {
         for h in 0..=u16::MAX {
             let (got, want) = (f16_bits_to_f32(h), loraq_quant::ggml::fp16_to_f32(h));
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "f16 {h:#06x}: {got:e} vs {want:e}"
+            );
+        }
+    }
+
+    /// The AVX-512 steps' F16C conversion, on all 65536 inputs.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16c_conversion_is_loraq_quants_on_every_input() {
+        if !Isa::available().contains(&Isa::Avx512) {
+            return;
+        }
+        for h in 0..=u16::MAX {
+            let bytes = h.to_le_bytes();
+            // SAFETY: AVX-512 detected above; two readable bytes.
+            let got = unsafe { f16c_at(bytes.as_ptr(), 0) };
+            let want = loraq_quant::ggml::fp16_to_f32(h);
             assert_eq!(
                 got.to_bits(),
                 want.to_bits(),

@@ -1,42 +1,156 @@
-//! Decode rows of a GGUF base (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS) a span of 256
-//! inputs at a time.
+//! Decode rows of a GGUF base (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS) with each block's
+//! dequantized vectors multiplied straight into the accumulators.
 //!
-//! For each span the `R` rows of a pass are dequantized block by block
-//! ([`SimdBlock::decode512`] / [`SimdBlock::decode256`]: a block's scales unpacked once,
-//! its codes widened 16 or 8 at a time; Q4_0, Q4_K and IQ4_XS look each 4-bit code up
-//! with one `vpermps` in a 16-entry table of the group's dequantized values, Q5_K with
-//! `vpermt2ps` in 32 entries) into a 1 KiB buffer per row that stays in L1, then
-//! multiplied into every token's accumulator 16 (AVX-512) or 8 (AVX2) inputs at a time.
-//! The buffered values are the bits of `loraq_quant::ggml::block_element`, and each
-//! row's products are accumulated in one vector per token in input order and reduced
-//! as [`super::gemv::dot_rows`] reduces them, so the output equals the generic loop over
-//! the dequantized weight bit for bit. GGUF rows are whole blocks (32 or 256 inputs), so
-//! there is no tail.
+//! Per block, the scales of each of the pass's `R` rows are unpacked once
+//! ([`SimdBlock::scales512`] / [`SimdBlock::scales256`]); then step by step (a 32- or
+//! 64-element unit of the block, [`SimdBlock::STEP`]) each row's codes are dequantized
+//! in registers ([`SimdBlock::step512`] / [`SimdBlock::step256`]: Q4_0, Q4_K and IQ4_XS
+//! look each 4-bit code up with one `vpermps` in a 16-entry table of the group's
+//! dequantized values, Q5_K with `vpermt2ps` in 32 entries, Q6_K assembles 64 codes
+//! `q - 32` as bytes and widens them) and multiplied into every token's accumulator,
+//! 16 (AVX-512) or 8 (AVX2) inputs per vector. The rows of a pass take turns step by
+//! step, so the `R x T` accumulators' dependency chains overlap. The vectors are the
+//! bits of `loraq_quant::ggml::block_element`, and each row's products are
+//! accumulated in one vector per token in input order and reduced as
+//! [`super::gemv::dot_rows`] reduces them, so the output equals the generic loop over
+//! the dequantized weight bit for bit. GGUF rows are whole blocks (32 or 256 inputs),
+//! so there is no tail.
+//!
+//! One loop serves both instruction sets through [`Width`], whose few vector
+//! operations are `#[inline(always)]` wrappers of the intrinsics: monomorphized inside
+//! the `#[target_feature]` entry points it compiles to the code written for each set.
 
 use super::Isa;
-use super::decode_ggml::{
-    BlockRows, Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block, SimdBlock,
-};
+use super::decode_ggml::{BlockRows, GgmlVisitor, ScalarBlock, SimdBlock, visit_ggml};
 use super::fused::{self, BaseKernel, LoraPass, Schedule, Scratch};
 use super::{Parallelism, gemv::hsum256};
-use loraq_quant::ggml::{GgmlType, GgmlWeight};
+use loraq_quant::ggml::GgmlWeight;
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
-/// Inputs per span (one K-quant super-block, eight 32-element blocks).
+/// Inputs per prefetch span (one K-quant super-block, eight 32-element blocks).
 const SPAN: usize = 256;
 
-/// One row's dequantized span, aligned for the vector loads; left uninitialized (each
-/// span's inputs are written by the block decoders before they are read).
-#[repr(C, align(64))]
-struct SpanBuffer([f32; SPAN]);
-
-/// `R` uninitialized span buffers.
-fn span_buffers<const R: usize>() -> [MaybeUninit<SpanBuffer>; R] {
-    [const { MaybeUninit::uninit() }; R]
+/// The vector operations of the loop on one instruction set.
+trait Width {
+    /// A vector of f32.
+    type F: Copy;
+    /// Lanes per vector.
+    const LANES: usize;
+    /// A block type's unpacked scales on this set.
+    type Scales<B: SimdBlock>: Copy;
+    /// A block type's vectors of one step on this set.
+    type Step<B: SimdBlock>: AsRef<[Self::F]>;
+    /// All lanes zero.
+    ///
+    /// # Safety
+    /// The CPU has the set.
+    unsafe fn zero() -> Self::F;
+    /// `acc + w * x`, `x` the `LANES` f32 at `x` (one fused multiply-add).
+    ///
+    /// # Safety
+    /// The CPU has the set; `x .. x + LANES` is readable.
+    unsafe fn fmadd(w: Self::F, x: *const f32, acc: Self::F) -> Self::F;
+    /// The sum of the lanes, in the generic loop's order.
+    ///
+    /// # Safety
+    /// The CPU has the set.
+    unsafe fn sum(v: Self::F) -> f32;
+    /// [`SimdBlock::scales512`] or [`SimdBlock::scales256`].
+    ///
+    /// # Safety
+    /// As those.
+    unsafe fn scales<B: SimdBlock>(block: *const u8) -> Self::Scales<B>;
+    /// [`SimdBlock::step512`] or [`SimdBlock::step256`].
+    ///
+    /// # Safety
+    /// As those.
+    unsafe fn step<B: SimdBlock>(
+        block: *const u8,
+        scales: &Self::Scales<B>,
+        step: usize,
+    ) -> Self::Step<B>;
 }
 
-/// A GGUF base of a [`SimdBlock`] type through the span loop.
+/// AVX-512F/BW, 16 lanes.
+struct Avx512;
+
+impl Width for Avx512 {
+    type F = __m512;
+    const LANES: usize = 16;
+    type Scales<B: SimdBlock> = B::Scales512;
+    type Step<B: SimdBlock> = B::Step512;
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        // SAFETY: the caller's CPU has AVX-512F.
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(w: __m512, x: *const f32, acc: __m512) -> __m512 {
+        // SAFETY: AVX-512F and 16 readable f32 (caller).
+        unsafe { _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc) }
+    }
+    #[inline(always)]
+    unsafe fn sum(v: __m512) -> f32 {
+        // SAFETY: the caller's CPU has AVX-512F.
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales512 {
+        // SAFETY: forwarded contract.
+        unsafe { B::scales512(block) }
+    }
+    #[inline(always)]
+    unsafe fn step<B: SimdBlock>(
+        block: *const u8,
+        scales: &B::Scales512,
+        step: usize,
+    ) -> B::Step512 {
+        // SAFETY: forwarded contract.
+        unsafe { B::step512(block, scales, step) }
+    }
+}
+
+/// AVX2 + FMA, 8 lanes.
+struct Avx2;
+
+impl Width for Avx2 {
+    type F = __m256;
+    const LANES: usize = 8;
+    type Scales<B: SimdBlock> = B::Scales256;
+    type Step<B: SimdBlock> = B::Step256;
+    #[inline(always)]
+    unsafe fn zero() -> __m256 {
+        // SAFETY: the caller's CPU has AVX.
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(w: __m256, x: *const f32, acc: __m256) -> __m256 {
+        // SAFETY: AVX2 + FMA and 8 readable f32 (caller).
+        unsafe { _mm256_fmadd_ps(w, _mm256_loadu_ps(x), acc) }
+    }
+    #[inline(always)]
+    unsafe fn sum(v: __m256) -> f32 {
+        // SAFETY: the caller's CPU has AVX2.
+        unsafe { hsum256(v) }
+    }
+    #[inline(always)]
+    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales256 {
+        // SAFETY: forwarded contract.
+        unsafe { B::scales256(block) }
+    }
+    #[inline(always)]
+    unsafe fn step<B: SimdBlock>(
+        block: *const u8,
+        scales: &B::Scales256,
+        step: usize,
+    ) -> B::Step256 {
+        // SAFETY: forwarded contract.
+        unsafe { B::step256(block, scales, step) }
+    }
+}
+
+/// A GGUF base of a [`SimdBlock`] type through the fused loop.
 pub(crate) struct GgmlKernel<'a, B: SimdBlock> {
     /// AVX-512 or AVX2.
     pub isa: Isa,
@@ -46,7 +160,7 @@ pub(crate) struct GgmlKernel<'a, B: SimdBlock> {
     pub x_stride: usize,
 }
 
-/// Runs the fused decode of `w` through the span loop when its type has one (returns
+/// Runs the fused decode of `w` through this loop when its type has one (returns
 /// `false`, having done nothing, otherwise). `isa` is AVX-512 or AVX2.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode<const T: usize>(
@@ -59,35 +173,52 @@ pub(crate) fn decode<const T: usize>(
     lora: Option<&LoraPass<'_>>,
     out: &mut [f32],
 ) -> bool {
-    fn run<B: SimdBlock, const T: usize>(
-        w: &GgmlWeight,
+    /// The decode's arguments, run once the block type is known.
+    struct Run<'a, 'b, const T: usize> {
         isa: Isa,
         par: Parallelism,
         schedule: Schedule,
-        x: &[f32],
+        x: &'a [f32],
         x_stride: usize,
-        lora: Option<&LoraPass<'_>>,
-        out: &mut [f32],
-    ) -> bool {
-        let kernel = GgmlKernel {
-            isa,
-            weight: BlockRows::new(w, B::default()),
-            x,
-            x_stride,
-        };
-        fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
-        true
+        lora: Option<&'a LoraPass<'b>>,
+        out: &'a mut [f32],
+    }
+    impl<const T: usize> GgmlVisitor for Run<'_, '_, T> {
+        type Output = bool;
+        fn simd<B: SimdBlock>(self, weight: BlockRows<'_, B>) -> bool {
+            let kernel = GgmlKernel {
+                isa: self.isa,
+                weight,
+                x: self.x,
+                x_stride: self.x_stride,
+            };
+            fused::decode::<_, T>(
+                self.isa,
+                self.par,
+                self.schedule,
+                &kernel,
+                self.lora,
+                self.out,
+            );
+            true
+        }
+        fn scalar(self, _: BlockRows<'_, ScalarBlock>) -> bool {
+            false
+        }
     }
     debug_assert!(matches!(isa, Isa::Avx512 | Isa::Avx2));
-    match w.ggml_type {
-        GgmlType::Q8_0 => run::<Q8_0Block, T>(w, isa, par, schedule, x, x_stride, lora, out),
-        GgmlType::Q4_0 => run::<Q4_0Block, T>(w, isa, par, schedule, x, x_stride, lora, out),
-        GgmlType::Q4_K => run::<Q4KBlock, T>(w, isa, par, schedule, x, x_stride, lora, out),
-        GgmlType::Q5_K => run::<Q5KBlock, T>(w, isa, par, schedule, x, x_stride, lora, out),
-        GgmlType::Q6_K => run::<Q6KBlock, T>(w, isa, par, schedule, x, x_stride, lora, out),
-        GgmlType::IQ4_XS => run::<Iq4XsBlock, T>(w, isa, par, schedule, x, x_stride, lora, out),
-        _ => false,
-    }
+    visit_ggml(
+        w,
+        Run::<T> {
+            isa,
+            par,
+            schedule,
+            x,
+            x_stride,
+            lora,
+            out,
+        },
+    )
 }
 
 impl<B: SimdBlock> BaseKernel for GgmlKernel<'_, B> {
@@ -152,43 +283,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
             match self.isa {
                 Isa::Avx512 => self.rows_avx512::<R, T>(row0, out),
                 Isa::Avx2 => self.rows_avx2::<R, T>(row0, out),
-                Isa::Scalar => unreachable!("the span loop needs AVX2 or AVX-512"),
-            }
-        }
-    }
-
-    /// Dequantizes inputs `k0 .. k0 + len` of rows `row0 .. row0 + R` into `buffers`,
-    /// prefetching ahead of each row's blocks.
-    ///
-    /// # Safety
-    /// AVX-512F/BW (`WIDE`) or AVX2 + FMA; the rows exist; `k0` is a multiple of
-    /// [`SPAN`], `len <= SPAN` a multiple of the block's elements and `k0 + len <= cols`.
-    #[inline(always)]
-    unsafe fn fill<const R: usize, const WIDE: bool>(
-        &self,
-        row0: usize,
-        k0: usize,
-        len: usize,
-        buffers: &mut [MaybeUninit<SpanBuffer>; R],
-    ) {
-        let blocks = len / B::ELEMENTS;
-        for (r, buffer) in buffers.iter_mut().enumerate() {
-            // SAFETY: row in range and the span's blocks inside it (caller).
-            unsafe {
-                let row = self.weight.row_unchecked(row0 + r);
-                let first = row.as_ptr().add(k0 / B::ELEMENTS * B::BYTES);
-                for line in (0..blocks * B::BYTES).step_by(64) {
-                    super::prefetch_ahead(first.add(line));
-                }
-                for b in 0..blocks {
-                    let block = first.add(b * B::BYTES);
-                    let dst = buffer.as_mut_ptr().cast::<f32>().add(b * B::ELEMENTS);
-                    if WIDE {
-                        B::decode512(block, dst);
-                    } else {
-                        B::decode256(block, dst);
-                    }
-                }
+                Isa::Scalar => unreachable!("the GGUF loop needs AVX2 or AVX-512"),
             }
         }
     }
@@ -197,79 +292,76 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
     /// As [`Self::rows_simd`], on a CPU with AVX-512F/BW.
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn rows_avx512<const R: usize, const T: usize>(&self, row0: usize, out: &mut [f32]) {
-        use super::decode::RowDecode;
-        let cols = self.weight.cols();
-        let xp = self.x.as_ptr();
-        let mut buffers = span_buffers::<R>();
-        let mut acc = [[_mm512_setzero_ps(); T]; R];
-        let mut k0 = 0;
-        while k0 < cols {
-            let len = SPAN.min(cols - k0);
-            // SAFETY: rows in range (caller); the span lies in the row.
-            unsafe { self.fill::<R, true>(row0, k0, len, &mut buffers) };
-            let mut e = 0;
-            while e < len {
-                // SAFETY: e + 16 <= len <= SPAN (len is a multiple of 16), and `fill`
-                // wrote inputs 0..len of every buffer; token t's row holds cols inputs
-                // from t * x_stride (caller).
-                unsafe {
-                    let w: [__m512; R] = std::array::from_fn(|r| {
-                        _mm512_load_ps(buffers[r].as_ptr().cast::<f32>().add(e))
-                    });
-                    for t in 0..T {
-                        let xv = _mm512_loadu_ps(xp.add(t * self.x_stride + k0 + e));
-                        for (acc_r, &w_r) in acc.iter_mut().zip(&w) {
-                            acc_r[t] = _mm512_fmadd_ps(w_r, xv, acc_r[t]);
-                        }
-                    }
-                }
-                e += 16;
-            }
-            k0 += len;
-        }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (t, a) in acc_r.iter().enumerate() {
-                out[r * T + t] += _mm512_reduce_add_ps(*a);
-            }
-        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rows_with::<Avx512, R, T>(row0, out) }
     }
 
     /// # Safety
     /// As [`Self::rows_simd`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_avx2<const R: usize, const T: usize>(&self, row0: usize, out: &mut [f32]) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rows_with::<Avx2, R, T>(row0, out) }
+    }
+
+    /// The loop on `W`'s instruction set: per block, every row's scales, then step by
+    /// step every row's vectors into its `T` accumulators.
+    ///
+    /// # Safety
+    /// As [`Self::rows_simd`], on a CPU with `W`'s set.
+    #[inline(always)]
+    unsafe fn rows_with<W: Width, const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        out: &mut [f32],
+    ) {
         use super::decode::RowDecode;
         let cols = self.weight.cols();
+        let blocks = cols / B::ELEMENTS;
+        let span_blocks = SPAN / B::ELEMENTS;
         let xp = self.x.as_ptr();
-        let mut buffers = span_buffers::<R>();
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut k0 = 0;
-        while k0 < cols {
-            let len = SPAN.min(cols - k0);
-            // SAFETY: rows in range (caller); the span lies in the row.
-            unsafe { self.fill::<R, false>(row0, k0, len, &mut buffers) };
-            let mut e = 0;
-            while e < len {
-                // SAFETY: e + 8 <= len <= SPAN, and `fill` wrote inputs 0..len of every
-                // buffer; token t's row holds cols inputs from t * x_stride (caller).
-                unsafe {
-                    let w: [__m256; R] = std::array::from_fn(|r| {
-                        _mm256_load_ps(buffers[r].as_ptr().cast::<f32>().add(e))
-                    });
-                    for t in 0..T {
-                        let xv = _mm256_loadu_ps(xp.add(t * self.x_stride + k0 + e));
-                        for (acc_r, &w_r) in acc.iter_mut().zip(&w) {
-                            acc_r[t] = _mm256_fmadd_ps(w_r, xv, acc_r[t]);
+        let mut rows = [std::ptr::null::<u8>(); R];
+        for (r, row) in rows.iter_mut().enumerate() {
+            // SAFETY: row0 + r < rows (caller).
+            *row = unsafe { self.weight.row_unchecked(row0 + r).as_ptr() };
+        }
+        // SAFETY: the CPU has W's set (caller).
+        let mut acc = [[unsafe { W::zero() }; T]; R];
+        let mut scales = [const { MaybeUninit::<W::Scales<B>>::uninit() }; R];
+        for b in 0..blocks {
+            // SAFETY: block b of each row lies in the row (b < blocks); token t's
+            // inputs b * ELEMENTS .. + ELEMENTS lie in its row of x (caller).
+            unsafe {
+                if b % span_blocks == 0 {
+                    let span_bytes = span_blocks.min(blocks - b) * B::BYTES;
+                    for row in rows {
+                        for line in (0..span_bytes).step_by(64) {
+                            super::prefetch_ahead(row.add(b * B::BYTES + line));
                         }
                     }
                 }
-                e += 8;
+                for (scales_r, row) in scales.iter_mut().zip(rows) {
+                    scales_r.write(W::scales::<B>(row.add(b * B::BYTES)));
+                }
+                let x_block = xp.add(b * B::ELEMENTS);
+                for step in 0..B::ELEMENTS / B::STEP {
+                    for r in 0..R {
+                        let block = rows[r].add(b * B::BYTES);
+                        let w = W::step::<B>(block, scales[r].assume_init_ref(), step);
+                        for (v, &w_v) in w.as_ref().iter().enumerate() {
+                            let x = x_block.add(step * B::STEP + v * W::LANES);
+                            for (t, a) in acc[r].iter_mut().enumerate() {
+                                *a = W::fmadd(w_v, x.add(t * self.x_stride), *a);
+                            }
+                        }
+                    }
+                }
             }
-            k0 += len;
         }
         for (r, acc_r) in acc.iter().enumerate() {
             for (t, a) in acc_r.iter().enumerate() {
-                out[r * T + t] += hsum256(*a);
+                // SAFETY: the CPU has W's set (caller).
+                out[r * T + t] += unsafe { W::sum(*a) };
             }
         }
     }
@@ -279,6 +371,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
 mod tests {
     use super::*;
     use crate::cpu::decode::{F32Rows, RowDecode};
+    use crate::cpu::decode_ggml::{Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block};
     use crate::cpu::gemv;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;

@@ -194,20 +194,19 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
         QuantizedWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
         QuantizedWeight::Int4(w) => v.visit(&int4_rows(w)),
         QuantizedWeight::Ggml(w) => {
-            use decode_ggml::{
-                BlockRows, Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block,
-                ScalarBlock,
-            };
-            use loraq_quant::ggml::GgmlType;
-            match w.ggml_type {
-                GgmlType::Q8_0 => v.visit(&BlockRows::new(w, Q8_0Block)),
-                GgmlType::Q4_0 => v.visit(&BlockRows::new(w, Q4_0Block)),
-                GgmlType::Q4_K => v.visit(&BlockRows::new(w, Q4KBlock)),
-                GgmlType::Q5_K => v.visit(&BlockRows::new(w, Q5KBlock)),
-                GgmlType::Q6_K => v.visit(&BlockRows::new(w, Q6KBlock)),
-                GgmlType::IQ4_XS => v.visit(&BlockRows::new(w, Iq4XsBlock)),
-                _ => v.visit(&BlockRows::new(w, ScalarBlock(w.ggml_type))),
+            use decode_ggml::{BlockRows, GgmlVisitor, ScalarBlock, SimdBlock};
+            /// Any block format's rows, handed to the decoder visitor.
+            struct Rows<V>(V);
+            impl<V: DecoderVisitor> GgmlVisitor for Rows<V> {
+                type Output = V::Output;
+                fn simd<B: SimdBlock>(self, rows: BlockRows<'_, B>) -> V::Output {
+                    self.0.visit(&rows)
+                }
+                fn scalar(self, rows: BlockRows<'_, ScalarBlock>) -> V::Output {
+                    self.0.visit(&rows)
+                }
             }
+            decode_ggml::visit_ggml(w, Rows(v))
         }
     }
 }
