@@ -26,15 +26,27 @@ pub fn sigmoid(x: f32) -> f32 {
 /// `kernel - 1`, `out[t, c] = silu(sum_j weight[c, j] * x[t - (kernel - 1) + j, c])`:
 /// the last tap multiplies the current token, as torch's cross-correlation does.
 pub fn causal_conv1d_silu(x: &[f32], channels: usize, weight: &[f32], kernel: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    causal_conv1d_silu_into(x, channels, weight, kernel, &mut out);
+    out
+}
+
+/// [`causal_conv1d_silu`] into `out` (`x`'s length; overwritten).
+pub fn causal_conv1d_silu_into(
+    x: &[f32],
+    channels: usize,
+    weight: &[f32],
+    kernel: usize,
+    out: &mut [f32],
+) {
     let mut weight_t = vec![0f32; kernel * channels];
     for (c, taps) in weight.chunks_exact(kernel).enumerate().take(channels) {
         for (j, &w) in taps.iter().enumerate() {
             weight_t[j * channels + c] = w;
         }
     }
-    let mut out = vec![0f32; x.len()];
-    crate::small_matmul::causal_conv_silu(x, &weight_t, kernel, &mut out);
-    out
+    out.fill(0.0);
+    crate::small_matmul::causal_conv_silu(x, &weight_t, kernel, out);
 }
 
 /// `x / sqrt(sum x^2 + eps)` in place (FLA's l2norm with eps inside the root).

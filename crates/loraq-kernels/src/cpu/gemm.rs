@@ -8,8 +8,9 @@
 //! activation: the fused LoRA linear runs `[x_q | s * (A x)] * [W | B]^T`, so the LoRA
 //! expand is accumulated into the same output tile, in registers, before it is written.
 
-use super::Isa;
 use super::decode::RowDecode;
+use super::{Isa, Parallelism};
+use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -197,6 +198,110 @@ fn run_segment<D: RowDecode>(
             t0 += mr;
         }
         k0 += kc;
+    }
+}
+
+/// Tokens per tile of [`gemm_rows`]: a multiple of every ISA's `mr` (8, 6, 4), small
+/// enough that a tile's `KC`-wide slice of the activations (96 KiB) and its output
+/// block stay in L2 while the block's weight panels are decoded once per tile.
+pub(crate) const GEMM_TOKEN_TILE: usize = 192;
+
+/// `y`'s base pointer, shared by the parallel tasks of [`gemm_rows`], each of which
+/// writes its own disjoint rectangle of `y`.
+#[derive(Clone, Copy)]
+struct SharedOutput {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the tasks that share it write disjoint elements (gemm_rows' tiling), and the
+// buffer outlives them (borrowed mutably for the whole parallel loop).
+unsafe impl Send for SharedOutput {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOutput {}
+
+impl SharedOutput {
+    /// `y[start .. start + len]`.
+    ///
+    /// # Safety
+    /// No other live reference covers those elements.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range_mut(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len));
+        // SAFETY: in bounds (asserted); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
+/// The tiled product written straight into `y` (`[rows, out_rows]` row-major, `rows =
+/// y.len() / out_rows <= n_padded`): every (tile of [`GEMM_TOKEN_TILE`] tokens, block
+/// of `nr` outputs) pair is one parallel task, which computes its tokens x outputs in
+/// a per-thread block and copies the real rows into its rectangle of `y` itself (no
+/// serial copy-out after the parallel loop, no per-task allocation).
+pub(crate) fn gemm_rows<D1: RowDecode, D2: RowDecode>(
+    isa: Isa,
+    par: Parallelism,
+    n_padded: usize,
+    first: &Segment<'_, D1>,
+    second: Option<&Segment<'_, D2>>,
+    y: &mut [f32],
+) {
+    let (_, nr) = tile_shape(isa);
+    let out_rows = first.weight.rows();
+    if out_rows == 0 || n_padded == 0 {
+        return;
+    }
+    let rows = y.len() / out_rows;
+    assert!(rows <= n_padded && y.len() == rows * out_rows);
+    let blocks = out_rows.div_ceil(nr);
+    let tiles = n_padded.div_ceil(GEMM_TOKEN_TILE);
+    let shared = SharedOutput {
+        ptr: y.as_mut_ptr(),
+        len: y.len(),
+    };
+    thread_local! {
+        static BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let task = |index: usize| {
+        let (tile, bi) = (index / blocks, index % blocks);
+        let t0 = tile * GEMM_TOKEN_TILE;
+        let tile_padded = GEMM_TOKEN_TILE.min(n_padded - t0);
+        let o0 = bi * nr;
+        let nrows = nr.min(out_rows - o0);
+        let first = Segment {
+            weight: first.weight,
+            x: &first.x[t0 * first.x_stride..],
+            x_stride: first.x_stride,
+        };
+        let second = second.map(|s| Segment {
+            weight: s.weight,
+            x: &s.x[t0 * s.x_stride..],
+            x_stride: s.x_stride,
+        });
+        BLOCK.with_borrow_mut(|block| {
+            block.resize(tile_padded * nr, 0.0);
+            let y_block = &mut block[..tile_padded * nr];
+            gemm_block(
+                isa,
+                o0,
+                nrows,
+                tile_padded,
+                &first,
+                second.as_ref(),
+                y_block,
+            );
+            let real = rows.saturating_sub(t0).min(tile_padded);
+            for (t, block_row) in y_block.chunks_exact(nr).take(real).enumerate() {
+                // SAFETY: this task is the only writer of rows t0 .. t0 + real, columns
+                // o0 .. o0 + nrows, and `y` is borrowed mutably for the whole loop.
+                let dst = unsafe { shared.range_mut((t0 + t) * out_rows + o0, nrows) };
+                dst.copy_from_slice(&block_row[..nrows]);
+            }
+        });
+    };
+    match par {
+        Parallelism::Sequential => (0..tiles * blocks).for_each(task),
+        Parallelism::Rayon => (0..tiles * blocks).into_par_iter().for_each(task),
     }
 }
 
