@@ -186,6 +186,33 @@ mod tests {
     }
 
     #[test]
+    fn conv_in_parallel_pieces_equals_the_definition() {
+        // 70 channels x 600 tokens: 42,000 values, more than one parallel piece, the
+        // pieces starting mid-prompt (their first tokens read the previous piece's).
+        let (channels, tokens, kernel) = (70, 600, 4);
+        let value = |i: usize| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0;
+        let x: Vec<f32> = (0..channels * tokens).map(value).collect();
+        let w: Vec<f32> = (0..channels * kernel).map(|i| value(i + 7)).collect();
+        let out = causal_conv1d_silu(&x, channels, &w, kernel);
+        for t in 0..tokens {
+            for c in 0..channels {
+                let pre: f64 = (0..kernel)
+                    .filter_map(|j| {
+                        let src = (t + j).checked_sub(kernel - 1)?;
+                        Some(f64::from(w[c * kernel + j]) * f64::from(x[src * channels + c]))
+                    })
+                    .sum();
+                let want = pre / (1.0 + (-pre).exp());
+                let got = f64::from(out[t * channels + c]);
+                assert!(
+                    (got - want).abs() < 1e-5,
+                    "token {t} channel {c}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn delta_rule_two_tokens_by_hand() {
         // key_dim 2, value_dim 1, one head. Token 0: q = k = e1 (already unit), v = 2,
         // beta = 0.5, g = 0 (no decay). S = 0 -> delta = 0.5 * 2 = 1 -> S = [1, 0]^T.

@@ -167,10 +167,8 @@ pub(crate) unsafe fn gemm_tile<D1: RowDecode, D2: RowDecode>(
         // SAFETY: `out` as the caller guarantees.
         unsafe {
             run_segment(isa, o0, nrows, n_padded, first, true, panel, out);
-            if let Some(s) = second {
-                if s.weight.cols() > 0 {
-                    run_segment(isa, o0, nrows, n_padded, s, false, panel, out);
-                }
+            if let Some(s) = second.filter(|s| s.weight.cols() > 0) {
+                run_segment(isa, o0, nrows, n_padded, s, false, panel, out);
             }
         }
     });
@@ -242,9 +240,9 @@ unsafe fn run_segment<D: RowDecode>(
         let mut t0 = 0;
         while t0 < n_padded {
             let x_tile = &seg.x[t0 * seg.x_stride + k0..];
-            // SAFETY: rows t0 .. t0 + mr of `out` are valid (caller).
+            // Rows t0 .. t0 + mr of `out` are valid (caller).
             let y_tile = OutTile {
-                ptr: unsafe { out.ptr.add(t0 * out.ld) },
+                ptr: out.ptr.wrapping_add(t0 * out.ld),
                 ld: out.ld,
             };
             match isa {
@@ -670,6 +668,71 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: Ou
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// `gemm_rows` on every ISA against a triple loop in f64: 200 tokens (a whole
+    /// token tile of 192 and a second of 8, both written in place) and 197 (the second
+    /// tile padded: through the per-thread block), 70 outputs (whole 32-wide blocks and
+    /// an edge), 300 inputs (reduction slices of 128, 128, 44), plus a second segment of
+    /// 5 inputs (the LoRA expand's shape); both parallelisms; `y` starts as NaN.
+    #[test]
+    fn gemm_rows_equals_the_triple_loop() {
+        use super::super::decode::F32Rows;
+        let value =
+            |i: usize, seed: usize| ((i * 2_654_435_761 + seed) % 1000) as f32 / 500.0 - 1.0;
+        let (out_rows, k1, k2) = (70, 300, 5);
+        let w1: Vec<f32> = (0..out_rows * k1).map(|i| value(i, 1)).collect();
+        let w2: Vec<f32> = (0..out_rows * k2).map(|i| value(i, 2)).collect();
+        for isa in Isa::available() {
+            let (mr, _) = tile_shape(isa);
+            for rows in [200usize, 197] {
+                let n_padded = rows.div_ceil(mr) * mr;
+                let mut x1: Vec<f32> = (0..rows * k1).map(|i| value(i, 3)).collect();
+                let mut x2: Vec<f32> = (0..rows * k2).map(|i| value(i, 4)).collect();
+                x1.resize(n_padded * k1, 0.0);
+                x2.resize(n_padded * k2, 0.0);
+                let weight1 = F32Rows {
+                    data: &w1,
+                    rows: out_rows,
+                    cols: k1,
+                };
+                let weight2 = F32Rows {
+                    data: &w2,
+                    rows: out_rows,
+                    cols: k2,
+                };
+                let first = Segment {
+                    weight: &weight1,
+                    x: &x1,
+                    x_stride: k1,
+                };
+                let second = Segment {
+                    weight: &weight2,
+                    x: &x2,
+                    x_stride: k2,
+                };
+                for par in [Parallelism::Sequential, Parallelism::Rayon] {
+                    let mut y = vec![f32::NAN; rows * out_rows];
+                    gemm_rows(isa, par, n_padded, &first, Some(&second), &mut y);
+                    for t in 0..rows {
+                        for o in 0..out_rows {
+                            let want: f64 =
+                                (0..k1)
+                                    .map(|k| f64::from(w1[o * k1 + k]) * f64::from(x1[t * k1 + k]))
+                                    .chain((0..k2).map(|k| {
+                                        f64::from(w2[o * k2 + k]) * f64::from(x2[t * k2 + k])
+                                    }))
+                                    .sum();
+                            let got = f64::from(y[t * out_rows + o]);
+                            assert!(
+                                (got - want).abs() < 1e-4,
+                                "{isa:?} {par:?} rows {rows}: y[{t}, {o}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn transpose8_transposes() {
