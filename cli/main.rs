@@ -61,7 +61,6 @@ enum Command {
 }
 
 fn main() {
-    keep_freed_memory();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
@@ -83,26 +82,3 @@ fn main() {
         std::process::exit(2);
     }
 }
-
-/// Keeps freed buffers of up to 64 MiB in the heap instead of returning them to the
-/// kernel. glibc's defaults map every large allocation fresh and unmap it on free (or
-/// trim the heap top), so each layer's activation buffers (megabytes, allocated and
-/// freed per linear) page-faulted back in, zero-filled by the kernel: about a sixth
-/// of `loraq run`'s CPU time on 512-token prompts, as system time (docs/model.md,
-/// "Speed"). Weights and other buffers above 64 MiB are still mapped on their own.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn keep_freed_memory() {
-    const MMAP_THRESHOLD: libc::c_int = 64 << 20;
-    const TRIM_THRESHOLD: libc::c_int = 256 << 20;
-    // SAFETY: mallopt only sets glibc allocator parameters; called first thing in
-    // main, before any other thread exists. A refused setting (return 0) leaves the
-    // default, which is only slower.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
-    }
-}
-
-/// Allocator tuning exists for glibc only (see the Linux version above).
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn keep_freed_memory() {}

@@ -45,6 +45,75 @@ pub fn gated_delta_rule_chunked(
     dims: DeltaRuleDims,
     chunk: usize,
 ) -> Vec<f32> {
+    let inputs = TokenRows {
+        query,
+        key,
+        value,
+        query_stride: dims.key_heads * dims.key_dim,
+        value_stride: dims.value_heads * dims.value_dim,
+    };
+    chunked_from_rows(&inputs, decay, beta, dims, chunk)
+}
+
+/// The convolved `in_proj_qkv` output of one prompt as the forward pass holds it: per
+/// token one row of `stride` values, the query heads first, the key heads from
+/// `key_offset`, the value heads from `value_offset`.
+pub(crate) struct StridedQkv<'a> {
+    /// `[tokens, stride]` row-major.
+    pub rows: &'a [f32],
+    /// Values per token.
+    pub stride: usize,
+    /// Where a row's key heads start.
+    pub key_offset: usize,
+    /// Where a row's value heads start.
+    pub value_offset: usize,
+}
+
+/// [`gated_delta_rule_chunked`] reading the query, key and value heads in place from
+/// one `[tokens, stride]` matrix (no split copies).
+pub(crate) fn gated_delta_rule_chunked_strided(
+    qkv: StridedQkv<'_>,
+    decay: &[f32],
+    beta: &[f32],
+    dims: DeltaRuleDims,
+    chunk: usize,
+) -> Vec<f32> {
+    let inputs = TokenRows {
+        query: qkv.rows,
+        key: &qkv.rows[qkv.key_offset.min(qkv.rows.len())..],
+        value: &qkv.rows[qkv.value_offset.min(qkv.rows.len())..],
+        query_stride: qkv.stride,
+        value_stride: qkv.stride,
+    };
+    chunked_from_rows(&inputs, decay, beta, dims, chunk)
+}
+
+/// Token-major inputs: token `t`'s query (key) head `j` at `query[t * query_stride + j *
+/// key_dim..]` (`key[..]` alike), value head `h` at `value[t * value_stride + h *
+/// value_dim..]`.
+#[derive(Clone, Copy)]
+struct TokenRows<'a> {
+    query: &'a [f32],
+    key: &'a [f32],
+    value: &'a [f32],
+    query_stride: usize,
+    value_stride: usize,
+}
+
+fn chunked_from_rows(
+    inputs: &TokenRows<'_>,
+    decay: &[f32],
+    beta: &[f32],
+    dims: DeltaRuleDims,
+    chunk: usize,
+) -> Vec<f32> {
+    let TokenRows {
+        query,
+        key,
+        value,
+        query_stride,
+        value_stride,
+    } = *inputs;
     let DeltaRuleDims {
         tokens,
         key_heads,
@@ -65,7 +134,7 @@ pub fn gated_delta_rule_chunked(
                 let mut out = Vec::with_capacity(tokens * dk);
                 for t in 0..tokens {
                     let start = out.len();
-                    out.extend_from_slice(&x[(t * key_heads + kh) * dk..][..dk]);
+                    out.extend_from_slice(&x[t * query_stride + kh * dk..][..dk]);
                     let row = &mut out[start..];
                     l2_normalize(row, 1e-6);
                     if query {
@@ -83,7 +152,7 @@ pub fn gated_delta_rule_chunked(
     per_head_parallel(tokens, value_heads, dv, |h, out| {
         let kh = h / group;
         let v: Vec<f32> = (0..tokens)
-            .flat_map(|t| &value[(t * value_heads + h) * dv..][..dv])
+            .flat_map(|t| &value[t * value_stride + h * dv..][..dv])
             .copied()
             .collect();
         let g: Vec<f32> = (0..tokens).map(|t| decay[t * value_heads + h]).collect();

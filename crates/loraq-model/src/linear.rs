@@ -8,10 +8,13 @@ use crate::error::{ModelError, Result, TensorContext};
 use candle_core::Tensor;
 use loraq_quant::ActivationQuant;
 
-/// A projection `y = x W^T (+ adapter)` from `[tokens, in]` to `[tokens, out]`.
+/// A projection `y = x W^T (+ adapter)` from `[tokens, in]` to `[tokens, out]`, on
+/// plain row-major f32 buffers (the forward pass keeps its activations in reused
+/// buffers, never in per-call tensors).
 pub trait LinearLayer: Send + Sync + std::fmt::Debug {
-    /// Applies the projection to `x` of shape `[tokens, in_features]`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// Writes the projection of `x` (`[tokens, in_features]` row-major) into `out`
+    /// (`[tokens, out_features]`, every element overwritten).
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()>;
     /// Input features.
     fn in_features(&self) -> usize;
     /// Output features.
@@ -92,26 +95,15 @@ impl InputStatsLinear {
 }
 
 impl LinearLayer for InputStatsLinear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ctx = self.name.as_str();
-        let (_, width) = x.dims2().ctx(ctx)?;
-        if width != self.inner.in_features() {
-            return Err(ModelError::Tensor {
-                context: ctx.to_string(),
-                source: candle_core::Error::Msg(format!(
-                    "input of width {width} for a linear of {} inputs",
-                    self.inner.in_features()
-                )),
-            });
-        }
-        let values: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
+        check_shapes(&self.name, self.inner.as_ref(), x, tokens, out)?;
         // A poisoned lock only means another forward pass panicked; the sums it
         // guards are still whole rows, so keep using them.
         self.sums
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .add_rows(&values);
-        self.inner.forward(x)
+            .add_rows(x);
+        self.inner.forward(x, tokens, out)
     }
 
     fn in_features(&self) -> usize {
@@ -121,6 +113,32 @@ impl LinearLayer for InputStatsLinear {
     fn out_features(&self) -> usize {
         self.inner.out_features()
     }
+}
+
+/// Refuses buffers whose lengths are not `tokens` rows of the linear's inputs and
+/// outputs, naming the module.
+fn check_shapes(
+    name: &str,
+    linear: &dyn LinearLayer,
+    x: &[f32],
+    tokens: usize,
+    out: &[f32],
+) -> Result<()> {
+    let expected_in = tokens.checked_mul(linear.in_features());
+    let expected_out = tokens.checked_mul(linear.out_features());
+    if expected_in != Some(x.len()) || expected_out != Some(out.len()) {
+        return Err(ModelError::Tensor {
+            context: name.to_string(),
+            source: candle_core::Error::Msg(format!(
+                "{tokens} tokens: input of {} values and output of {} for a linear of {} inputs and {} outputs",
+                x.len(),
+                out.len(),
+                linear.in_features(),
+                linear.out_features()
+            )),
+        });
+    }
+    Ok(())
 }
 
 /// The low-rank factors of one adapted module.
@@ -187,32 +205,38 @@ impl DenseLinear {
 }
 
 impl LinearLayer for DenseLinear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
+        check_shapes(&self.name, self, x, tokens, out)?;
         let ctx = self.name.as_str();
+        let device = self.weight_t.device();
+        let input = Tensor::from_slice(x, (tokens, self.in_features), device).ctx(ctx)?;
         let base = match self.act_quant {
-            ActivationQuant::None => x.matmul(&self.weight_t).ctx(ctx)?,
+            ActivationQuant::None => input.matmul(&self.weight_t).ctx(ctx)?,
             quant => {
-                let mut values: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
+                let mut values = x.to_vec();
                 quant
                     .apply(ctx, &mut values, self.in_features)
                     .map_err(|source| ModelError::Quant {
                         module: self.name.clone(),
                         source,
                     })?;
-                Tensor::from_vec(values, x.shape(), x.device())
+                Tensor::from_vec(values, (tokens, self.in_features), device)
                     .ctx(ctx)?
                     .matmul(&self.weight_t)
                     .ctx(ctx)?
             }
         };
-        match &self.lora {
-            None => Ok(base),
+        let y = match &self.lora {
+            None => base,
             Some(f) => {
                 // f.a holds A^T [in, r], f.b holds B^T [r, out].
-                let low = x.matmul(&f.a).ctx(ctx)?.matmul(&f.b).ctx(ctx)?;
-                (base + (low * f.scale).ctx(ctx)?).ctx(ctx)
+                let low = input.matmul(&f.a).ctx(ctx)?.matmul(&f.b).ctx(ctx)?;
+                (base + (low * f.scale).ctx(ctx)?).ctx(ctx)?
             }
-        }
+        };
+        let values: Vec<f32> = y.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
+        out.copy_from_slice(&values);
+        Ok(())
     }
 
     fn in_features(&self) -> usize {
@@ -239,14 +263,8 @@ mod tests {
         let b = Tensor::from_vec(vec![1f32, -1.], (2, 1), &dev).unwrap();
         let lin =
             DenseLinear::new("t".into(), &w, Some(LoraFactorsF32 { a, b, scale: 0.5 })).unwrap();
-        let x = Tensor::from_vec(vec![1f32, 2.], (1, 2), &dev).unwrap();
-        let y: Vec<f32> = lin
-            .forward(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let mut y = vec![0f32; 2];
+        lin.forward(&[1., 2.], 1, &mut y).unwrap();
         assert_eq!(y, vec![6.5, 9.5]);
         assert_eq!((lin.in_features(), lin.out_features()), (2, 2));
     }
@@ -269,18 +287,14 @@ impl KernelLinear {
 }
 
 impl LinearLayer for KernelLinear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ctx = self.name.as_str();
-        let (tokens, _) = x.dims2().ctx(ctx)?;
-        let input: Vec<f32> = x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)?;
-        let mut out = vec![0f32; tokens * self.inner.out_features()];
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
+        check_shapes(&self.name, self, x, tokens, out)?;
         self.inner
-            .forward(&input, tokens, &mut out)
+            .forward(x, tokens, out)
             .map_err(|source| ModelError::Kernel {
                 module: self.name.clone(),
                 source,
-            })?;
-        Tensor::from_vec(out, (tokens, self.inner.out_features()), x.device()).ctx(ctx)
+            })
     }
 
     fn in_features(&self) -> usize {

@@ -28,7 +28,7 @@ pub struct Model {
     embed: Tensor,
     layers: Vec<DecoderLayer>,
     /// The final norm's effective scale (offset applied).
-    final_norm: Tensor,
+    final_norm: Vec<f32>,
     /// `[vocab, hidden]`.
     lm_head: Tensor,
     /// `1 / theta^(2i / rotary_dim)`, `i < rotary_dim / 2`.
@@ -53,8 +53,8 @@ struct InputStatsRegistry {
 
 #[derive(Debug)]
 struct DecoderLayer {
-    input_norm: Tensor,
-    post_attention_norm: Tensor,
+    input_norm: Vec<f32>,
+    post_attention_norm: Vec<f32>,
     mixer: Mixer,
     mlp: Mlp,
 }
@@ -89,8 +89,8 @@ struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
-    q_norm: Tensor,
-    k_norm: Tensor,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
 }
 
 #[derive(Debug)]
@@ -155,12 +155,12 @@ impl Loader<'_> {
     }
 
     /// A norm scale with the family's offset folded in (`1 + w` for Qwen3.5).
-    fn norm(&self, name: &str, dim: usize, offset: f32) -> Result<Tensor> {
+    fn norm(&self, name: &str, dim: usize, offset: f32) -> Result<Vec<f32>> {
         let mut v = self.vec(name, &[dim])?;
         for x in &mut v {
             *x += offset;
         }
-        Tensor::from_vec(v, dim, self.device).ctx(name)
+        Ok(v)
     }
 
     /// The linear of `module_path` (`[out, inp]`), wrapped to record its input's
@@ -852,38 +852,58 @@ impl Model {
                 .fetch_add(all_tokens.len() as u64, Ordering::Relaxed);
         }
         let rows = all_tokens.len();
+        let c = &self.config;
+        let h = c.hidden;
         let ids = Tensor::from_vec(all_tokens, rows, &self.device).ctx("token ids")?;
-        let mut x = self.embed.index_select(&ids, 0).ctx("embedding")?;
-        let rope = self.rope_tables(&segments)?;
+        let mut x = to_vec(
+            &self.embed.index_select(&ids, 0).ctx("embedding")?,
+            "embedding",
+        )?;
+        let rope = self.rope_table(&segments);
+        // One set of activation buffers for the whole pass, reused by every layer.
+        let mut arena = Activations::default();
+        let mut normed = vec![0f32; rows * h];
+        let mut mixed = vec![0f32; rows * h];
         for layer in &self.layers {
-            let normed = rms_norm(&x, &layer.input_norm, self.config.rms_norm_eps)?;
-            let mixed = match &layer.mixer {
-                Mixer::Linear(net) => self.gated_delta_net(net, &normed, &segments)?,
-                Mixer::Full(attn) => self.attention(attn, &normed, &rope, &segments)?,
-            };
-            x = (x + mixed).ctx("residual")?;
-            let normed = rms_norm(&x, &layer.post_attention_norm, self.config.rms_norm_eps)?;
+            normed.copy_from_slice(&x);
+            crate::small_matmul::rms_norm_rows(&mut normed, &layer.input_norm, c.rms_norm_eps);
+            match &layer.mixer {
+                Mixer::Linear(net) => {
+                    self.gated_delta_net(net, &normed, &segments, &mut arena, &mut mixed)?
+                }
+                Mixer::Full(attn) => {
+                    self.attention(attn, &normed, &rope, &segments, &mut arena, &mut mixed)?
+                }
+            }
+            crate::small_matmul::add_assign(&mut x, &mixed);
+            normed.copy_from_slice(&x);
+            crate::small_matmul::rms_norm_rows(
+                &mut normed,
+                &layer.post_attention_norm,
+                c.rms_norm_eps,
+            );
             let mlp = &layer.mlp;
-            let gate = mlp.gate_proj.forward(&normed)?;
-            let up = mlp.up_proj.forward(&normed)?;
-            let mut act = to_vec(&gate, "mlp")?;
-            crate::small_matmul::silu_mul(&mut act, &to_vec(&up, "mlp")?);
-            let act = Tensor::from_vec(act, gate.shape(), &self.device).ctx("mlp")?;
-            let down = mlp.down_proj.forward(&act)?;
-            x = (x + down).ctx("residual")?;
+            let width = mlp.gate_proj.out_features();
+            let gate = sized(&mut arena.gate, rows * width);
+            mlp.gate_proj.forward(&normed, rows, gate)?;
+            let up = sized(&mut arena.up, rows * width);
+            mlp.up_proj.forward(&normed, rows, up)?;
+            crate::small_matmul::silu_mul(gate, up);
+            mlp.down_proj.forward(gate, rows, &mut mixed)?;
+            crate::small_matmul::add_assign(&mut x, &mixed);
             if let Some(out) = per_layer.as_deref_mut() {
                 for (seg, dst) in segments.iter().zip(out.iter_mut()) {
-                    dst.push(x.get(seg.last()).ctx("hidden")?.to_vec1().ctx("hidden")?);
+                    dst.push(x[seg.last() * h..(seg.last() + 1) * h].to_vec());
                 }
             }
         }
-        let last_ids: Vec<u32> = segments.iter().map(|s| s.last() as u32).collect();
-        let last_ids =
-            Tensor::from_vec(last_ids, segments.len(), &self.device).ctx("last positions")?;
-        let last = x.index_select(&last_ids, 0).ctx("last positions")?;
-        let normed = rms_norm(&last, &self.final_norm, self.config.rms_norm_eps)?;
-        (0..segments.len())
-            .map(|p| normed.get(p).ctx("final norm"))
+        segments
+            .iter()
+            .map(|seg| {
+                let mut last = x[seg.last() * h..(seg.last() + 1) * h].to_vec();
+                crate::small_matmul::rms_norm_rows(&mut last, &self.final_norm, c.rms_norm_eps);
+                Tensor::from_vec(last, h, &self.device).ctx("final norm")
+            })
             .collect()
     }
 
@@ -901,107 +921,93 @@ impl Model {
             .ctx("lm_head")
     }
 
-    /// `(cos, sin)` tables `[rows, rotary_dim]` for the positions of the stacked
-    /// prompts (`0..len` for each), each half repeated as transformers'
-    /// `cat((freqs, freqs))` lays them out. Text tokens have the same position on all
-    /// three mrope sections, so the interleaved multimodal layout reduces to this
-    /// plain table.
-    fn rope_tables(&self, segments: &[Segment]) -> Result<(Tensor, Tensor)> {
-        let half = self.inv_freq.len();
+    /// The rotary table of positions `0 .. longest prompt`.
+    fn rope_table(&self, segments: &[Segment]) -> RopeTable {
         let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
-        let mut cos_by_position = Vec::with_capacity(longest * 2 * half);
-        let mut sin_by_position = Vec::with_capacity(longest * 2 * half);
-        for p in 0..longest {
-            let angles: Vec<f32> = self.inv_freq.iter().map(|f| p as f32 * f).collect();
-            for _ in 0..2 {
-                cos_by_position.extend(angles.iter().map(|a| a.cos()));
-                sin_by_position.extend(angles.iter().map(|a| a.sin()));
-            }
-        }
-        let rows: usize = segments.iter().map(|s| s.len).sum();
-        let mut cos = Vec::with_capacity(rows * 2 * half);
-        let mut sin = Vec::with_capacity(rows * 2 * half);
-        for seg in segments {
-            cos.extend_from_slice(&cos_by_position[..seg.len * 2 * half]);
-            sin.extend_from_slice(&sin_by_position[..seg.len * 2 * half]);
-        }
-        let shape = (rows, 2 * half);
-        Ok((
-            Tensor::from_vec(cos, shape, &self.device).ctx("rope")?,
-            Tensor::from_vec(sin, shape, &self.device).ctx("rope")?,
-        ))
+        RopeTable::new(&self.inv_freq, longest)
     }
 
     fn attention(
         &self,
         attn: &Attention,
-        x: &Tensor,
-        rope: &(Tensor, Tensor),
+        x: &[f32],
+        rope: &RopeTable,
         segments: &[Segment],
-    ) -> Result<Tensor> {
+        arena: &mut Activations,
+        out: &mut [f32],
+    ) -> Result<()> {
         let c = &self.config;
-        let (t, hd, heads, kv) = (
-            x.dim(0).ctx("attention")?,
-            c.head_dim,
-            c.attention_heads,
-            c.kv_heads,
-        );
-        let ctx = "attention";
-        let q_full = attn.q_proj.forward(x)?;
+        let (hd, heads, kv) = (c.head_dim, c.attention_heads, c.kv_heads);
+        let t = x.len() / c.hidden;
+        let q_width = attn.q_proj.out_features();
+        let q_full = sized(&mut arena.projected, t * q_width);
+        attn.q_proj.forward(x, t, q_full)?;
         // transformers: view(T, heads, 2 * head_dim) then chunk(2, -1): per head, the
         // query comes first and its gate second.
-        let (query, gate) = if c.attn_output_gate {
-            let q3 = q_full.reshape((t, heads, 2 * hd)).ctx(ctx)?;
-            let query = q3.narrow(2, 0, hd).ctx(ctx)?;
-            let gate = q3
-                .narrow(2, hd, hd)
-                .ctx(ctx)?
-                .reshape((t, heads * hd))
-                .ctx(ctx)?;
-            (query, Some(gate))
+        let query = sized(&mut arena.query, t * heads * hd);
+        let gate = sized(&mut arena.gate, t * heads * hd);
+        if c.attn_output_gate {
+            for ((q_row, gate_row), full) in query
+                .chunks_exact_mut(hd)
+                .zip(gate.chunks_exact_mut(hd))
+                .zip(q_full.chunks_exact(2 * hd))
+            {
+                q_row.copy_from_slice(&full[..hd]);
+                gate_row.copy_from_slice(&full[hd..]);
+            }
         } else {
-            (q_full.reshape((t, heads, hd)).ctx(ctx)?, None)
-        };
-        let query = rms_norm(&query.contiguous().ctx(ctx)?, &attn.q_norm, c.rms_norm_eps)?;
-        let key = attn.k_proj.forward(x)?.reshape((t, kv, hd)).ctx(ctx)?;
-        let key = rms_norm(&key, &attn.k_norm, c.rms_norm_eps)?;
-        let value = attn.v_proj.forward(x)?.reshape((t, kv, hd)).ctx(ctx)?;
-        let query = apply_rope(&query, rope, c.rotary_dim)?;
-        let key = apply_rope(&key, rope, c.rotary_dim)?;
-        // Each prompt attends to itself only.
-        let query = to_vec(&query, ctx)?;
-        let key = to_vec(&key, ctx)?;
-        let value = to_vec(&value, ctx)?;
-        let mut out = Vec::with_capacity(t * heads * hd);
+            query.copy_from_slice(q_full);
+        }
+        crate::small_matmul::rms_norm_rows(query, &attn.q_norm, c.rms_norm_eps);
+        let key = sized(&mut arena.key, t * kv * hd);
+        attn.k_proj.forward(x, t, key)?;
+        crate::small_matmul::rms_norm_rows(key, &attn.k_norm, c.rms_norm_eps);
+        let value = sized(&mut arena.value, t * kv * hd);
+        attn.v_proj.forward(x, t, value)?;
         for seg in segments {
-            out.extend(crate::attention::causal_attention(
-                seg.rows(&query, heads * hd),
-                seg.rows(&key, kv * hd),
-                seg.rows(&value, kv * hd),
+            let rows = seg.start..seg.start + seg.len;
+            let query_rows = &mut query[rows.start * heads * hd..rows.end * heads * hd];
+            rope.apply(query_rows, heads, hd, c.rotary_dim);
+            rope.apply(
+                &mut key[rows.start * kv * hd..rows.end * kv * hd],
+                kv,
+                hd,
+                c.rotary_dim,
+            );
+        }
+        // Each prompt attends to itself only.
+        let attended = sized(&mut arena.core, t * heads * hd);
+        for seg in segments {
+            let o = crate::attention::causal_attention(
+                seg.rows(query, heads * hd),
+                seg.rows(key, kv * hd),
+                seg.rows(value, kv * hd),
                 crate::attention::AttentionDims {
                     tokens: seg.len,
                     heads,
                     kv_heads: kv,
                     head_dim: hd,
                 },
-            ));
+            );
+            attended[seg.start * heads * hd..(seg.start + seg.len) * heads * hd]
+                .copy_from_slice(&o);
         }
-        if let Some(gate) = gate {
-            crate::small_matmul::sigmoid_mul(&mut out, &to_vec(&gate, ctx)?);
+        if c.attn_output_gate {
+            crate::small_matmul::sigmoid_mul(attended, gate);
         }
-        let out = Tensor::from_vec(out, (t, heads * hd), &self.device).ctx(ctx)?;
-        attn.o_proj.forward(&out)
+        attn.o_proj.forward(attended, t, out)
     }
 
     fn gated_delta_net(
         &self,
         net: &GatedDeltaNet,
-        x: &Tensor,
+        x: &[f32],
         segments: &[Segment],
-    ) -> Result<Tensor> {
+        arena: &mut Activations,
+        out: &mut [f32],
+    ) -> Result<()> {
         let c = &self.config;
-        let ctx = "linear attention";
-        let t = x.dim(0).ctx(ctx)?;
+        let t = x.len() / c.hidden;
         let (nk, nv, dk, dv) = (
             c.linear_key_heads,
             c.linear_value_heads,
@@ -1010,33 +1016,34 @@ impl Model {
         );
         let (key_dim, value_dim) = (nk * dk, nv * dv);
         let conv_dim = 2 * key_dim + value_dim;
-        let qkv: Vec<f32> = to_vec(&net.in_proj_qkv.forward(x)?, ctx)?;
-        let z = to_vec(&net.in_proj_z.forward(x)?, ctx)?;
-        let b = to_vec(&net.in_proj_b.forward(x)?, ctx)?;
-        let a = to_vec(&net.in_proj_a.forward(x)?, ctx)?;
-        let beta: Vec<f32> = b.iter().map(|&v| ops::sigmoid(v)).collect();
-        let decay: Vec<f32> = a
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| net.neg_a[i % nv] * ops::softplus(v + net.dt_bias[i % nv]))
-            .collect();
+        let qkv = sized(&mut arena.projected, t * conv_dim);
+        net.in_proj_qkv.forward(x, t, qkv)?;
+        let z = sized(&mut arena.gate, t * value_dim);
+        net.in_proj_z.forward(x, t, z)?;
+        let beta = sized(&mut arena.beta, t * nv);
+        net.in_proj_b.forward(x, t, beta)?;
+        let decay = sized(&mut arena.decay, t * nv);
+        net.in_proj_a.forward(x, t, decay)?;
+        for v in beta.iter_mut() {
+            *v = ops::sigmoid(*v);
+        }
+        for row in decay.chunks_exact_mut(nv) {
+            for ((v, &neg_a), &dt_bias) in row.iter_mut().zip(&net.neg_a).zip(&net.dt_bias) {
+                *v = neg_a * ops::softplus(*v + dt_bias);
+            }
+        }
         // The convolution and the delta rule of each prompt, from its own zero state.
-        let mut core = Vec::with_capacity(t * value_dim);
+        let mixed = sized(&mut arena.query, t * conv_dim);
+        let core = sized(&mut arena.core, t * value_dim);
         for seg in segments {
-            let mixed = ops::causal_conv1d_silu(
-                seg.rows(&qkv, conv_dim),
+            let seg_mixed = &mut mixed[seg.start * conv_dim..(seg.start + seg.len) * conv_dim];
+            ops::causal_conv1d_silu_into(
+                seg.rows(qkv, conv_dim),
                 conv_dim,
                 &net.conv_weight,
                 c.conv_kernel,
+                seg_mixed,
             );
-            let mut query = Vec::with_capacity(seg.len * key_dim);
-            let mut key = Vec::with_capacity(seg.len * key_dim);
-            let mut value = Vec::with_capacity(seg.len * value_dim);
-            for row in mixed.chunks_exact(conv_dim) {
-                query.extend_from_slice(&row[..key_dim]);
-                key.extend_from_slice(&row[key_dim..2 * key_dim]);
-                value.extend_from_slice(&row[2 * key_dim..]);
-            }
             let dims = DeltaRuleDims {
                 tokens: seg.len,
                 key_heads: nk,
@@ -1045,24 +1052,105 @@ impl Model {
                 value_dim: dv,
             };
             let rows = seg.start * nv..(seg.start + seg.len) * nv;
-            core.extend(crate::chunked::gated_delta_rule_chunked(
-                &query,
-                &key,
-                &value,
+            let o = crate::chunked::gated_delta_rule_chunked_strided(
+                crate::chunked::StridedQkv {
+                    rows: seg_mixed,
+                    stride: conv_dim,
+                    key_offset: key_dim,
+                    value_offset: 2 * key_dim,
+                },
                 &decay[rows.clone()],
                 &beta[rows],
                 dims,
                 crate::chunked::DELTA_RULE_CHUNK,
-            ));
+            );
+            core[seg.start * value_dim..(seg.start + seg.len) * value_dim].copy_from_slice(&o);
         }
         // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
-        let eps = c.rms_norm_eps;
-        crate::small_matmul::rms_norm_rows(&mut core, &net.norm_weight, eps);
+        crate::small_matmul::rms_norm_rows(core, &net.norm_weight, c.rms_norm_eps);
         // silu(z) * (w * norm(o)), in z's buffer.
-        let mut z = z;
-        crate::small_matmul::silu_mul(&mut z, &core);
-        let core = Tensor::from_vec(z, (t, value_dim), &self.device).ctx(ctx)?;
-        net.out_proj.forward(&core)
+        crate::small_matmul::silu_mul(z, core);
+        net.out_proj.forward(z, t, out)
+    }
+}
+
+/// The forward pass's scratch buffers, grown to the largest use and reused by every
+/// layer (so a layer's activations never page-fault in fresh memory).
+#[derive(Default)]
+struct Activations {
+    /// A mixer's first projection (`q_proj`, `in_proj_qkv`).
+    projected: Vec<f32>,
+    /// Queries (attention) or the convolved `in_proj_qkv` (linear attention).
+    query: Vec<f32>,
+    key: Vec<f32>,
+    value: Vec<f32>,
+    /// Attention's output gate, `in_proj_z`, the MLP's gate projection.
+    gate: Vec<f32>,
+    /// The MLP's up projection.
+    up: Vec<f32>,
+    /// A mixer's output before its last projection.
+    core: Vec<f32>,
+    beta: Vec<f32>,
+    decay: Vec<f32>,
+}
+
+/// `buffer[..len]`, grown (zero-filled) when shorter.
+fn sized(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    &mut buffer[..len]
+}
+
+/// `cos` and `sin` of every position's rotary angles, `[positions, rotary_dim / 2]`.
+/// Text tokens have the same position on all three mrope sections, so the interleaved
+/// multimodal layout reduces to this plain table.
+pub(crate) struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// Angles `p * inv_freq[i]` for `p < positions`, as transformers computes them in f32.
+    pub(crate) fn new(inv_freq: &[f32], positions: usize) -> RopeTable {
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for f in inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+
+    /// Rotary embedding in place on the first `rotary_dim` dimensions of every head of
+    /// `x` (`[tokens, heads, head_dim]`, token `t` at position `t`, `tokens` within the
+    /// table): `x_rot * cos + rotate_half(x_rot) * sin` (transformers' `rotate_half`
+    /// layout, with `cat((freqs, freqs))`), the rest passed through.
+    pub(crate) fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, rotary_dim: usize) {
+        let half = rotary_dim / 2;
+        if half == 0 {
+            return;
+        }
+        assert_eq!(half, self.half, "rotary table of another rotary dimension");
+        for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+            let cos = &self.cos[t * half..(t + 1) * half];
+            let sin = &self.sin[t * half..(t + 1) * half];
+            for head in token.chunks_exact_mut(head_dim) {
+                let (x1, rest) = head.split_at_mut(half);
+                let x2 = &mut rest[..half];
+                for (((a, b), &c), &s) in x1.iter_mut().zip(x2.iter_mut()).zip(cos).zip(sin) {
+                    let (v1, v2) = (*a, *b);
+                    // As transformers rounds it: each product, then the sum.
+                    *a = v1 * c + -v2 * s;
+                    *b = v2 * c + v1 * s;
+                }
+            }
+        }
     }
 }
 
@@ -1091,38 +1179,6 @@ fn to_vec(x: &Tensor, ctx: &str) -> Result<Vec<f32>> {
     x.flatten_all().ctx(ctx)?.to_vec1().ctx(ctx)
 }
 
-/// `x / sqrt(mean(x^2) + eps) * scale` over the last dimension (`scale` already
-/// holds the family's offset).
-pub(crate) fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<Tensor> {
-    let ctx = "rms norm";
-    let mut values = to_vec(x, ctx)?;
-    crate::small_matmul::rms_norm_rows(&mut values, &to_vec(scale, ctx)?, eps);
-    Tensor::from_vec(values, x.shape(), x.device()).ctx(ctx)
-}
-
-/// Rotary embedding on the first `rotary_dim` dimensions of `x` `[T, heads, head_dim]`:
-/// `x_rot * cos + rotate_half(x_rot) * sin`, the rest passed through.
-pub(crate) fn apply_rope(x: &Tensor, rope: &(Tensor, Tensor), rotary_dim: usize) -> Result<Tensor> {
-    let ctx = "rope";
-    if rotary_dim == 0 {
-        return Ok(x.clone());
-    }
-    let hd = x.dim(2).ctx(ctx)?;
-    let half = rotary_dim / 2;
-    let (cos, sin) = (rope.0.unsqueeze(1).ctx(ctx)?, rope.1.unsqueeze(1).ctx(ctx)?);
-    let rot = x.narrow(2, 0, rotary_dim).ctx(ctx)?;
-    let x1 = rot.narrow(2, 0, half).ctx(ctx)?;
-    let x2 = rot.narrow(2, half, half).ctx(ctx)?;
-    let rotated = Tensor::cat(&[&x2.neg().ctx(ctx)?, &x1], 2).ctx(ctx)?;
-    let embedded =
-        (rot.broadcast_mul(&cos).ctx(ctx)? + rotated.broadcast_mul(&sin).ctx(ctx)?).ctx(ctx)?;
-    if rotary_dim == hd {
-        return Ok(embedded);
-    }
-    let pass = x.narrow(2, rotary_dim, hd - rotary_dim).ctx(ctx)?;
-    Tensor::cat(&[&embedded, &pass], 2).ctx(ctx)
-}
-
 /// The element type every weight is computed in.
 pub const COMPUTE_DTYPE: DType = DType::F32;
 
@@ -1134,18 +1190,19 @@ mod tests {
     #[test]
     fn rope_rotates_pairs_by_known_angles() {
         // head_dim 4 with rotary_dim 2: the pair (x0, x1) is rotated by angle p * inv_freq,
-        // dims 2..4 pass through. At angle pi/2: (x0, x1) -> (-x1, x0).
-        let dev = Device::Cpu;
-        let cos = Tensor::from_vec(vec![0f32, 0.0], (1, 2), &dev).unwrap();
-        let sin = Tensor::from_vec(vec![1f32, 1.0], (1, 2), &dev).unwrap();
-        let x = Tensor::from_vec(vec![1f32, 2.0, 3.0, 4.0], (1, 1, 4), &dev).unwrap();
-        let y: Vec<f32> = apply_rope(&x, &(cos, sin), 2)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(y, vec![-2.0, 1.0, 3.0, 4.0]);
+        // dims 2..4 pass through. At angle pi/2: (x0, x1) -> (-x1, x0); position 0 is
+        // left as is.
+        let table = RopeTable {
+            half: 1,
+            cos: vec![1.0, 0.0],
+            sin: vec![0.0, 1.0],
+        };
+        let mut x = vec![5f32, 6.0, 7.0, 8.0, 1.0, 2.0, 3.0, 4.0];
+        table.apply(&mut x, 1, 4, 2);
+        assert_eq!(x, vec![5.0, 6.0, 7.0, 8.0, -2.0, 1.0, 3.0, 4.0]);
+        // The table's angles: position 3 of inv_freq 0.5 is 1.5 rad.
+        let table = RopeTable::new(&[0.5], 4);
+        assert_eq!((table.cos[3], table.sin[3]), (1.5f32.cos(), 1.5f32.sin()));
     }
 
     /// The attention of the whole prompt at once: a `[T, T]` score matrix, masked,
@@ -1253,15 +1310,8 @@ mod tests {
     #[test]
     fn rms_norm_by_hand() {
         // x = [3, 4]: mean square 12.5, scale [1, 2] -> [3, 8] / sqrt(12.5).
-        let dev = Device::Cpu;
-        let x = Tensor::from_vec(vec![3f32, 4.0], (1, 2), &dev).unwrap();
-        let w = Tensor::from_vec(vec![1f32, 2.0], 2, &dev).unwrap();
-        let y: Vec<f32> = rms_norm(&x, &w, 0.0)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let mut y = vec![3f32, 4.0];
+        crate::small_matmul::rms_norm_rows(&mut y, &[1.0, 2.0], 0.0);
         let r = 12.5f32.sqrt();
         assert!((y[0] - 3.0 / r).abs() < 1e-6 && (y[1] - 8.0 / r).abs() < 1e-6);
     }

@@ -26,15 +26,27 @@ pub fn sigmoid(x: f32) -> f32 {
 /// `kernel - 1`, `out[t, c] = silu(sum_j weight[c, j] * x[t - (kernel - 1) + j, c])`:
 /// the last tap multiplies the current token, as torch's cross-correlation does.
 pub fn causal_conv1d_silu(x: &[f32], channels: usize, weight: &[f32], kernel: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    causal_conv1d_silu_into(x, channels, weight, kernel, &mut out);
+    out
+}
+
+/// [`causal_conv1d_silu`] into `out` (`x`'s length; overwritten).
+pub fn causal_conv1d_silu_into(
+    x: &[f32],
+    channels: usize,
+    weight: &[f32],
+    kernel: usize,
+    out: &mut [f32],
+) {
     let mut weight_t = vec![0f32; kernel * channels];
     for (c, taps) in weight.chunks_exact(kernel).enumerate().take(channels) {
         for (j, &w) in taps.iter().enumerate() {
             weight_t[j * channels + c] = w;
         }
     }
-    let mut out = vec![0f32; x.len()];
-    crate::small_matmul::causal_conv_silu(x, &weight_t, kernel, &mut out);
-    out
+    out.fill(0.0);
+    crate::small_matmul::causal_conv_silu(x, &weight_t, kernel, out);
 }
 
 /// `x / sqrt(sum x^2 + eps)` in place (FLA's l2norm with eps inside the root).
@@ -170,6 +182,33 @@ mod tests {
         ];
         for (o, p) in out.iter().zip(pre) {
             assert!((o - silu(p)).abs() < 1e-6, "{o} vs {}", silu(p));
+        }
+    }
+
+    #[test]
+    fn conv_in_parallel_pieces_equals_the_definition() {
+        // 70 channels x 600 tokens: 42,000 values, more than one parallel piece, the
+        // pieces starting mid-prompt (their first tokens read the previous piece's).
+        let (channels, tokens, kernel) = (70, 600, 4);
+        let value = |i: usize| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0;
+        let x: Vec<f32> = (0..channels * tokens).map(value).collect();
+        let w: Vec<f32> = (0..channels * kernel).map(|i| value(i + 7)).collect();
+        let out = causal_conv1d_silu(&x, channels, &w, kernel);
+        for t in 0..tokens {
+            for c in 0..channels {
+                let pre: f64 = (0..kernel)
+                    .filter_map(|j| {
+                        let src = (t + j).checked_sub(kernel - 1)?;
+                        Some(f64::from(w[c * kernel + j]) * f64::from(x[src * channels + c]))
+                    })
+                    .sum();
+                let want = pre / (1.0 + (-pre).exp());
+                let got = f64::from(out[t * channels + c]);
+                assert!(
+                    (got - want).abs() < 1e-5,
+                    "token {t} channel {c}: {got} vs {want}"
+                );
+            }
         }
     }
 

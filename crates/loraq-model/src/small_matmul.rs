@@ -366,14 +366,33 @@ fn par_pieces(x: &mut [f32], y: &[f32], piece: usize, f: fn(&mut [f32], &[f32]))
 }
 
 #[inline(always)]
+fn add_assign_body<const FUSED: bool>(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+dispatch_simd!(
+    /// [`add_assign`] on the calling thread.
+    fn add_assign_serial(x: &mut [f32], y: &[f32]) = add_assign_body
+);
+
+/// `x <- x + y` elementwise (the residual stream), in parallel pieces on rayon's pool.
+pub(crate) fn add_assign(x: &mut [f32], y: &[f32]) {
+    par_pieces(x, y, ELEMENTWISE_PIECE, add_assign_serial);
+}
+
+#[inline(always)]
 fn causal_conv_silu_body<const FUSED: bool>(
     x: &[f32],
     weight_t: &[f32],
     kernel: usize,
+    first: usize,
     out: &mut [f32],
 ) {
     let channels = weight_t.len() / kernel;
-    for (t, row) in out.chunks_exact_mut(channels).enumerate() {
+    for (row_index, row) in out.chunks_exact_mut(channels).enumerate() {
+        let t = first + row_index;
         for j in 0..kernel {
             // Input token t - (kernel - 1) + j; skipped when before the start.
             let Some(src) = (t + j).checked_sub(kernel - 1) else {
@@ -394,14 +413,31 @@ fn causal_conv_silu_body<const FUSED: bool>(
 dispatch_simd!(
     /// The causal depthwise convolution + SiLU of [`crate::ops::causal_conv1d_silu`]
     /// with the taps transposed (`weight_t` `[kernel, channels]`) so every loop runs
-    /// along channels; `out` (`x`'s shape) must be zero.
-    pub(crate) fn causal_conv_silu(
+    /// along channels, for the tokens `first ..` of `x` that `out` holds (`out` zero).
+    fn causal_conv_silu_serial(
         x: &[f32],
         weight_t: &[f32],
         kernel: usize,
+        first: usize,
         out: &mut [f32],
     ) = causal_conv_silu_body
 );
+
+/// [`causal_conv_silu_serial`] over all of `x`'s tokens (`out`, `x`'s shape, zero), in
+/// parallel pieces of whole tokens: each output token reads only its own and the
+/// `kernel - 1` tokens before it.
+pub(crate) fn causal_conv_silu(x: &[f32], weight_t: &[f32], kernel: usize, out: &mut [f32]) {
+    use rayon::prelude::*;
+    let channels = (weight_t.len() / kernel.max(1)).max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(channels) * channels;
+    if out.len() <= piece {
+        causal_conv_silu_serial(x, weight_t, kernel, 0, out);
+    } else {
+        out.par_chunks_mut(piece).enumerate().for_each(|(i, rows)| {
+            causal_conv_silu_serial(x, weight_t, kernel, i * piece / channels, rows)
+        });
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -8,8 +8,9 @@
 //! activation: the fused LoRA linear runs `[x_q | s * (A x)] * [W | B]^T`, so the LoRA
 //! expand is accumulated into the same output tile, in registers, before it is written.
 
-use super::Isa;
 use super::decode::RowDecode;
+use super::{Isa, Parallelism};
+use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -109,10 +110,52 @@ pub(crate) fn gemm_block<D1: RowDecode, D2: RowDecode>(
     second: Option<&Segment<'_, D2>>,
     y_block: &mut [f32],
 ) {
-    let (mr, nr) = tile_shape(isa);
-    assert!(nrows <= nr && n_padded.is_multiple_of(mr));
+    let (_, nr) = tile_shape(isa);
+    assert!(nrows <= nr);
     assert_eq!(y_block.len(), n_padded * nr);
-    y_block.fill(0.0);
+    // SAFETY: y_block holds n_padded rows of nr values, borrowed mutably.
+    unsafe {
+        gemm_tile(
+            isa,
+            o0,
+            nrows,
+            n_padded,
+            first,
+            second,
+            y_block.as_mut_ptr(),
+            nr,
+        )
+    }
+}
+
+/// [`gemm_block`] into rows of `ldy` values: `y[t * ldy + j]` for `t < n_padded`, `j <
+/// nr` (all `nr` columns are written; those `>= nrows` get zero). The first reduction
+/// slice starts the accumulators from zero, so `y` need not be cleared.
+///
+/// # Safety
+/// `y[t * ldy + j]` for `t < n_padded`, `j < nr` is valid for writes and no other
+/// live reference covers it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_tile<D1: RowDecode, D2: RowDecode>(
+    isa: Isa,
+    o0: usize,
+    nrows: usize,
+    n_padded: usize,
+    first: &Segment<'_, D1>,
+    second: Option<&Segment<'_, D2>>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    let (mr, nr) = tile_shape(isa);
+    assert!(nrows <= nr && n_padded.is_multiple_of(mr) && ldy >= nr);
+    let out = OutTile { ptr: y, ld: ldy };
+    if first.weight.cols() == 0 {
+        // No reduction slice to start the accumulators from zero.
+        for t in 0..n_padded {
+            // SAFETY: row t's nr values are valid (caller).
+            unsafe { std::slice::from_raw_parts_mut(y.add(t * ldy), nr) }.fill(0.0);
+        }
+    }
     // One panel per worker thread, reused by every block it computes (run_segment
     // writes every entry the micro-kernel reads, so no clearing between blocks).
     thread_local! {
@@ -121,21 +164,38 @@ pub(crate) fn gemm_block<D1: RowDecode, D2: RowDecode>(
     PANEL.with_borrow_mut(|panel| {
         panel.resize(KC * nr, 0.0);
         let panel = &mut panel[..KC * nr];
-        run_segment(isa, o0, nrows, n_padded, first, panel, y_block);
-        if let Some(s) = second {
-            run_segment(isa, o0, nrows, n_padded, s, panel, y_block);
+        // SAFETY: `out` as the caller guarantees.
+        unsafe {
+            run_segment(isa, o0, nrows, n_padded, first, true, panel, out);
+            if let Some(s) = second.filter(|s| s.weight.cols() > 0) {
+                run_segment(isa, o0, nrows, n_padded, s, false, panel, out);
+            }
         }
     });
 }
 
-fn run_segment<D: RowDecode>(
+/// Where a micro-kernel's output tile goes: row `t` at `ptr + t * ld`.
+#[derive(Clone, Copy)]
+struct OutTile {
+    ptr: *mut f32,
+    ld: usize,
+}
+
+/// Accumulates one segment into `out`; with `fresh`, its first reduction slice starts
+/// from zero instead of `out`'s values.
+///
+/// # Safety
+/// As [`gemm_tile`]'s `y`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_segment<D: RowDecode>(
     isa: Isa,
     o0: usize,
     nrows: usize,
     n_padded: usize,
     seg: &Segment<'_, D>,
+    fresh: bool,
     panel: &mut [f32],
-    y_block: &mut [f32],
+    out: OutTile,
 ) {
     let (mr, nr) = tile_shape(isa);
     let k_total = seg.weight.cols();
@@ -145,6 +205,7 @@ fn run_segment<D: RowDecode>(
     let mut k0 = 0;
     while k0 < k_total {
         let kc = KC.min(k_total - k0);
+        let load = !(fresh && k0 == 0);
         // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk].
         let packed = match isa {
             #[cfg(target_arch = "x86_64")]
@@ -179,24 +240,161 @@ fn run_segment<D: RowDecode>(
         let mut t0 = 0;
         while t0 < n_padded {
             let x_tile = &seg.x[t0 * seg.x_stride + k0..];
-            let y_tile = &mut y_block[t0 * nr..(t0 + mr) * nr];
+            // Rows t0 .. t0 + mr of `out` are valid (caller).
+            let y_tile = OutTile {
+                ptr: out.ptr.wrapping_add(t0 * out.ld),
+                ld: out.ld,
+            };
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: detected ISA; x_tile holds mr rows of kc elements (asserted
-                // above), panel kc * nr, y_tile mr * nr.
+                // above), panel kc * nr, y_tile mr rows of nr.
                 Isa::Avx512 => unsafe {
-                    micro_avx512(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile)
+                    micro_avx512(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile, load)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 Isa::Avx2 => unsafe {
-                    micro_avx2(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile)
+                    micro_avx2(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile, load)
                 },
-                Isa::Scalar => micro_scalar(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile),
+                // SAFETY: as above.
+                Isa::Scalar => unsafe {
+                    micro_scalar(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile, load)
+                },
             }
             t0 += mr;
         }
         k0 += kc;
+    }
+}
+
+/// Tokens per tile of [`gemm_rows`]: a multiple of every ISA's `mr` (8, 6, 4), small
+/// enough that a tile's `KC`-wide slice of the activations (96 KiB) and its output
+/// block stay in L2 while the block's weight panels are decoded once per tile.
+pub(crate) const GEMM_TOKEN_TILE: usize = 192;
+
+/// `y`'s base pointer, shared by the parallel tasks of [`gemm_rows`], each of which
+/// writes its own disjoint rectangle of `y`.
+#[derive(Clone, Copy)]
+struct SharedOutput {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the tasks that share it write disjoint elements (gemm_rows' tiling), and the
+// buffer outlives them (borrowed mutably for the whole parallel loop).
+unsafe impl Send for SharedOutput {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOutput {}
+
+impl SharedOutput {
+    /// A pointer to `y[start]`, after checking that `y[start .. start + span]` exists.
+    fn pointer(&self, start: usize, span: usize) -> *mut f32 {
+        assert!(start.checked_add(span).is_some_and(|end| end <= self.len));
+        self.ptr.wrapping_add(start)
+    }
+
+    /// `y[start .. start + len]`.
+    ///
+    /// # Safety
+    /// No other live reference covers those elements.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn range_mut(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len));
+        // SAFETY: in bounds (asserted); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
+/// The tiled product written straight into `y` (`[rows, out_rows]` row-major, `rows =
+/// y.len() / out_rows <= n_padded`): every (tile of [`GEMM_TOKEN_TILE`] tokens, block
+/// of `nr` outputs) pair is one parallel task, which computes its tokens x outputs in
+/// a per-thread block and copies the real rows into its rectangle of `y` itself (no
+/// serial copy-out after the parallel loop, no per-task allocation).
+pub(crate) fn gemm_rows<D1: RowDecode, D2: RowDecode>(
+    isa: Isa,
+    par: Parallelism,
+    n_padded: usize,
+    first: &Segment<'_, D1>,
+    second: Option<&Segment<'_, D2>>,
+    y: &mut [f32],
+) {
+    let (_, nr) = tile_shape(isa);
+    let out_rows = first.weight.rows();
+    if out_rows == 0 || n_padded == 0 {
+        return;
+    }
+    let rows = y.len() / out_rows;
+    assert!(rows <= n_padded && y.len() == rows * out_rows);
+    let blocks = out_rows.div_ceil(nr);
+    let tiles = n_padded.div_ceil(GEMM_TOKEN_TILE);
+    let shared = SharedOutput {
+        ptr: y.as_mut_ptr(),
+        len: y.len(),
+    };
+    thread_local! {
+        static BLOCK: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let task = |index: usize| {
+        let (tile, bi) = (index / blocks, index % blocks);
+        let t0 = tile * GEMM_TOKEN_TILE;
+        let tile_padded = GEMM_TOKEN_TILE.min(n_padded - t0);
+        let o0 = bi * nr;
+        let nrows = nr.min(out_rows - o0);
+        let first = Segment {
+            weight: first.weight,
+            x: &first.x[t0 * first.x_stride..],
+            x_stride: first.x_stride,
+        };
+        let second = second.map(|s| Segment {
+            weight: s.weight,
+            x: &s.x[t0 * s.x_stride..],
+            x_stride: s.x_stride,
+        });
+        let real = rows.saturating_sub(t0).min(tile_padded);
+        if nrows == nr && real == tile_padded {
+            // A whole tile: the micro-kernels write y in place.
+            let y_tile = shared.pointer(t0 * out_rows + o0, (tile_padded - 1) * out_rows + nr);
+            // SAFETY: this task is the only writer of rows t0 .. t0 + tile_padded,
+            // columns o0 .. o0 + nr, all inside y (real rows, nrows == nr; bounds
+            // checked by `pointer`); no reference to them is live.
+            unsafe {
+                gemm_tile(
+                    isa,
+                    o0,
+                    nrows,
+                    tile_padded,
+                    &first,
+                    second.as_ref(),
+                    y_tile,
+                    out_rows,
+                );
+            }
+            return;
+        }
+        BLOCK.with_borrow_mut(|block| {
+            block.resize(tile_padded * nr, 0.0);
+            let y_block = &mut block[..tile_padded * nr];
+            gemm_block(
+                isa,
+                o0,
+                nrows,
+                tile_padded,
+                &first,
+                second.as_ref(),
+                y_block,
+            );
+            for (t, block_row) in y_block.chunks_exact(nr).take(real).enumerate() {
+                // SAFETY: this task is the only writer of rows t0 .. t0 + real, columns
+                // o0 .. o0 + nrows, and `y` is borrowed mutably for the whole loop.
+                let dst = unsafe { shared.range_mut((t0 + t) * out_rows + o0, nrows) };
+                dst.copy_from_slice(&block_row[..nrows]);
+            }
+        });
+    };
+    match par {
+        Parallelism::Sequential => (0..tiles * blocks).for_each(task),
+        Parallelism::Rayon => (0..tiles * blocks).into_par_iter().for_each(task),
     }
 }
 
@@ -348,12 +546,28 @@ fn transpose8(v: [__m256; 8]) -> [__m256; 8] {
     t
 }
 
-fn micro_scalar(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
+/// The micro-kernels: `y[t * ld + j] (+)= sum_kk x[t * x_stride + kk] panel[kk * NR + j]`
+/// for `t < MR`, `j < NR`, starting from `y` when `load`, from zero otherwise.
+///
+/// # Safety
+/// `y`'s `MR` rows of `NR` values are valid for reads and writes; `x` holds `MR` rows
+/// of `kc` values at `x_stride`; `panel` `kc * NR` values.
+unsafe fn micro_scalar(
+    kc: usize,
+    panel: &[f32],
+    x: &[f32],
+    x_stride: usize,
+    y: OutTile,
+    load: bool,
+) {
     const MR: usize = 4;
     const NR: usize = 8;
     let mut acc = [[0f32; NR]; MR];
-    for (t, acc_t) in acc.iter_mut().enumerate() {
-        acc_t.copy_from_slice(&y[t * NR..(t + 1) * NR]);
+    if load {
+        for (t, acc_t) in acc.iter_mut().enumerate() {
+            // SAFETY: row t of y (caller).
+            acc_t.copy_from_slice(unsafe { std::slice::from_raw_parts(y.ptr.add(t * y.ld), NR) });
+        }
     }
     for kk in 0..kc {
         let w = &panel[kk * NR..(kk + 1) * NR];
@@ -365,24 +579,38 @@ fn micro_scalar(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f
         }
     }
     for (t, acc_t) in acc.iter().enumerate() {
-        y[t * NR..(t + 1) * NR].copy_from_slice(acc_t);
+        // SAFETY: row t of y (caller).
+        unsafe { std::slice::from_raw_parts_mut(y.ptr.add(t * y.ld), NR) }.copy_from_slice(acc_t);
     }
 }
 
+/// [`micro_scalar`] for AVX-512, 8 x 32.
+///
+/// # Safety
+/// As [`micro_scalar`], and the CPU has AVX-512F/BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn micro_avx512(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
+unsafe fn micro_avx512(
+    kc: usize,
+    panel: &[f32],
+    x: &[f32],
+    x_stride: usize,
+    y: OutTile,
+    load: bool,
+) {
     const MR: usize = 8;
     const NR: usize = 32;
-    debug_assert!(panel.len() >= kc * NR && y.len() >= MR * NR);
+    debug_assert!(panel.len() >= kc * NR && y.ld >= NR);
     debug_assert!(x.len() >= (MR - 1) * x_stride + kc);
-    let (pp, xp, yp) = (panel.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let (pp, xp, yp, ld) = (panel.as_ptr(), x.as_ptr(), y.ptr, y.ld);
     // SAFETY: all pointer arithmetic below: bounds asserted by the caller and above.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-        for (t, a) in acc.iter_mut().enumerate() {
-            a[0] = _mm512_loadu_ps(yp.add(t * NR));
-            a[1] = _mm512_loadu_ps(yp.add(t * NR + 16));
+        if load {
+            for (t, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm512_loadu_ps(yp.add(t * ld));
+                a[1] = _mm512_loadu_ps(yp.add(t * ld + 16));
+            }
         }
         for kk in 0..kc {
             let w0 = _mm512_loadu_ps(pp.add(kk * NR));
@@ -394,26 +622,32 @@ unsafe fn micro_avx512(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: 
             }
         }
         for (t, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(yp.add(t * NR), a[0]);
-            _mm512_storeu_ps(yp.add(t * NR + 16), a[1]);
+            _mm512_storeu_ps(yp.add(t * ld), a[0]);
+            _mm512_storeu_ps(yp.add(t * ld + 16), a[1]);
         }
     }
 }
 
+/// [`micro_scalar`] for AVX2, 6 x 16.
+///
+/// # Safety
+/// As [`micro_scalar`], and the CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &mut [f32]) {
+unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: OutTile, load: bool) {
     const MR: usize = 6;
     const NR: usize = 16;
-    debug_assert!(panel.len() >= kc * NR && y.len() >= MR * NR);
+    debug_assert!(panel.len() >= kc * NR && y.ld >= NR);
     debug_assert!(x.len() >= (MR - 1) * x_stride + kc);
-    let (pp, xp, yp) = (panel.as_ptr(), x.as_ptr(), y.as_mut_ptr());
+    let (pp, xp, yp, ld) = (panel.as_ptr(), x.as_ptr(), y.ptr, y.ld);
     // SAFETY: all pointer arithmetic below: bounds asserted by the caller and above.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-        for (t, a) in acc.iter_mut().enumerate() {
-            a[0] = _mm256_loadu_ps(yp.add(t * NR));
-            a[1] = _mm256_loadu_ps(yp.add(t * NR + 8));
+        if load {
+            for (t, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_loadu_ps(yp.add(t * ld));
+                a[1] = _mm256_loadu_ps(yp.add(t * ld + 8));
+            }
         }
         for kk in 0..kc {
             let w0 = _mm256_loadu_ps(pp.add(kk * NR));
@@ -425,8 +659,8 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &m
             }
         }
         for (t, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(yp.add(t * NR), a[0]);
-            _mm256_storeu_ps(yp.add(t * NR + 8), a[1]);
+            _mm256_storeu_ps(yp.add(t * ld), a[0]);
+            _mm256_storeu_ps(yp.add(t * ld + 8), a[1]);
         }
     }
 }
@@ -434,6 +668,71 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: &m
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// `gemm_rows` on every ISA against a triple loop in f64: 200 tokens (a whole
+    /// token tile of 192 and a second of 8, both written in place) and 197 (the second
+    /// tile padded: through the per-thread block), 70 outputs (whole 32-wide blocks and
+    /// an edge), 300 inputs (reduction slices of 128, 128, 44), plus a second segment of
+    /// 5 inputs (the LoRA expand's shape); both parallelisms; `y` starts as NaN.
+    #[test]
+    fn gemm_rows_equals_the_triple_loop() {
+        use super::super::decode::F32Rows;
+        let value =
+            |i: usize, seed: usize| ((i * 2_654_435_761 + seed) % 1000) as f32 / 500.0 - 1.0;
+        let (out_rows, k1, k2) = (70, 300, 5);
+        let w1: Vec<f32> = (0..out_rows * k1).map(|i| value(i, 1)).collect();
+        let w2: Vec<f32> = (0..out_rows * k2).map(|i| value(i, 2)).collect();
+        for isa in Isa::available() {
+            let (mr, _) = tile_shape(isa);
+            for rows in [200usize, 197] {
+                let n_padded = rows.div_ceil(mr) * mr;
+                let mut x1: Vec<f32> = (0..rows * k1).map(|i| value(i, 3)).collect();
+                let mut x2: Vec<f32> = (0..rows * k2).map(|i| value(i, 4)).collect();
+                x1.resize(n_padded * k1, 0.0);
+                x2.resize(n_padded * k2, 0.0);
+                let weight1 = F32Rows {
+                    data: &w1,
+                    rows: out_rows,
+                    cols: k1,
+                };
+                let weight2 = F32Rows {
+                    data: &w2,
+                    rows: out_rows,
+                    cols: k2,
+                };
+                let first = Segment {
+                    weight: &weight1,
+                    x: &x1,
+                    x_stride: k1,
+                };
+                let second = Segment {
+                    weight: &weight2,
+                    x: &x2,
+                    x_stride: k2,
+                };
+                for par in [Parallelism::Sequential, Parallelism::Rayon] {
+                    let mut y = vec![f32::NAN; rows * out_rows];
+                    gemm_rows(isa, par, n_padded, &first, Some(&second), &mut y);
+                    for t in 0..rows {
+                        for o in 0..out_rows {
+                            let want: f64 =
+                                (0..k1)
+                                    .map(|k| f64::from(w1[o * k1 + k]) * f64::from(x1[t * k1 + k]))
+                                    .chain((0..k2).map(|k| {
+                                        f64::from(w2[o * k2 + k]) * f64::from(x2[t * k2 + k])
+                                    }))
+                                    .sum();
+                            let got = f64::from(y[t * out_rows + o]);
+                            assert!(
+                                (got - want).abs() < 1e-4,
+                                "{isa:?} {par:?} rows {rows}: y[{t}, {o}] = {got}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn transpose8_transposes() {

@@ -587,76 +587,6 @@ fn gemm_all<D1: RowDecode, D2: RowDecode>(
     y_t
 }
 
-/// Tokens per tile of [`gemm_rows`]: a multiple of every ISA's `mr` (8, 6, 4), small
-/// enough that a tile's `KC`-wide slice of the activations (96 KiB) and its output
-/// block stay in L2 while the block's weight panels are decoded once per tile.
-const GEMM_TOKEN_TILE: usize = 192;
-
-/// The tiled product written straight into `y` (`[rows, out_rows]` row-major, `rows =
-/// y.len() / out_rows <= n_padded`): every (tile of [`GEMM_TOKEN_TILE`] tokens, block
-/// of `nr` outputs) pair is one parallel task, whose tokens x outputs are then copied
-/// into their rows of `y` (no `[out, tokens]` intermediate to transpose back).
-fn gemm_rows<D1: RowDecode, D2: RowDecode>(
-    isa: Isa,
-    par: Parallelism,
-    n_padded: usize,
-    first: &gemm::Segment<'_, D1>,
-    second: Option<&gemm::Segment<'_, D2>>,
-    y: &mut [f32],
-) {
-    let (_, nr) = gemm::tile_shape(isa);
-    let out_rows = first.weight.rows();
-    let blocks = out_rows.div_ceil(nr);
-    let tiles = n_padded.div_ceil(GEMM_TOKEN_TILE);
-    let task = |index: usize| {
-        let (tile, bi) = (index / blocks, index % blocks);
-        let t0 = tile * GEMM_TOKEN_TILE;
-        let tile_padded = GEMM_TOKEN_TILE.min(n_padded - t0);
-        let o0 = bi * nr;
-        let nrows = nr.min(out_rows - o0);
-        let first = gemm::Segment {
-            weight: first.weight,
-            x: &first.x[t0 * first.x_stride..],
-            x_stride: first.x_stride,
-        };
-        let second = second.map(|s| gemm::Segment {
-            weight: s.weight,
-            x: &s.x[t0 * s.x_stride..],
-            x_stride: s.x_stride,
-        });
-        let mut y_block = vec![0f32; tile_padded * nr];
-        gemm::gemm_block(
-            isa,
-            o0,
-            nrows,
-            tile_padded,
-            &first,
-            second.as_ref(),
-            &mut y_block,
-        );
-        y_block
-    };
-    let computed: Vec<Vec<f32>> = match par {
-        Parallelism::Sequential => (0..tiles * blocks).map(task).collect(),
-        Parallelism::Rayon => (0..tiles * blocks).into_par_iter().map(task).collect(),
-    };
-    for (index, y_block) in computed.iter().enumerate() {
-        let (tile, bi) = (index / blocks, index % blocks);
-        let o0 = bi * nr;
-        let nrows = nr.min(out_rows - o0);
-        let y_tile = y
-            .chunks_mut(GEMM_TOKEN_TILE * out_rows)
-            .nth(tile)
-            .unwrap_or_default();
-        for (y_row, block_row) in y_tile
-            .chunks_exact_mut(out_rows)
-            .zip(y_block.chunks_exact(nr))
-        {
-            y_row[o0..o0 + nrows].copy_from_slice(&block_row[..nrows]);
-        }
-    }
-}
-
 struct GemmVisitor<'a> {
     isa: Isa,
     par: Parallelism,
@@ -676,7 +606,7 @@ impl DecoderVisitor for GemmVisitor<'_> {
             x: self.xq,
             x_stride: self.in_features,
         };
-        gemm_rows(
+        gemm::gemm_rows(
             self.isa,
             self.par,
             self.n_padded,
@@ -717,7 +647,7 @@ fn forward_gemm(
             x_stride: in_features,
         };
         let mut ts = vec![0f32; n_padded * a.rows];
-        gemm_rows::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None, &mut ts);
+        gemm::gemm_rows::<_, Bf16Rows<'_>>(isa, par, n_padded, &seg, None, &mut ts);
         for v in &mut ts {
             *v *= *scale;
         }
