@@ -149,10 +149,18 @@ pub(crate) fn mirror_lower<T: Copy>(mut m: MatMut<'_, T>) {
     }
 }
 
-/// $X W^2 Y^\top$ in f64 for `k x count` row-major f32 matrices (`w`: column weights).
-fn wide_cross_f64(x: &[f32], y: &[f32], k: usize, weights: Option<&[f32]>, par: Par) -> Mat<f64> {
+/// $X W^2 Y^\top$ in f64 for `k x count` row-major f32 matrices (`w`: column weights);
+/// $X W^2 X^\top$ when `y` is `None`, its lower triangle computed and mirrored (half the
+/// products, and X widened once).
+fn wide_cross_f64(
+    x: &[f32],
+    y: Option<&[f32]>,
+    k: usize,
+    weights: Option<&[f32]>,
+    par: Par,
+) -> Mat<f64> {
     let count = x.len() / k.max(1);
-    let widen = |src: &[f32]| -> Vec<f64> {
+    let widen = |src: &[f32], weights: Option<&[f32]>| -> Vec<f64> {
         let mut out = vec![0f64; src.len()];
         out.par_chunks_mut(count.max(1))
             .zip(src.par_chunks(count.max(1)))
@@ -166,16 +174,30 @@ fn wide_cross_f64(x: &[f32], y: &[f32], k: usize, weights: Option<&[f32]>, par: 
             });
         out
     };
-    let (xw, yw) = (widen(x), widen(y));
     let mut out = Mat::<f64>::zeros(k, k);
-    matmul(
-        out.as_mut(),
-        Accum::Replace,
-        MatRef::from_row_major_slice(&xw, k, count),
-        MatRef::from_row_major_slice(&yw, k, count).transpose(),
-        1.0,
-        par,
-    );
+    match y {
+        Some(y) => {
+            let (xw, yw) = (widen(x, weights), widen(y, weights));
+            matmul(
+                out.as_mut(),
+                Accum::Replace,
+                MatRef::from_row_major_slice(&xw, k, count),
+                MatRef::from_row_major_slice(&yw, k, count).transpose(),
+                1.0,
+                par,
+            );
+        }
+        None => {
+            // X W (X W)^T: each column weighted once.
+            let xw = widen(x, weights);
+            lower_gram_add(
+                out.as_mut(),
+                MatRef::from_row_major_slice(&xw, k, count),
+                par,
+            );
+            mirror_lower(out.as_mut());
+        }
+    }
     out
 }
 
@@ -239,6 +261,12 @@ fn round_to_bf16_f32(x: f32) -> f32 {
     let bits = x.to_bits();
     let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
     f32::from_bits(rounded)
+}
+
+/// A bf16 value held in an f32 (its low 16 bits zero) as bf16: its top half, no rounding.
+#[inline(always)]
+fn exact_bf16(x: f32) -> bf16 {
+    bf16::from_bits((x.to_bits() >> 16) as u16)
 }
 
 /// How the vectors to round lie in a row-major matrix.
@@ -306,7 +334,7 @@ fn round_vectors(x: &[f32], k: usize, layout: Vectors, h: MatRef<'_, f64>) -> Ve
                     let len = dst.len() / k;
                     for (i, row) in dst.chunks_exact_mut(k).enumerate() {
                         for (l, v) in row.iter_mut().enumerate() {
-                            *v = bf16::from_f32(rounded[l * len + i]);
+                            *v = exact_bf16(rounded[l * len + i]);
                         }
                     }
                 });
@@ -321,7 +349,7 @@ fn round_vectors(x: &[f32], k: usize, layout: Vectors, h: MatRef<'_, f64>) -> Ve
                             .iter_mut()
                             .zip(&rounded[l * len..(l + 1) * len])
                         {
-                            *d = bf16::from_f32(v);
+                            *d = exact_bf16(v);
                         }
                     }
                 });
@@ -331,8 +359,41 @@ fn round_vectors(x: &[f32], k: usize, layout: Vectors, h: MatRef<'_, f64>) -> Ve
 }
 
 /// [`round_vectors`] on one task's `k x len` block (vectors as columns): returns the
-/// bf16 values (as f32) in the same layout.
+/// bf16 values (as f32) in the same layout. The loops over the vectors (rounding,
+/// feedback, single-ulp moves) are compiled for AVX-512 where the CPU has it: the build
+/// targets baseline x86-64, whose SSE2 loops are four lanes wide (the products are
+/// faer's, which picks its kernels at run time either way).
 fn round_block(
+    x: &[f32],
+    k: usize,
+    len: usize,
+    feedback: Option<MatRef<'_, f32>>,
+    h: MatRef<'_, f32>,
+) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has the feature the function is compiled for.
+        return unsafe { round_block_avx512(x, k, len, feedback, h) };
+    }
+    round_block_body(x, k, len, feedback, h)
+}
+
+/// [`round_block_body`] compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
+unsafe fn round_block_avx512(
+    x: &[f32],
+    k: usize,
+    len: usize,
+    feedback: Option<MatRef<'_, f32>>,
+    h: MatRef<'_, f32>,
+) -> Vec<f32> {
+    round_block_body(x, k, len, feedback, h)
+}
+
+/// The work of [`round_block`].
+#[inline(always)]
+fn round_block_body(
     x: &[f32],
     k: usize,
     len: usize,
@@ -611,8 +672,8 @@ fn refit_and_round_b(
     par: Par,
 ) -> Vec<bf16> {
     let aqf = widen(aq);
-    let gram = wide_cross_f64(&aqf, &aqf, k, weights, par);
-    let cross = wide_cross_f64(a0, &aqf, k, weights, par);
+    let gram = wide_cross_f64(&aqf, None, k, weights, par);
+    let cross = wide_cross_f64(a0, Some(&aqf), k, weights, par);
     drop(aqf);
     // B = B0 (A0 W^2 Aq^T) (Aq W^2 Aq^T)^-1 = B0 T, T = cross G^-1 = (G^-1 cross^T)^T.
     let refit = spd_solve(gram.as_ref(), cross.transpose()).map(|t| {

@@ -218,7 +218,7 @@ fn read_into_spare(
 /// Marks the 2 MiB-aligned part of `buf` for transparent huge pages (Linux; a hint: a
 /// refusal, e.g. with huge pages off, changes nothing).
 #[cfg(target_os = "linux")]
-fn advise_huge_pages<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
+pub(crate) fn advise_huge_pages<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
     const HUGE: usize = 2 << 20;
     let start = buf.as_mut_ptr() as usize;
     let aligned = start.next_multiple_of(HUGE);
@@ -237,7 +237,7 @@ fn advise_huge_pages<T>(buf: &mut [std::mem::MaybeUninit<T>]) {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise_huge_pages<T>(_: &mut [std::mem::MaybeUninit<T>]) {}
+pub(crate) fn advise_huge_pages<T>(_: &mut [std::mem::MaybeUninit<T>]) {}
 
 #[cfg(unix)]
 fn read_at(file: &File, buf: &mut [u8], position: u64) -> std::io::Result<()> {
