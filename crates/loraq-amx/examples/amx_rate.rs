@@ -58,8 +58,8 @@ fn main() {
             round_bf16(base + rng.random_range(-0.005f32..0.005)) - base
         })
         .collect();
-    let v = Mat::<f32>::from_fn(cols, width, |_, _| round_bf16(rng.random_range(-1f32..1.0)));
-    let q = Mat::<f32>::from_fn(rows, width, |_, _| round_bf16(rng.random_range(-1f32..1.0)));
+    let v = Mat::<f32>::from_fn(cols, width, |_, _| rng.random_range(-1f32..1.0));
+    let q = Mat::<f32>::from_fn(rows, width, |_, _| rng.random_range(-1f32..1.0));
     let v_data: Vec<f32> = (0..width)
         .flat_map(|j| (0..cols).map(move |i| (i, j)))
         .map(|(i, j)| v[(i, j)])
@@ -113,29 +113,31 @@ fn main() {
     let qv = MatrixRef::col_major(&q_data, rows, width).unwrap();
     let mut out_w = vec![0f32; rows * width];
     let mut out_z = vec![0f32; cols * width];
-    for (planes, name) in [
-        (Planes::Three, "three planes of D (exact)"),
-        (Planes::Two, "two planes of D"),
-    ] {
+    let configurations = [
+        (Planes::Two, Planes::Two, "two planes each (3 tile products)"),
+        (Planes::Two, Planes::One, "two planes of D, bf16 of the basis (2)"),
+        (Planes::Three, Planes::Three, "three planes each (6)"),
+    ];
+    for (d_planes, basis_planes, name) in configurations {
         report(
-            &format!("pass W, AMX, {name}, bf16 V"),
+            &format!("pass W, AMX, {name}"),
             best_of_three(|| {
                 amx.matmul(
                     MatrixMut::col_major(&mut out_w, rows, width, rows).unwrap(),
-                    Operand::new(dv, planes),
-                    Operand::new(vv, Planes::One),
+                    Operand::new(dv, d_planes),
+                    Operand::new(vv, basis_planes),
                     Accumulate::Replace,
                 )
                 .unwrap()
             }),
         );
         report(
-            &format!("pass Z, AMX, {name}, bf16 Q"),
+            &format!("pass Z, AMX, {name}"),
             best_of_three(|| {
                 amx.matmul(
                     MatrixMut::col_major(&mut out_z, cols, width, cols).unwrap(),
-                    Operand::new(dv.transpose(), planes),
-                    Operand::new(qv, Planes::One),
+                    Operand::new(dv.transpose(), d_planes),
+                    Operand::new(qv, basis_planes),
                     Accumulate::Replace,
                 )
                 .unwrap()
