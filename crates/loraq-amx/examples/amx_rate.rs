@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 fn cpu_seconds() -> f64 {
-    let mut ts = libc_timespec::default();
+    let mut ts = Timespec::default();
     // SAFETY: `ts` is a valid, writable timespec for the duration of the call.
     unsafe { clock_gettime(2, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
@@ -21,14 +21,14 @@ fn cpu_seconds() -> f64 {
 
 #[repr(C)]
 #[derive(Default)]
-struct libc_timespec {
+struct Timespec {
     tv_sec: i64,
     tv_nsec: i64,
 }
 
 unsafe extern "C" {
     /// CLOCK_PROCESS_CPUTIME_ID = 2 on Linux.
-    fn clock_gettime(clock: i32, ts: *mut libc_timespec) -> i32;
+    fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
 }
 
 fn best_of_three(mut run: impl FnMut()) -> f64 {
@@ -114,8 +114,16 @@ fn main() {
     let mut out_w = vec![0f32; rows * width];
     let mut out_z = vec![0f32; cols * width];
     let configurations = [
-        (Planes::Two, Planes::Two, "two planes each (3 tile products)"),
-        (Planes::Two, Planes::One, "two planes of D, bf16 of the basis (2)"),
+        (
+            Planes::Two,
+            Planes::Two,
+            "two planes each (3 tile products)",
+        ),
+        (
+            Planes::Two,
+            Planes::One,
+            "two planes of D, bf16 of the basis (2)",
+        ),
         (Planes::Three, Planes::Three, "three planes each (6)"),
     ];
     for (d_planes, basis_planes, name) in configurations {
