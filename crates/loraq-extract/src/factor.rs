@@ -652,11 +652,11 @@ fn amx_view(m: MatRef<'_, f32>) -> Option<MatrixRef<'_>> {
     MatrixRef::new(data, m.nrows(), m.ncols(), rs, cs).ok()
 }
 
-/// `lhs rhs` on AMX tiles (docs/amx.md) when this process can use them, `None`
-/// otherwise (the caller takes faer's f32 GEMM). Two bf16 planes of each operand: each
-/// product within `3 * 2^-16` of its magnitude, against f32 rounding of the sums over
-/// thousands of terms; docs/extraction.md, "Numerics", says why that is enough for the
-/// passes.
+/// `lhs bf16(rhs)` on AMX tiles (docs/amx.md) when this process can use them, `None`
+/// otherwise (the caller takes faer's f32 GEMM): two bf16 planes of `lhs` (the delta,
+/// exact where an entry needs at most 16 significant bits) against the bf16 rounding of
+/// `rhs` (a range finder's basis, which may be any basis), the sums in f32. For the range
+/// products only: docs/extraction.md, "Numerics", says why pass Z is not one.
 fn amx_product(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>) -> Option<Mat<f32>> {
     let amx = Amx::detect()?;
     let (a, b) = (amx_view(lhs)?, amx_view(rhs)?);
