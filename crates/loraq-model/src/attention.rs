@@ -134,10 +134,10 @@ fn attend_tile_body<const FUSED: bool>(input: &TileInput<'_>, out: &mut [f32]) {
         q0,
     } = *input;
     let AttentionDims {
-        tokens,
         heads,
         kv_heads,
         head_dim: hd,
+        ..
     } = dims;
     let rows = out.len() / hd;
     let scale = (hd as f32).powf(-0.5);
