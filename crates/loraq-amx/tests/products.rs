@@ -1,0 +1,363 @@
+//! AMX products against f64 reference products, within the bounds docs/amx.md derives:
+//! `|c - c_ref| <= (rel + acc (1 + rel)) sum_k |a_ik| |b_kj| + abs`, with `rel`
+//! [`relative_error_bound`] of the planes, `acc` [`accumulation_bound`] of the number
+//! of terms accumulated, and `abs` the absolute term of the values AMX flushes to zero
+//! (`2^-124` times the sums of the operands' magnitudes, zero unless a plane falls below
+//! `2^-126`). Skipped (with a note) where AMX is not usable.
+
+use loraq_amx::{
+    Accumulate, Amx, MatrixMut, MatrixRef, Operand, Planes, accumulation_bound, plane_pairs,
+    relative_error_bound, round_bf16,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn amx() -> Option<Amx> {
+    let amx = Amx::detect();
+    if amx.is_none() {
+        eprintln!("AMX not usable here: the products are not tested");
+    }
+    amx
+}
+
+/// A dense matrix and the strides it is viewed with.
+struct Dense {
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    col_major: bool,
+}
+
+impl Dense {
+    fn new(
+        rows: usize,
+        cols: usize,
+        col_major: bool,
+        mut f: impl FnMut(usize, usize) -> f32,
+    ) -> Dense {
+        let mut data = vec![0f32; rows * cols];
+        for i in 0..rows {
+            for j in 0..cols {
+                let index = if col_major {
+                    i + j * rows
+                } else {
+                    i * cols + j
+                };
+                data[index] = f(i, j);
+            }
+        }
+        Dense {
+            data,
+            rows,
+            cols,
+            col_major,
+        }
+    }
+
+    fn view(&self) -> MatrixRef<'_> {
+        if self.col_major {
+            MatrixRef::col_major(&self.data, self.rows, self.cols).unwrap()
+        } else {
+            MatrixRef::row_major(&self.data, self.rows, self.cols).unwrap()
+        }
+    }
+
+    fn at(&self, i: usize, j: usize) -> f32 {
+        self.view().get(i, j)
+    }
+}
+
+struct Case<'a> {
+    a: &'a Dense,
+    a_planes: Planes,
+    a_bf16: bool,
+    b: &'a Dense,
+    b_planes: Planes,
+    b_bf16: bool,
+    out_col_major: bool,
+    accumulate: bool,
+}
+
+/// Runs the product and checks every element against the f64 reference; returns the
+/// largest error over its bound.
+fn check(amx: Amx, case: &Case<'_>, what: &str) -> f64 {
+    let (m, k, n) = (case.a.rows, case.a.cols, case.b.cols);
+    let initial = |i: usize, j: usize| {
+        if case.accumulate {
+            (i as f32 - j as f32) * 0.25
+        } else {
+            f32::NAN
+        }
+    };
+    let mut out = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let index = if case.out_col_major {
+                i + j * m
+            } else {
+                i * n + j
+            };
+            out[index] = initial(i, j);
+        }
+    }
+    {
+        let view = if case.out_col_major {
+            MatrixMut::col_major(&mut out, m, n, m).unwrap()
+        } else {
+            MatrixMut::row_major(&mut out, m, n, n).unwrap()
+        };
+        amx.matmul(
+            view,
+            Operand::new(case.a.view(), case.a_planes),
+            Operand::new(case.b.view(), case.b_planes),
+            if case.accumulate {
+                Accumulate::Add
+            } else {
+                Accumulate::Replace
+            },
+        )
+        .unwrap();
+    }
+    let rel = relative_error_bound(case.a_planes, case.a_bf16, case.b_planes, case.b_bf16);
+    let terms = k * plane_pairs(case.a_planes, case.b_planes).len() + usize::from(case.accumulate);
+    let acc = accumulation_bound(terms);
+    let mut worst = 0f64;
+    for i in 0..m {
+        for j in 0..n {
+            let mut exact = if case.accumulate {
+                initial(i, j) as f64
+            } else {
+                0.0
+            };
+            let mut magnitude = exact.abs();
+            let (mut sum_a, mut sum_b) = (0f64, 0f64);
+            for l in 0..k {
+                let (x, y) = (case.a.at(i, l) as f64, case.b.at(l, j) as f64);
+                exact += x * y;
+                magnitude += (x * y).abs();
+                sum_a += x.abs();
+                sum_b += y.abs();
+            }
+            let flush = f64::powi(2.0, -124) * (sum_a + sum_b + terms as f64);
+            let bound = (rel + acc * (1.0 + rel)) * magnitude + flush;
+            let index = if case.out_col_major {
+                i + j * m
+            } else {
+                i * n + j
+            };
+            let error = (out[index] as f64 - exact).abs();
+            assert!(
+                error <= bound,
+                "{what}: ({i}, {j}) of {m}x{k}x{n}: {} against {exact:e}, error {error:e} over the bound {bound:e}",
+                out[index]
+            );
+            if bound > 0.0 {
+                worst = worst.max(error / bound);
+            }
+        }
+    }
+    worst
+}
+
+fn gaussian(rng: &mut ChaCha8Rng) -> f32 {
+    let u1: f64 = 1.0 - rng.random::<f64>();
+    let u2: f64 = rng.random::<f64>();
+    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+const PLANE_CASES: [(Planes, bool, Planes, bool); 6] = [
+    (Planes::Three, false, Planes::One, true),
+    (Planes::Two, false, Planes::One, true),
+    (Planes::One, true, Planes::Three, false),
+    (Planes::Two, false, Planes::Two, false),
+    (Planes::Three, false, Planes::Three, false),
+    (Planes::One, false, Planes::One, false),
+];
+
+#[test]
+fn random_products_of_awkward_shapes_are_within_their_bounds() {
+    let Some(amx) = amx() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(20);
+    // Sizes not multiples of 16 or 32; the left operand bigger, then the right one
+    // (the two task layouts); k below one tile, across k-blocks of 256.
+    let shapes = [
+        (1, 1, 1),
+        (17, 33, 15),
+        (31, 65, 47),
+        (130, 300, 20),
+        (20, 290, 150),
+        (64, 513, 70),
+    ];
+    for &(m, k, n) in &shapes {
+        for (case_index, &(a_planes, a_bf16, b_planes, b_bf16)) in PLANE_CASES.iter().enumerate() {
+            let layouts = case_index % 4;
+            let a = Dense::new(m, k, layouts & 1 == 1, |_, _| {
+                let x = gaussian(&mut rng);
+                if a_bf16 { round_bf16(x) } else { x }
+            });
+            let b = Dense::new(k, n, layouts & 2 == 2, |_, _| {
+                let x = gaussian(&mut rng) * 3.0;
+                if b_bf16 { round_bf16(x) } else { x }
+            });
+            let case = Case {
+                a: &a,
+                a_planes,
+                a_bf16,
+                b: &b,
+                b_planes,
+                b_bf16,
+                out_col_major: case_index % 3 == 1,
+                accumulate: case_index % 2 == 1,
+            };
+            check(amx, &case, &format!("{a_planes:?}x{b_planes:?}"));
+        }
+    }
+}
+
+/// The bounds are not loose by orders of magnitude: two planes each (about `3 * 2^-16`
+/// per product) reach a sizeable fraction of theirs on a single long product, and one
+/// plane each (plain bf16) is far from f32.
+#[test]
+fn the_bounds_are_attained_in_order_of_magnitude() {
+    let Some(amx) = amx() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let a = Dense::new(16, 1, false, |_, _| gaussian(&mut rng));
+    let b = Dense::new(1, 512, false, |_, _| gaussian(&mut rng));
+    let case = Case {
+        a: &a,
+        a_planes: Planes::Two,
+        a_bf16: false,
+        b: &b,
+        b_planes: Planes::Two,
+        b_bf16: false,
+        out_col_major: false,
+        accumulate: false,
+    };
+    let worst = check(amx, &case, "two planes each, k = 1");
+    assert!(worst > 0.05, "the worst error is only {worst} of its bound");
+}
+
+/// With one operand bf16 and three planes of the other, every product is exact: on
+/// values whose sums are exact in f32 too (integers below 2^24 in every partial sum),
+/// the result is the exact integer.
+#[test]
+fn bf16_operand_times_three_planes_is_exact() {
+    let Some(amx) = amx() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (m, k, n) = (45, 96, 37);
+    // |a| < 2^14 with up to 14 significant bits (two planes), |b| < 2^4 (bf16): every
+    // partial sum below 96 * 2^18 < 2^25... kept below 2^24 by |a| < 2^13.
+    let a = Dense::new(m, k, false, |_, _| rng.random_range(-8191i32..=8191) as f32);
+    let b = Dense::new(k, n, true, |_, _| {
+        rng.random_range(-15i32..=15) as f32 * 0.5
+    });
+    let mut out = vec![0f32; m * n];
+    amx.matmul(
+        MatrixMut::row_major(&mut out, m, n, n).unwrap(),
+        Operand::new(a.view(), Planes::Three),
+        Operand::new(b.view(), Planes::One),
+        Accumulate::Replace,
+    )
+    .unwrap();
+    for i in 0..m {
+        for j in 0..n {
+            let exact: f64 = (0..k).map(|l| a.at(i, l) as f64 * b.at(l, j) as f64).sum();
+            assert_eq!(out[i * n + j] as f64, exact, "({i}, {j})");
+        }
+    }
+    // Full 24-bit values of a times powers of two, k = 1 (every partial sum of the plane
+    // products exact in f32): the three planes carry every bit.
+    let a = Dense::new(33, 1, false, |i, _| {
+        f32::from_bits(0x3f80_0000 | (0x5a5a5a + 0x1357 * i as u32))
+    });
+    let b = Dense::new(1, 19, false, |_, j| {
+        let sign = if j % 2 == 0 { 1.0 } else { -1.0 };
+        sign * f32::powi(2.0, j as i32 - 9)
+    });
+    let mut out = vec![0f32; 33 * 19];
+    amx.matmul(
+        MatrixMut::row_major(&mut out, 33, 19, 19).unwrap(),
+        Operand::new(a.view(), Planes::Three),
+        Operand::new(b.view(), Planes::One),
+        Accumulate::Replace,
+    )
+    .unwrap();
+    for i in 0..33 {
+        for j in 0..19 {
+            let exact = a.at(i, 0) * b.at(0, j);
+            assert_eq!(out[i * 19 + j], exact, "({i}, {j})");
+        }
+    }
+}
+
+/// Zeros, a dynamic range of 2^-90 to 2^90 inside one matrix, and subnormal inputs (AMX
+/// reads bf16 subnormals as zero: the absolute term of the bound).
+#[test]
+fn zeros_wide_range_and_subnormals_are_within_their_bounds() {
+    let Some(amx) = amx() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let (m, k, n) = (40, 70, 36);
+    let zeros = Dense::new(m, k, false, |_, _| 0.0);
+    let wide = Dense::new(m, k, false, |_, _| {
+        gaussian(&mut rng) * f32::powi(2.0, rng.random_range(-90..=90))
+    });
+    let tiny = Dense::new(m, k, true, |i, j| {
+        let scale = if (i + j) % 3 == 0 { 1e-40 } else { 1e-33 };
+        gaussian(&mut rng) * scale
+    });
+    let b = Dense::new(k, n, false, |_, _| gaussian(&mut rng));
+    for (a, name) in [
+        (&zeros, "zeros"),
+        (&wide, "wide range"),
+        (&tiny, "subnormal"),
+    ] {
+        for &(a_planes, b_planes) in &[(Planes::Three, Planes::Three), (Planes::Two, Planes::Two)] {
+            let case = Case {
+                a,
+                a_planes,
+                a_bf16: false,
+                b: &b,
+                b_planes,
+                b_bf16: false,
+                out_col_major: false,
+                accumulate: false,
+            };
+            check(amx, &case, name);
+        }
+    }
+    // A subnormal value times one: flushed to zero by AMX (documented in docs/amx.md).
+    let a = Dense::new(1, 1, false, |_, _| 1e-40);
+    let one = Dense::new(1, 1, false, |_, _| 1.0);
+    let mut out = [f32::NAN];
+    amx.matmul(
+        MatrixMut::row_major(&mut out, 1, 1, 1).unwrap(),
+        Operand::new(a.view(), Planes::Three),
+        Operand::new(one.view(), Planes::One),
+        Accumulate::Replace,
+    )
+    .unwrap();
+    assert_eq!(out[0], 0.0, "a subnormal input is read as zero");
+}
+
+#[test]
+fn shape_and_view_errors_are_refused() {
+    let data = [0f32; 6];
+    assert!(MatrixRef::row_major(&data, 3, 3).is_err());
+    assert!(MatrixRef::new(&data, 2, 2, 5, 1).is_err());
+    let mut out = [0f32; 4];
+    assert!(MatrixMut::row_major(&mut out, 2, 3, 3).is_err());
+    let Some(amx) = amx() else { return };
+    let a = MatrixRef::row_major(&data, 2, 3).unwrap();
+    let err = amx
+        .matmul(
+            MatrixMut::row_major(&mut out, 2, 2, 2).unwrap(),
+            Operand::new(a, Planes::One),
+            Operand::new(a, Planes::One),
+            Accumulate::Replace,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, loraq_amx::AmxError::ShapeMismatch { .. }),
+        "{err}"
+    );
+}
