@@ -305,3 +305,153 @@ impl LinearLayer for KernelLinear {
         self.inner.out_features()
     }
 }
+
+/// Tokens from which [`AmxLinear`] runs a product on AMX tiles; fewer go to the
+/// wrapped linear (the kernels' GEMV, which reads the stored codes once per token).
+pub const AMX_MIN_TOKENS: usize = 16;
+
+/// A linear whose prefill-sized products run on AMX bf16 tiles (loraq-amx), exactly
+/// as accurate as an f32 product: the weight's values are bf16 (checked when built),
+/// so each `x_k w_jk` is formed exactly from the three bf16 planes of `x_k` times
+/// `w_jk` (three tile products) and summed in f32, as the f32 GEMM sums them. The LoRA
+/// path is the same two products as the kernels' (`s (x A^T)` in f32, then times
+/// `B^T`), each on the tiles with the bf16 factors as the one-plane operand, and added
+/// to the output (one more f32 rounding per element than the kernels' fused tile).
+/// Below [`AMX_MIN_TOKENS`] tokens it calls the wrapped linear.
+#[derive(Debug)]
+pub struct AmxLinear {
+    /// The module path, for error messages.
+    pub name: String,
+    amx: loraq_amx::Amx,
+    inner: Box<dyn LinearLayer>,
+    /// `[out_features, in_features]`, every value a bf16 value.
+    weight: Vec<f32>,
+    lora: Option<AmxLora>,
+}
+
+/// The LoRA factors of an [`AmxLinear`], bf16 values held as f32.
+#[derive(Debug)]
+struct AmxLora {
+    /// `lora_A`, `[rank, in_features]`.
+    a: Vec<f32>,
+    /// `lora_B`, `[out_features, rank]`.
+    b: Vec<f32>,
+    rank: usize,
+    scale: f32,
+}
+
+/// Whether every value is a bf16 value (what one plane of the tile product holds
+/// exactly).
+pub fn all_bf16(values: &[f32]) -> bool {
+    values.iter().all(|&v| loraq_amx::round_bf16(v) == v)
+}
+
+impl AmxLinear {
+    /// Wraps `inner` (the linear of `weight` `[out_features, in_features]` row-major and
+    /// the optional factors `(lora_A [rank, in], lora_B [out, rank], scale)`); gives
+    /// `inner` back when a weight or factor value is not a bf16 value, so the tile
+    /// product would round it (or a shape disagrees), and the caller keeps it alone.
+    pub fn new(
+        name: String,
+        amx: loraq_amx::Amx,
+        inner: Box<dyn LinearLayer>,
+        weight: Vec<f32>,
+        lora: Option<(Vec<f32>, Vec<f32>, f32)>,
+    ) -> std::result::Result<AmxLinear, Box<dyn LinearLayer>> {
+        let (out_features, in_features) = (inner.out_features(), inner.in_features());
+        if out_features.checked_mul(in_features) != Some(weight.len()) || !all_bf16(&weight) {
+            return Err(inner);
+        }
+        let lora = match lora {
+            None => None,
+            Some((a, b, scale)) => {
+                let rank = a.len().checked_div(in_features).unwrap_or(0);
+                let shapes_agree = rank.checked_mul(in_features) == Some(a.len())
+                    && rank.checked_mul(out_features) == Some(b.len());
+                if !shapes_agree || !all_bf16(&a) || !all_bf16(&b) {
+                    return Err(inner);
+                }
+                Some(AmxLora { a, b, rank, scale })
+            }
+        };
+        Ok(AmxLinear {
+            name,
+            amx,
+            inner,
+            weight,
+            lora,
+        })
+    }
+
+    fn tiles(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> std::result::Result<(), loraq_amx::AmxError> {
+        use loraq_amx::{Accumulate, MatrixMut, MatrixRef, Operand, Planes};
+        let (out_features, in_features) = (self.out_features(), self.in_features());
+        let x_op = || -> std::result::Result<Operand<'_>, loraq_amx::AmxError> {
+            Ok(Operand::new(
+                MatrixRef::row_major(x, tokens, in_features)?,
+                Planes::Three,
+            ))
+        };
+        let weight_t = Operand::new(
+            MatrixRef::row_major(&self.weight, out_features, in_features)?.transpose(),
+            Planes::One,
+        );
+        self.amx.matmul(
+            MatrixMut::row_major(out, tokens, out_features, out_features)?,
+            x_op()?,
+            weight_t,
+            Accumulate::Replace,
+        )?;
+        if let Some(lora) = &self.lora {
+            let mut low = vec![0f32; tokens * lora.rank];
+            let a_t = Operand::new(
+                MatrixRef::row_major(&lora.a, lora.rank, in_features)?.transpose(),
+                Planes::One,
+            );
+            self.amx.matmul(
+                MatrixMut::row_major(&mut low, tokens, lora.rank, lora.rank)?,
+                x_op()?,
+                a_t,
+                Accumulate::Replace,
+            )?;
+            for v in &mut low {
+                *v *= lora.scale;
+            }
+            let b_t = Operand::new(
+                MatrixRef::row_major(&lora.b, out_features, lora.rank)?.transpose(),
+                Planes::One,
+            );
+            self.amx.matmul(
+                MatrixMut::row_major(out, tokens, out_features, out_features)?,
+                Operand::new(
+                    MatrixRef::row_major(&low, tokens, lora.rank)?,
+                    Planes::Three,
+                ),
+                b_t,
+                Accumulate::Add,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl LinearLayer for AmxLinear {
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
+        check_shapes(&self.name, self, x, tokens, out)?;
+        if tokens < AMX_MIN_TOKENS {
+            return self.inner.forward(x, tokens, out);
+        }
+        self.tiles(x, tokens, out).map_err(|source| ModelError::Amx {
+            module: self.name.clone(),
+            source,
+        })
+    }
+
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+}
