@@ -383,7 +383,12 @@ impl AmxLinear {
         })
     }
 
-    fn tiles(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> std::result::Result<(), loraq_amx::AmxError> {
+    fn tiles(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        out: &mut [f32],
+    ) -> std::result::Result<(), loraq_amx::AmxError> {
         use loraq_amx::{Accumulate, MatrixMut, MatrixRef, Operand, Planes};
         let (out_features, in_features) = (self.out_features(), self.in_features());
         let x_op = || -> std::result::Result<Operand<'_>, loraq_amx::AmxError> {
@@ -441,10 +446,11 @@ impl LinearLayer for AmxLinear {
         if tokens < AMX_MIN_TOKENS {
             return self.inner.forward(x, tokens, out);
         }
-        self.tiles(x, tokens, out).map_err(|source| ModelError::Amx {
-            module: self.name.clone(),
-            source,
-        })
+        self.tiles(x, tokens, out)
+            .map_err(|source| ModelError::Amx {
+                module: self.name.clone(),
+                source,
+            })
     }
 
     fn in_features(&self) -> usize {
@@ -453,5 +459,132 @@ impl LinearLayer for AmxLinear {
 
     fn out_features(&self) -> usize {
         self.inner.out_features()
+    }
+}
+
+#[cfg(test)]
+mod amx_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Deterministic bf16 values in about `[-scale, scale)`.
+    fn bf16_values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let unit = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                loraq_amx::round_bf16(unit * 2.0 * scale)
+            })
+            .collect()
+    }
+
+    /// `x W^T + scale (x A^T) B^T` in f64, and per element the sum of the magnitudes of
+    /// its terms (the scale of its f32 rounding).
+    fn reference(
+        x: &[f32],
+        tokens: usize,
+        w: &[f32],
+        (a, b, scale): (&[f32], &[f32], f32),
+        rank: usize,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let inp = x.len() / tokens;
+        let out = w.len() / inp;
+        let mut y = vec![0f64; tokens * out];
+        let mut magnitude = vec![0f64; tokens * out];
+        for t in 0..tokens {
+            let xr = &x[t * inp..(t + 1) * inp];
+            let low: Vec<f64> = (0..rank)
+                .map(|r| {
+                    let ar = &a[r * inp..(r + 1) * inp];
+                    f64::from(scale)
+                        * xr.iter()
+                            .zip(ar)
+                            .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                            .sum::<f64>()
+                })
+                .collect();
+            for j in 0..out {
+                let wr = &w[j * inp..(j + 1) * inp];
+                let base: f64 = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                    .sum();
+                let lora: f64 = (0..rank).map(|r| low[r] * f64::from(b[j * rank + r])).sum();
+                y[t * out + j] = base + lora;
+                magnitude[t * out + j] = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(&p, &q)| f64::from(p.abs()) * f64::from(q.abs()))
+                    .sum::<f64>()
+                    + (0..rank)
+                        .map(|r| low[r].abs() * f64::from(b[j * rank + r].abs()))
+                        .sum::<f64>();
+            }
+        }
+        (y, magnitude)
+    }
+
+    #[test]
+    fn amx_linear_equals_the_f64_product_and_falls_back() {
+        let (out, inp, rank) = (40usize, 72usize, 4usize);
+        let w = bf16_values(out * inp, 1, 1.0);
+        let a = bf16_values(rank * inp, 2, 0.5);
+        let b = bf16_values(out * rank, 3, 0.5);
+        let scale = 2.0f32;
+        let dev = Device::Cpu;
+        let dense = || {
+            let t = |v: &[f32], r, c| Tensor::from_slice(v, (r, c), &dev).unwrap();
+            let lora = LoraFactorsF32 {
+                a: t(&a, rank, inp),
+                b: t(&b, out, rank),
+                scale: f64::from(scale),
+            };
+            Box::new(DenseLinear::new("m".into(), &t(&w, out, inp), Some(lora)).unwrap())
+        };
+        // Not bf16 values: the wrapped linear comes back.
+        if let Some(amx) = loraq_amx::Amx::detect() {
+            let mut off = w.clone();
+            off[5] += f32::EPSILON;
+            let refused = AmxLinear::new("m".into(), amx, dense(), off, None);
+            assert!(refused.is_err_and(|inner| inner.out_features() == out));
+        }
+        // 37 tokens (tiles and the AMX path, where present) and 5 (the fallback).
+        for tokens in [37usize, 5] {
+            // Activations are f32 values, not bf16: all three planes matter.
+            let x: Vec<f32> = bf16_values(tokens * inp, 4, 3.0)
+                .iter()
+                .zip(bf16_values(tokens * inp, 5, 0.01))
+                .map(|(p, q)| p + q / 3.0)
+                .collect();
+            let (y_ref, magnitude) = reference(&x, tokens, &w, (&a, &b, scale), rank);
+            let linear: Box<dyn LinearLayer> = match loraq_amx::Amx::detect() {
+                Some(amx) => Box::new(
+                    AmxLinear::new(
+                        "m".into(),
+                        amx,
+                        dense(),
+                        w.clone(),
+                        Some((a.clone(), b.clone(), scale)),
+                    )
+                    .expect("bf16 values"),
+                ),
+                // No AMX here: the dense linear is what the model keeps.
+                None => dense(),
+            };
+            let mut y = vec![f32::NAN; tokens * out];
+            linear.forward(&x, tokens, &mut y).unwrap();
+            for (i, ((&got, &want), &m)) in y.iter().zip(&y_ref).zip(&magnitude).enumerate() {
+                // f32 accumulation of inp + rank terms and the added LoRA path.
+                let bound = 4.0 * (inp + rank + 2) as f64 * f64::from(f32::EPSILON) * m;
+                assert!(
+                    (f64::from(got) - want).abs() <= bound,
+                    "{tokens} tokens, element {i}: {got} vs {want} (bound {bound})"
+                );
+            }
+        }
     }
 }

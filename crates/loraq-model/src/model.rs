@@ -4,8 +4,7 @@
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::linear::{
-    AmxLinear, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
-    LoraFactorsF32,
+    AmxLinear, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{DType, Device, Tensor};
