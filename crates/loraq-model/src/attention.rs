@@ -47,13 +47,20 @@ pub fn causal_attention(
         head_dim: hd,
     } = dims;
     let group = heads / kv_heads;
-    // K^T per kv head, [kv_heads][head_dim, tokens], so a score tile is a product.
+    // K^T per kv head in key tiles: tile `kt` is a contiguous `[head_dim, KEY_TILE]`
+    // block (the last one zero-padded), so a score tile is a product with row stride
+    // KEY_TILE. A `[head_dim, tokens]` K^T instead puts the rows a product reads
+    // `tokens * 4` bytes apart: a multiple of 4 KiB for prompts of 1,024, 2,048, 4,096
+    // tokens, so all of them fall in one L1 set and evict each other.
+    let key_tiles = tokens.div_ceil(KEY_TILE);
     let key_t: Vec<Vec<f32>> = (0..kv_heads)
         .map(|j| {
-            let mut kt = vec![0f32; hd * tokens];
+            let mut kt = vec![0f32; key_tiles * hd * KEY_TILE];
             for t in 0..tokens {
+                let block = &mut kt[(t / KEY_TILE) * hd * KEY_TILE..][..hd * KEY_TILE];
+                let column = t % KEY_TILE;
                 for (d, &x) in key[(t * kv_heads + j) * hd..][..hd].iter().enumerate() {
-                    kt[d * tokens + t] = x;
+                    block[d * KEY_TILE + column] = x;
                 }
             }
             kt
@@ -83,7 +90,7 @@ pub fn causal_attention(
 /// One (head, query tile) task's operands.
 struct TileInput<'a> {
     query: &'a [f32],
-    /// This head's kv head, transposed: `[head_dim, tokens]`.
+    /// This head's kv head, transposed in key tiles: `[key tiles, head_dim, KEY_TILE]`.
     key_t: &'a [f32],
     value: &'a [f32],
     dims: AttentionDims,
@@ -127,10 +134,10 @@ fn attend_tile_body<const FUSED: bool>(input: &TileInput<'_>, out: &mut [f32]) {
         q0,
     } = *input;
     let AttentionDims {
-        tokens,
         heads,
         kv_heads,
         head_dim: hd,
+        ..
     } = dims;
     let rows = out.len() / hd;
     let scale = (hd as f32).powf(-0.5);
@@ -153,8 +160,8 @@ fn attend_tile_body<const FUSED: bool>(input: &TileInput<'_>, out: &mut [f32]) {
                 n: cols,
                 a: q_rows,
                 lda: heads * hd,
-                b: &key_t[k0..],
-                ldb: tokens,
+                b: &key_t[k0 * hd..],
+                ldb: KEY_TILE,
                 alpha: scale,
             },
             s,

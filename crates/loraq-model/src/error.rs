@@ -25,6 +25,14 @@ pub enum ModelError {
         /// The loraq-kernels error.
         source: loraq_kernels::KernelError,
     },
+    /// An AMX tile product refused its operands.
+    #[error("{module}")]
+    Amx {
+        /// The module.
+        module: String,
+        /// The loraq-amx error.
+        source: loraq_amx::AmxError,
+    },
     /// A tensor operation failed (shape mismatch, device error).
     #[error("tensor operation in {context}")]
     Tensor {

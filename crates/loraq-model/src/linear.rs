@@ -305,3 +305,286 @@ impl LinearLayer for KernelLinear {
         self.inner.out_features()
     }
 }
+
+/// Tokens from which [`AmxLinear`] runs a product on AMX tiles; fewer go to the
+/// wrapped linear (the kernels' GEMV, which reads the stored codes once per token).
+pub const AMX_MIN_TOKENS: usize = 16;
+
+/// A linear whose prefill-sized products run on AMX bf16 tiles (loraq-amx), exactly
+/// as accurate as an f32 product: the weight's values are bf16 (checked when built),
+/// so each `x_k w_jk` is formed exactly from the three bf16 planes of `x_k` times
+/// `w_jk` (three tile products) and summed in f32, as the f32 GEMM sums them. The LoRA
+/// path is the same two products as the kernels' (`s (x A^T)` in f32, then times
+/// `B^T`), each on the tiles with the bf16 factors as the one-plane operand, and added
+/// to the output (one more f32 rounding per element than the kernels' fused tile).
+/// Below [`AMX_MIN_TOKENS`] tokens it calls the wrapped linear.
+#[derive(Debug)]
+pub struct AmxLinear {
+    /// The module path, for error messages.
+    pub name: String,
+    amx: loraq_amx::Amx,
+    inner: Box<dyn LinearLayer>,
+    /// `[out_features, in_features]`, every value a bf16 value.
+    weight: Vec<f32>,
+    lora: Option<AmxLora>,
+}
+
+/// The LoRA factors of an [`AmxLinear`], bf16 values held as f32.
+#[derive(Debug)]
+struct AmxLora {
+    /// `lora_A`, `[rank, in_features]`.
+    a: Vec<f32>,
+    /// `lora_B`, `[out_features, rank]`.
+    b: Vec<f32>,
+    rank: usize,
+    scale: f32,
+}
+
+/// Whether every value is a bf16 value (what one plane of the tile product holds
+/// exactly).
+pub fn all_bf16(values: &[f32]) -> bool {
+    values.iter().all(|&v| loraq_amx::round_bf16(v) == v)
+}
+
+impl AmxLinear {
+    /// Wraps `inner` (the linear of `weight` `[out_features, in_features]` row-major and
+    /// the optional factors `(lora_A [rank, in], lora_B [out, rank], scale)`); gives
+    /// `inner` back when a weight or factor value is not a bf16 value, so the tile
+    /// product would round it (or a shape disagrees), and the caller keeps it alone.
+    pub fn new(
+        name: String,
+        amx: loraq_amx::Amx,
+        inner: Box<dyn LinearLayer>,
+        weight: Vec<f32>,
+        lora: Option<(Vec<f32>, Vec<f32>, f32)>,
+    ) -> std::result::Result<AmxLinear, Box<dyn LinearLayer>> {
+        let (out_features, in_features) = (inner.out_features(), inner.in_features());
+        if out_features.checked_mul(in_features) != Some(weight.len()) || !all_bf16(&weight) {
+            return Err(inner);
+        }
+        let lora = match lora {
+            None => None,
+            Some((a, b, scale)) => {
+                let rank = a.len().checked_div(in_features).unwrap_or(0);
+                let shapes_agree = rank.checked_mul(in_features) == Some(a.len())
+                    && rank.checked_mul(out_features) == Some(b.len());
+                if !shapes_agree || !all_bf16(&a) || !all_bf16(&b) {
+                    return Err(inner);
+                }
+                Some(AmxLora { a, b, rank, scale })
+            }
+        };
+        Ok(AmxLinear {
+            name,
+            amx,
+            inner,
+            weight,
+            lora,
+        })
+    }
+
+    fn tiles(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        out: &mut [f32],
+    ) -> std::result::Result<(), loraq_amx::AmxError> {
+        use loraq_amx::{Accumulate, MatrixMut, MatrixRef, Operand, Planes};
+        let (out_features, in_features) = (self.out_features(), self.in_features());
+        let x_op = || -> std::result::Result<Operand<'_>, loraq_amx::AmxError> {
+            Ok(Operand::new(
+                MatrixRef::row_major(x, tokens, in_features)?,
+                Planes::Three,
+            ))
+        };
+        let weight_t = Operand::new(
+            MatrixRef::row_major(&self.weight, out_features, in_features)?.transpose(),
+            Planes::One,
+        );
+        self.amx.matmul(
+            MatrixMut::row_major(out, tokens, out_features, out_features)?,
+            x_op()?,
+            weight_t,
+            Accumulate::Replace,
+        )?;
+        if let Some(lora) = &self.lora {
+            let mut low = vec![0f32; tokens * lora.rank];
+            let a_t = Operand::new(
+                MatrixRef::row_major(&lora.a, lora.rank, in_features)?.transpose(),
+                Planes::One,
+            );
+            self.amx.matmul(
+                MatrixMut::row_major(&mut low, tokens, lora.rank, lora.rank)?,
+                x_op()?,
+                a_t,
+                Accumulate::Replace,
+            )?;
+            for v in &mut low {
+                *v *= lora.scale;
+            }
+            let b_t = Operand::new(
+                MatrixRef::row_major(&lora.b, out_features, lora.rank)?.transpose(),
+                Planes::One,
+            );
+            self.amx.matmul(
+                MatrixMut::row_major(out, tokens, out_features, out_features)?,
+                Operand::new(
+                    MatrixRef::row_major(&low, tokens, lora.rank)?,
+                    Planes::Three,
+                ),
+                b_t,
+                Accumulate::Add,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl LinearLayer for AmxLinear {
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
+        check_shapes(&self.name, self, x, tokens, out)?;
+        if tokens < AMX_MIN_TOKENS {
+            return self.inner.forward(x, tokens, out);
+        }
+        self.tiles(x, tokens, out)
+            .map_err(|source| ModelError::Amx {
+                module: self.name.clone(),
+                source,
+            })
+    }
+
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+}
+
+#[cfg(test)]
+mod amx_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Deterministic bf16 values in about `[-scale, scale)`.
+    fn bf16_values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let unit = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                loraq_amx::round_bf16(unit * 2.0 * scale)
+            })
+            .collect()
+    }
+
+    /// `x W^T + scale (x A^T) B^T` in f64, and per element the sum of the magnitudes of
+    /// its terms (the scale of its f32 rounding).
+    fn reference(
+        x: &[f32],
+        tokens: usize,
+        w: &[f32],
+        (a, b, scale): (&[f32], &[f32], f32),
+        rank: usize,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let inp = x.len() / tokens;
+        let out = w.len() / inp;
+        let mut y = vec![0f64; tokens * out];
+        let mut magnitude = vec![0f64; tokens * out];
+        for t in 0..tokens {
+            let xr = &x[t * inp..(t + 1) * inp];
+            let low: Vec<f64> = (0..rank)
+                .map(|r| {
+                    let ar = &a[r * inp..(r + 1) * inp];
+                    f64::from(scale)
+                        * xr.iter()
+                            .zip(ar)
+                            .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                            .sum::<f64>()
+                })
+                .collect();
+            for j in 0..out {
+                let wr = &w[j * inp..(j + 1) * inp];
+                let base: f64 = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                    .sum();
+                let lora: f64 = (0..rank).map(|r| low[r] * f64::from(b[j * rank + r])).sum();
+                y[t * out + j] = base + lora;
+                magnitude[t * out + j] = xr
+                    .iter()
+                    .zip(wr)
+                    .map(|(&p, &q)| f64::from(p.abs()) * f64::from(q.abs()))
+                    .sum::<f64>()
+                    + (0..rank)
+                        .map(|r| low[r].abs() * f64::from(b[j * rank + r].abs()))
+                        .sum::<f64>();
+            }
+        }
+        (y, magnitude)
+    }
+
+    #[test]
+    fn amx_linear_equals_the_f64_product_and_falls_back() {
+        let (out, inp, rank) = (40usize, 72usize, 4usize);
+        let w = bf16_values(out * inp, 1, 1.0);
+        let a = bf16_values(rank * inp, 2, 0.5);
+        let b = bf16_values(out * rank, 3, 0.5);
+        let scale = 2.0f32;
+        let dev = Device::Cpu;
+        let dense = || {
+            let t = |v: &[f32], r, c| Tensor::from_slice(v, (r, c), &dev).unwrap();
+            let lora = LoraFactorsF32 {
+                a: t(&a, rank, inp),
+                b: t(&b, out, rank),
+                scale: f64::from(scale),
+            };
+            Box::new(DenseLinear::new("m".into(), &t(&w, out, inp), Some(lora)).unwrap())
+        };
+        // Not bf16 values: the wrapped linear comes back.
+        if let Some(amx) = loraq_amx::Amx::detect() {
+            let mut off = w.clone();
+            off[5] += f32::EPSILON;
+            let refused = AmxLinear::new("m".into(), amx, dense(), off, None);
+            assert!(refused.is_err_and(|inner| inner.out_features() == out));
+        }
+        // 37 tokens (tiles and the AMX path, where present) and 5 (the fallback).
+        for tokens in [37usize, 5] {
+            // Activations are f32 values, not bf16: all three planes matter.
+            let x: Vec<f32> = bf16_values(tokens * inp, 4, 3.0)
+                .iter()
+                .zip(bf16_values(tokens * inp, 5, 0.01))
+                .map(|(p, q)| p + q / 3.0)
+                .collect();
+            let (y_ref, magnitude) = reference(&x, tokens, &w, (&a, &b, scale), rank);
+            let linear: Box<dyn LinearLayer> = match loraq_amx::Amx::detect() {
+                Some(amx) => Box::new(
+                    AmxLinear::new(
+                        "m".into(),
+                        amx,
+                        dense(),
+                        w.clone(),
+                        Some((a.clone(), b.clone(), scale)),
+                    )
+                    .expect("bf16 values"),
+                ),
+                // No AMX here: the dense linear is what the model keeps.
+                None => dense(),
+            };
+            let mut y = vec![f32::NAN; tokens * out];
+            linear.forward(&x, tokens, &mut y).unwrap();
+            for (i, ((&got, &want), &m)) in y.iter().zip(&y_ref).zip(&magnitude).enumerate() {
+                // f32 accumulation of inp + rank terms and the added LoRA path.
+                let bound = 4.0 * (inp + rank + 2) as f64 * f64::from(f32::EPSILON) * m;
+                assert!(
+                    (f64::from(got) - want).abs() <= bound,
+                    "{tokens} tokens, element {i}: {got} vs {want} (bound {bound})"
+                );
+            }
+        }
+    }
+}

@@ -4,7 +4,7 @@
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::linear::{
-    DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
+    AmxLinear, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{DType, Device, Tensor};
@@ -246,6 +246,26 @@ impl Loader<'_> {
             // Read once, in the stored format; the read refuses a NaN or infinite value
             // (a NaN weight makes every logit NaN) by file, tensor and element.
             let weight = self.base.quantized_weight(module_path).map_err(quant_err)?;
+            // The auto backend on an AMX machine runs prefill-sized products on AMX
+            // tiles where the decoded weight and the factors are bf16 values (exact as
+            // one plane) and no activation fake-quant applies; LORAQ_AMX=0 turns it off.
+            let amx = match self.backend {
+                LinearBackend::Auto if act_quant == ActivationQuant::None => {
+                    loraq_amx::Amx::detect()
+                }
+                _ => None,
+            };
+            let has_adapter = adapter.is_some();
+            let amx_lora = match (&amx, &adapter) {
+                (Some(_), Some(f)) => match &f.values {
+                    FactorValues::Bf16 { a, b } => {
+                        let widen = |v: &[half::bf16]| v.iter().map(|x| x.to_f32()).collect();
+                        Some((widen(a), widen(b), f.scale as f32))
+                    }
+                    FactorValues::F32 { .. } => None,
+                },
+                _ => None,
+            };
             let lora = adapter
                 .map(|f| match f.values {
                     // The factors as stored: the kernels take bf16.
@@ -259,8 +279,25 @@ impl Loader<'_> {
                 .transpose()
                 .map_err(kernel_err)?;
             let linear = backend.build(weight, lora, act_quant).map_err(kernel_err)?;
+            let linear: Linear = Box::new(KernelLinear::new(module_path.to_string(), linear));
+            // A module with LoRA factors the tiles cannot take (f32) stays on the kernels.
+            let amx = amx.filter(|_| amx_lora.is_some() || !has_adapter);
+            let linear = match amx {
+                None => linear,
+                Some(amx) => {
+                    let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
+                    match AmxLinear::new(module_path.to_string(), amx, linear, values, amx_lora) {
+                        Ok(tiled) => {
+                            *self.linears_by_backend.entry("cpu+amx").or_insert(0) += 1;
+                            return Ok(Box::new(tiled));
+                        }
+                        // Not bf16 values: the kernels' linear alone.
+                        Err(linear) => linear,
+                    }
+                }
+            };
             *self.linears_by_backend.entry(backend.name()).or_insert(0) += 1;
-            return Ok(Box::new(KernelLinear::new(module_path.to_string(), linear)));
+            return Ok(linear);
         }
         // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
         // on the decoded values, which is what a dequantizing kernel computes.

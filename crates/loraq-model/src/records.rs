@@ -300,9 +300,10 @@ fn score(
 
 /// Prompt tokens run together in one [`Model::last_hidden_batch`] call: consecutive
 /// records are stacked until the next would pass this many tokens (a longer prompt
-/// runs alone), so the linears multiply matrices of a few hundred rows whatever the
-/// prompts' length.
-pub const BATCH_TOKENS: usize = 512;
+/// runs alone), so the linears multiply matrices of a thousand rows or more whatever
+/// the prompts' length: enough that packing a weight for the AMX tiles (once per
+/// product) costs little beside the product.
+pub const BATCH_TOKENS: usize = 2048;
 
 /// Consecutive index ranges of `checked` whose prompts hold at most `budget` tokens
 /// together (or one prompt, when it alone is longer).

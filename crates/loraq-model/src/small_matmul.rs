@@ -203,6 +203,38 @@ fn cover_tiles<const FUSED: bool, const ROWS: usize, const COLS: usize>(
     } = *p;
     let row_end = rows.start + rows.len() / ROWS * ROWS;
     let col_end = cols.start + cols.len() / COLS * COLS;
+    #[cfg(target_arch = "x86_64")]
+    if FUSED && ROWS == 8 && COLS == 32 && row_end > rows.start && col_end > cols.start {
+        // Every element the tiles read or write exists (each slice index below is
+        // checked once here instead of in the inner loop).
+        assert!(k == 0 || (row_end - 1) * lda + k <= a.len());
+        assert!(k == 0 || (k - 1) * ldb + col_end <= b.len());
+        assert!((row_end - 1) * ldc + col_end <= c.len());
+        let mut i0 = rows.start;
+        while i0 < row_end {
+            let mut j0 = cols.start;
+            while j0 < col_end {
+                let tile = Tile8x32 {
+                    k,
+                    a: a[i0 * lda..].as_ptr(),
+                    lda,
+                    b: b[j0..].as_ptr(),
+                    ldb,
+                    c: c[i0 * ldc + j0..].as_mut_ptr(),
+                    ldc,
+                    alpha,
+                };
+                // SAFETY: FUSED and ROWS x COLS = 8 x 32 only on the AVX-512 path of
+                // matmul_acc (Simd::detect found AVX-512F); rows i0 .. i0 + 8 of A
+                // (k values each), rows 0 .. k of B (columns j0 .. j0 + 32) and the
+                // 8 x 32 block of C are in bounds (asserted above), C borrowed mutably.
+                unsafe { tile_8x32_avx512(&tile) };
+                j0 += COLS;
+            }
+            i0 += ROWS;
+        }
+        return (row_end, col_end);
+    }
     let mut i0 = rows.start;
     while i0 < row_end {
         let mut j0 = cols.start;
@@ -228,6 +260,67 @@ fn cover_tiles<const FUSED: bool, const ROWS: usize, const COLS: usize>(
         i0 += ROWS;
     }
     (row_end, col_end)
+}
+
+/// One 8 x 32 tile of `C += alpha A B` by raw pointers (the bounds are checked once by
+/// the caller, so the inner loop is two loads, eight broadcasts and sixteen FMAs with
+/// no per-iteration index checks, which the slice-indexed loop carried: eight compares
+/// and stack reloads per step of `k`). Same operations in the same order as the
+/// portable tile loop, so the results are bit-identical.
+#[cfg(target_arch = "x86_64")]
+struct Tile8x32 {
+    k: usize,
+    /// `A[i0, 0]`; row `r` at `a + r * lda`.
+    a: *const f32,
+    lda: usize,
+    /// `B[0, j0]`; row `kk` at `b + kk * ldb`.
+    b: *const f32,
+    ldb: usize,
+    /// `C[i0, j0]`; row `r` at `c + r * ldc`.
+    c: *mut f32,
+    ldc: usize,
+    alpha: f32,
+}
+
+/// Runs one [`Tile8x32`].
+///
+/// # Safety
+/// The CPU has AVX-512F; `a + r * lda + kk` (`r < 8`, `kk < k`), `b + kk * ldb + j`
+/// (`j < 32`) are readable and `c + r * ldc + j` writable, with no other live reference
+/// to the latter.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+// The AVX-512 intrinsics are stable from Rust 1.89, which loraq-kernels' AVX-512
+// kernels (`_mm512_*` in cpu/gemm.rs) need already. Written as plain arrays instead, the
+// loop stored its sixteen accumulators to the stack at every step of k.
+#[allow(clippy::incompatible_msrv)]
+unsafe fn tile_8x32_avx512(t: &Tile8x32) {
+    use std::arch::x86_64::*;
+    let zero = _mm512_setzero_ps();
+    let mut acc = [[zero; 2]; 8];
+    // SAFETY: every pointer below stays inside the ranges the caller guarantees.
+    unsafe {
+        let rows: [*const f32; 8] = std::array::from_fn(|r| t.a.add(r * t.lda));
+        let mut brow = t.b;
+        for kk in 0..t.k {
+            let b0 = _mm512_loadu_ps(brow);
+            let b1 = _mm512_loadu_ps(brow.add(16));
+            for (acc_r, row) in acc.iter_mut().zip(&rows) {
+                let av = _mm512_set1_ps(*row.add(kk));
+                acc_r[0] = _mm512_fmadd_ps(av, b0, acc_r[0]);
+                acc_r[1] = _mm512_fmadd_ps(av, b1, acc_r[1]);
+            }
+            brow = brow.add(t.ldb);
+        }
+        let alpha = _mm512_set1_ps(t.alpha);
+        for (r, acc_r) in acc.iter().enumerate() {
+            let crow = t.c.add(r * t.ldc);
+            for (half, &x) in acc_r.iter().enumerate() {
+                let dst = crow.add(16 * half);
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(alpha, x, _mm512_loadu_ps(dst)));
+            }
+        }
+    }
 }
 
 /// `e^x` for `x <= 0` (as softmax and decays use it; larger `x` is clamped to 0),
