@@ -111,6 +111,45 @@ impl Width for Avx512 {
     }
 }
 
+/// AVX-512F/BW with AVX512_VBMI: [`Avx512`] with [`SimdBlock::step512_vbmi`].
+struct Avx512Vbmi;
+
+impl Width for Avx512Vbmi {
+    type F = __m512;
+    const LANES: usize = 16;
+    type Scales<B: SimdBlock> = B::Scales512;
+    type Step<B: SimdBlock> = B::Step512;
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        // SAFETY: forwarded contract.
+        unsafe { Avx512::zero() }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(w: __m512, x: *const f32, acc: __m512) -> __m512 {
+        // SAFETY: forwarded contract.
+        unsafe { Avx512::fmadd(w, x, acc) }
+    }
+    #[inline(always)]
+    unsafe fn sum(v: __m512) -> f32 {
+        // SAFETY: forwarded contract.
+        unsafe { Avx512::sum(v) }
+    }
+    #[inline(always)]
+    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales512 {
+        // SAFETY: forwarded contract.
+        unsafe { B::scales512(block) }
+    }
+    #[inline(always)]
+    unsafe fn step<B: SimdBlock>(
+        block: *const u8,
+        scales: &B::Scales512,
+        step: usize,
+    ) -> B::Step512 {
+        // SAFETY: forwarded contract (the CPU has AVX512_VBMI too).
+        unsafe { B::step512_vbmi(block, scales, step) }
+    }
+}
+
 /// AVX2 + FMA, 8 lanes.
 struct Avx2;
 
@@ -154,10 +193,18 @@ impl Width for Avx2 {
 pub(crate) struct GgmlKernel<'a, B: SimdBlock> {
     /// AVX-512 or AVX2.
     pub isa: Isa,
+    /// With [`Isa::Avx512`]: the CPU also has AVX512_VBMI ([`SimdBlock::step512_vbmi`]).
+    pub vbmi: bool,
     pub weight: BlockRows<'a, B>,
     /// Activations, `[T, in_features]`, rows `x_stride` apart.
     pub x: &'a [f32],
     pub x_stride: usize,
+}
+
+/// Whether the CPU has AVX512_VBMI (byte permutes), which the AVX-512 loop uses where
+/// it has [`SimdBlock::step512_vbmi`].
+pub(crate) fn has_vbmi() -> bool {
+    is_x86_feature_detected!("avx512vbmi")
 }
 
 /// Runs the fused decode of `w` through this loop when its type has one (returns
@@ -188,6 +235,7 @@ pub(crate) fn decode<const T: usize>(
         fn simd<B: SimdBlock>(self, weight: BlockRows<'_, B>) -> bool {
             let kernel = GgmlKernel {
                 isa: self.isa,
+                vbmi: has_vbmi(),
                 weight,
                 x: self.x,
                 x_stride: self.x_stride,
@@ -281,6 +329,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         // SAFETY: forwarded from the caller.
         unsafe {
             match self.isa {
+                Isa::Avx512 if self.vbmi => self.rows_avx512_vbmi::<R, T>(row0, out),
                 Isa::Avx512 => self.rows_avx512::<R, T>(row0, out),
                 Isa::Avx2 => self.rows_avx2::<R, T>(row0, out),
                 Isa::Scalar => unreachable!("the GGUF loop needs AVX2 or AVX-512"),
@@ -294,6 +343,18 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
     unsafe fn rows_avx512<const R: usize, const T: usize>(&self, row0: usize, out: &mut [f32]) {
         // SAFETY: forwarded from the caller.
         unsafe { self.rows_with::<Avx512, R, T>(row0, out) }
+    }
+
+    /// # Safety
+    /// As [`Self::rows_simd`], on a CPU with AVX-512F/BW and AVX512_VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn rows_avx512_vbmi<const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        out: &mut [f32],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rows_with::<Avx512Vbmi, R, T>(row0, out) }
     }
 
     /// # Safety
@@ -420,23 +481,33 @@ mod tests {
                 if isa == Isa::Scalar {
                     continue;
                 }
-                let kernel = GgmlKernel {
-                    isa,
-                    weight: BlockRows::new(&weight, B::default()),
-                    x: &x,
-                    x_stride,
-                };
-                let mut got = vec![0f32; rows * T];
-                kernel.dot_rows::<T>(0, rows, &mut got);
                 let mut want = vec![0f32; rows * T];
                 gemv::dot_rows::<_, T>(isa, &dense, 0, rows, &x, x_stride, &mut want);
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "{} {isa:?} {blocks} blocks, {T} tokens, output {i}: {g:e} vs {w:e}",
-                        B::TYPE
-                    );
+                // AVX-512 with and (where the CPU has it) without AVX512_VBMI.
+                let vbmi_variants = if isa == Isa::Avx512 && has_vbmi() {
+                    &[false, true][..]
+                } else {
+                    &[false][..]
+                };
+                for &vbmi in vbmi_variants {
+                    let kernel = GgmlKernel {
+                        isa,
+                        vbmi,
+                        weight: BlockRows::new(&weight, B::default()),
+                        x: &x,
+                        x_stride,
+                    };
+                    let mut got = vec![0f32; rows * T];
+                    kernel.dot_rows::<T>(0, rows, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{} {isa:?} (vbmi {vbmi}) {blocks} blocks, {T} tokens, output {i}: \
+                             {g:e} vs {w:e}",
+                            B::TYPE
+                        );
+                    }
                 }
             }
         }
