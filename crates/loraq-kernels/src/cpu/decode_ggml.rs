@@ -70,9 +70,9 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `scales` are its [`SimdBlock::scales512`] and `step < ELEMENTS / STEP`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn step512(block: *const u8, scales: &Self::Scales512, step: usize) -> Self::Step512;
-    /// As [`SimdBlock::step512`], on a CPU that also has AVX512_VBMI: Q5_K and Q6_K
-    /// move their 64 assembled code bytes into the lanes with one `vpermb` (the other
-    /// types' loads are as short without it, and this is their `step512`).
+    /// As [`SimdBlock::step512`], on a CPU that also has AVX512_VBMI: Q5_K moves its 64
+    /// assembled 5-bit codes into the lanes with one `vpermb` (the other types' loads
+    /// are as short without it, and this is their `step512`).
     ///
     /// # Safety
     /// As [`SimdBlock::step512`], and AVX512_VBMI is available.
@@ -361,25 +361,20 @@ unsafe fn q6_k_scales(block: *const u8) -> [f32; 16] {
     out
 }
 
-/// [`q6_k_scales`] with `d` by F16C (0..16), and the same scales times 2^-24
-/// (16..32: the scale of codes held in the top byte of a lane, `(q - 32) 2^24`; exact,
-/// as `d sc` is an f16 times an int8 and stays far above f32's subnormals).
+/// [`q6_k_scales`] with `d` by F16C.
 ///
 /// # Safety
 /// AVX-512F/BW, and the block's 210 bytes readable.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn q6_k_scales512(block: *const u8) -> [f32; 32] {
-    let mut out = [0f32; 32];
-    // SAFETY: bytes 192..210 are readable (caller); `out` holds 32 f32.
+unsafe fn q6_k_scales512(block: *const u8) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: bytes 192..210 are readable (caller); `out` holds 16 f32.
     unsafe {
         let d = _mm512_set1_ps(f16c_at(block, 208));
         let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast()));
-        let scaled = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        _mm512_storeu_ps(out.as_mut_ptr(), scaled);
-        let top_byte = _mm512_set1_ps(f32::from_bits((127 - 24) << 23));
-        _mm512_storeu_ps(out.as_mut_ptr().add(16), _mm512_mul_ps(scaled, top_byte));
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
     }
     out
 }
@@ -416,28 +411,6 @@ unsafe fn q6_k_step_codes(block: *const u8, step: usize) -> __m512i {
         _mm512_sub_epi8(_mm512_or_si512(low, high), _mm512_set1_epi8(32))
     }
 }
-
-/// Per vector `v` of a 64-byte step, the `vpermb` indices that put byte `16 v + i` into
-/// the top byte of dword `i` (the other bytes are zeroed by the mask
-/// [`TOP_BYTES`]): Q6_K's `step512_vbmi`.
-#[cfg(target_arch = "x86_64")]
-const TOP_BYTE_SOURCES: [[u8; 64]; 4] = {
-    let mut sources = [[0u8; 64]; 4];
-    let mut v = 0;
-    while v < 4 {
-        let mut i = 0;
-        while i < 16 {
-            sources[v][4 * i + 3] = (16 * v + i) as u8;
-            i += 1;
-        }
-        v += 1;
-    }
-    sources
-};
-
-/// The top byte of every dword.
-#[cfg(target_arch = "x86_64")]
-const TOP_BYTES: u64 = 0x8888_8888_8888_8888;
 
 /// Eight bytes from `p` widened to eight i32 lanes, unsigned.
 ///
@@ -854,8 +827,8 @@ impl SimdBlock for Q4KBlock {
 }
 
 /// The `vpermb` indices that put byte `16 v + i` of a vector into byte `v` of dword
-/// `i` (Q5_K's and Q6_K's `step512_vbmi`: the 16 lanes of vector `v` are then the
-/// dwords shifted right by `8 v`).
+/// `i` (Q5_K's `step512_vbmi`: the 16 lanes of vector `v` are then the dwords shifted
+/// right by `8 v`).
 #[cfg(target_arch = "x86_64")]
 const LANE_BYTE_SOURCES: [u8; 64] = {
     let mut sources = [0u8; 64];
@@ -1127,20 +1100,20 @@ impl SimdBlock for Q6KBlock {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = [f32; 32];
+    type Scales512 = [f32; 16];
     #[cfg(target_arch = "x86_64")]
     type Step512 = [__m512; 4];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> [f32; 32] {
+    unsafe fn scales512(block: *const u8) -> [f32; 16] {
         // SAFETY: the block's 210 bytes are readable (caller).
         unsafe { q6_k_scales512(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(block: *const u8, scales: &[f32; 32], step: usize) -> [__m512; 4] {
+    unsafe fn step512(block: *const u8, scales: &[f32; 16], step: usize) -> [__m512; 4] {
         // The step's 64 codes `q - 32` as bytes (q6_k_step_codes), widened 16 at a
         // time; every value is exact (`d sc (q - 32)`: at most 24 significant bits).
         // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
@@ -1156,27 +1129,6 @@ impl SimdBlock for Q6KBlock {
             for (v, lane) in lanes.into_iter().enumerate() {
                 let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane));
                 out[v] = _mm512_mul_ps(values, _mm512_set1_ps(scales[4 * step + v]));
-            }
-            out
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    #[inline]
-    unsafe fn step512_vbmi(block: *const u8, scales: &[f32; 32], step: usize) -> [__m512; 4] {
-        // Each vector's 16 codes moved by one zero-masking `vpermb` into the top bytes
-        // of its lanes, `(q - 32) 2^24` as i32: converted exactly, and times the scale
-        // 2^-24 (q6_k_scales512) the product `d sc (q - 32)`, exact as step512's.
-        // SAFETY: 210 readable bytes at `block`, step < 4 (caller); each index table
-        // holds 64 bytes.
-        unsafe {
-            let q = q6_k_step_codes(block, step);
-            let mut out = [_mm512_setzero_ps(); 4];
-            for (v, w) in out.iter_mut().enumerate() {
-                let sources = _mm512_loadu_si512(TOP_BYTE_SOURCES[v].as_ptr().cast());
-                let top = _mm512_maskz_permutexvar_epi8(TOP_BYTES, sources, q);
-                let scale = _mm512_set1_ps(scales[16 + 4 * step + v]);
-                *w = _mm512_mul_ps(_mm512_cvtepi32_ps(top), scale);
             }
             out
         }
