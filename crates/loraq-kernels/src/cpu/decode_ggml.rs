@@ -5,9 +5,10 @@
 //! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
 //! loads of one run (the generic and prefill loops) and block decoders in steps
 //! (`scales512` then `step512`, `scales256` then `step256`: the fused loop of
-//! `super::gemv_ggml`) that unpack a block's scales once. Each lane is computed with the operations, in the order, of
-//! `loraq_quant::ggml::block_element` (a product, or a product then a subtraction,
-//! never a fused multiply-add), so every SIMD path and the scalar decode give the same
+//! `super::gemv_ggml`) that unpack a block's scales once. Each lane has the bits of
+//! `loraq_quant::ggml::block_element` (a product; Q4_K / Q5_K's `d sc q - dmin m` as
+//! one fused multiply-subtract, whose one rounding is the scalar's because `d sc q` is
+//! exact: [`k4_scales512`]), so every SIMD path and the scalar decode give the same
 //! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
 //! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
 //! [`BlockRows`]; [`visit_ggml`] maps a type to its format.
@@ -70,6 +71,24 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `scales` are its [`SimdBlock::scales512`] and `step < ELEMENTS / STEP`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn step512(block: *const u8, scales: &Self::Scales512, step: usize) -> Self::Step512;
+    /// [`SimdBlock::scales512`] of the same block of `R` rows, into `out` (Q4_K and
+    /// Q5_K unpack four rows' at once).
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available and each of `blocks` points at `Self::BYTES` readable
+    /// bytes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn scales512_rows<const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [std::mem::MaybeUninit<Self::Scales512>; R],
+    ) {
+        for (o, block) in out.iter_mut().zip(blocks) {
+            // SAFETY: forwarded contract.
+            o.write(unsafe { Self::scales512(block) });
+        }
+    }
     /// As [`SimdBlock::step512`], on a CPU that also has AVX512_VBMI: Q5_K moves its 64
     /// assembled 5-bit codes into the lanes with one `vpermb` (the other types' loads
     /// are as short without it, and this is their `step512`).
@@ -274,6 +293,111 @@ unsafe fn k4_scales512(block: *const u8) -> [f32; 16] {
         _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(values, by));
     }
     out
+}
+
+/// [`k4_scales512`] of the same block of four rows, unpacked together: the rows' first
+/// 16 bytes (`d`, `dmin`, the 12 packed bytes) in the four 128-bit lanes of one vector
+/// go through [`k4_scale_bytes`]' shuffles and masks once, and their eight f16 `d` /
+/// `dmin` through one F16C conversion.
+///
+/// # Safety
+/// AVX-512F/BW, and each block's first 16 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn k4_scales512_x4(blocks: [*const u8; 4]) -> [[f32; 16]; 4] {
+    let mut out = [[0f32; 16]; 4];
+    // SAFETY: 16 readable bytes at each block (caller); each row of `out` holds 16 f32.
+    unsafe {
+        let lane = |r: usize| _mm_loadu_si128(blocks[r].cast());
+        let packed = _mm512_inserti32x4::<3>(
+            _mm512_inserti32x4::<2>(
+                _mm512_inserti32x4::<1>(_mm512_castsi128_si512(lane(0)), lane(1)),
+                lane(2),
+            ),
+            lane(3),
+        );
+        // k4_scale_bytes' shuffles, the packed bytes starting at byte 4 of each lane.
+        let low_source = _mm512_shuffle_epi8(
+            packed,
+            _mm512_broadcast_i32x4(_mm_setr_epi8(
+                4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15,
+            )),
+        );
+        let low = _mm512_or_si512(
+            _mm512_and_si512(
+                low_source,
+                _mm512_broadcast_i32x4(_mm_setr_epi8(
+                    63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                )),
+            ),
+            _mm512_and_si512(
+                _mm512_srli_epi16::<4>(low_source),
+                _mm512_broadcast_i32x4(_mm_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                )),
+            ),
+        );
+        let high_source = _mm512_shuffle_epi8(
+            packed,
+            _mm512_broadcast_i32x4(_mm_setr_epi8(
+                -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11,
+            )),
+        );
+        let high = _mm512_and_si512(_mm512_srli_epi16::<2>(high_source), _mm512_set1_epi8(0x30));
+        let bytes = _mm512_or_si512(low, high);
+        // d0, dmin0, d1, dmin1, ..: words 0 and 1 of each lane.
+        let halves = _mm512_permutexvar_epi16(
+            _mm512_castsi128_si512(_mm_setr_epi16(0, 1, 8, 9, 16, 17, 24, 25)),
+            packed,
+        );
+        let d_dmin = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(halves)));
+        let lanes = [
+            _mm512_castsi512_si128(bytes),
+            _mm512_extracti32x4_epi32::<1>(bytes),
+            _mm512_extracti32x4_epi32::<2>(bytes),
+            _mm512_extracti32x4_epi32::<3>(bytes),
+        ];
+        for (r, (lane_bytes, row)) in lanes.into_iter().zip(out.iter_mut()).enumerate() {
+            let values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane_bytes));
+            let (d, dmin) = (2 * r as i32, 2 * r as i32 + 1);
+            let by = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(
+                    d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin,
+                ),
+                d_dmin,
+            );
+            _mm512_storeu_ps(row.as_mut_ptr(), _mm512_mul_ps(values, by));
+        }
+    }
+    out
+}
+
+/// [`SimdBlock::scales512_rows`] of Q4_K and Q5_K: four rows by [`k4_scales512_x4`],
+/// other counts row by row.
+///
+/// # Safety
+/// AVX-512F/BW, and each block's first 20 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn k4_scales512_rows<const R: usize>(
+    blocks: [*const u8; R],
+    out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if R == 4 {
+            let four = k4_scales512_x4([blocks[0], blocks[1], blocks[2], blocks[3]]);
+            for (o, scales) in out.iter_mut().zip(four) {
+                o.write(scales);
+            }
+        } else {
+            for (o, block) in out.iter_mut().zip(blocks) {
+                o.write(k4_scales512(block));
+            }
+        }
+    }
 }
 
 /// As [`k4_scales512`], with AVX2 (`d` and `dmin` by [`f16_at`]).
@@ -761,6 +885,16 @@ impl SimdBlock for Q4KBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn scales512_rows<const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
+    ) {
+        // SAFETY: each block's 144 bytes are readable (caller).
+        unsafe { k4_scales512_rows(blocks, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
         // SAFETY: 144 readable bytes at `block`, j < 4 (caller).
         unsafe {
@@ -900,6 +1034,16 @@ impl SimdBlock for Q5KBlock {
     unsafe fn scales512(block: *const u8) -> [f32; 16] {
         // SAFETY: the block's 176 bytes are readable (caller).
         unsafe { k4_scales512(block) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn scales512_rows<const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
+    ) {
+        // SAFETY: each block's 176 bytes are readable (caller).
+        unsafe { k4_scales512_rows(blocks, out) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]

@@ -6,8 +6,10 @@
 //! 64-element unit of the block, [`SimdBlock::STEP`]) each row's codes are dequantized
 //! in registers ([`SimdBlock::step512`] / [`SimdBlock::step256`]: Q4_0, Q4_K and IQ4_XS
 //! look each 4-bit code up with one `vpermps` in a 16-entry table of the group's
-//! dequantized values, Q5_K with `vpermt2ps` in 32 entries, Q6_K assembles 64 codes
-//! `q - 32` as bytes and widens them) and multiplied into every token's accumulator,
+//! dequantized values, Q5_K with `vpermt2ps` in 32 entries (with AVX512_VBMI its 64
+//! codes of a step assembled as bytes and moved into the lanes by one `vpermb`:
+//! [`SimdBlock::step512_vbmi`]), Q6_K assembles 64 codes `q - 32` as bytes and widens
+//! them) and multiplied into every token's accumulator,
 //! 16 (AVX-512) or 8 (AVX2) inputs per vector. The rows of a pass take turns step by
 //! step, so the `R x T` accumulators' dependency chains overlap. The vectors are the
 //! bits of `loraq_quant::ggml::block_element`, and each row's products are
@@ -16,7 +18,8 @@
 //! the dequantized weight bit for bit. GGUF rows are whole blocks (32 or 256 inputs),
 //! so there is no tail.
 //!
-//! One loop serves both instruction sets through [`Width`], whose few vector
+//! One loop serves the three instruction sets (AVX-512, AVX-512 with VBMI, AVX2)
+//! through [`Width`], whose few vector
 //! operations are `#[inline(always)]` wrappers of the intrinsics: monomorphized inside
 //! the `#[target_feature]` entry points it compiles to the code written for each set.
 
@@ -61,6 +64,14 @@ trait Width {
     /// # Safety
     /// As those.
     unsafe fn scales<B: SimdBlock>(block: *const u8) -> Self::Scales<B>;
+    /// [`Width::scales`] of the same block of `R` rows, into `out`.
+    ///
+    /// # Safety
+    /// As [`Width::scales`], for each of `blocks`.
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<Self::Scales<B>>; R],
+    );
     /// [`SimdBlock::step512`] or [`SimdBlock::step256`].
     ///
     /// # Safety
@@ -99,6 +110,14 @@ impl Width for Avx512 {
     unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales512 {
         // SAFETY: forwarded contract.
         unsafe { B::scales512(block) }
+    }
+    #[inline(always)]
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<B::Scales512>; R],
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { B::scales512_rows(blocks, out) }
     }
     #[inline(always)]
     unsafe fn step<B: SimdBlock>(
@@ -140,6 +159,14 @@ impl Width for Avx512Vbmi {
         unsafe { B::scales512(block) }
     }
     #[inline(always)]
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<B::Scales512>; R],
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { B::scales512_rows(blocks, out) }
+    }
+    #[inline(always)]
     unsafe fn step<B: SimdBlock>(
         block: *const u8,
         scales: &B::Scales512,
@@ -177,6 +204,16 @@ impl Width for Avx2 {
     unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales256 {
         // SAFETY: forwarded contract.
         unsafe { B::scales256(block) }
+    }
+    #[inline(always)]
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<B::Scales256>; R],
+    ) {
+        for (o, block) in out.iter_mut().zip(blocks) {
+            // SAFETY: forwarded contract.
+            o.write(unsafe { B::scales256(block) });
+        }
     }
     #[inline(always)]
     unsafe fn step<B: SimdBlock>(
@@ -401,9 +438,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
                         }
                     }
                 }
-                for (scales_r, row) in scales.iter_mut().zip(rows) {
-                    scales_r.write(W::scales::<B>(row.add(b * B::BYTES)));
-                }
+                W::scales_rows::<B, R>(rows.map(|row| row.add(b * B::BYTES)), &mut scales);
                 let x_block = xp.add(b * B::ELEMENTS);
                 for step in 0..B::ELEMENTS / B::STEP {
                     for r in 0..R {
