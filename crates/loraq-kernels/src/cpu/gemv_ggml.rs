@@ -59,15 +59,11 @@ trait Width {
     /// # Safety
     /// The CPU has the set.
     unsafe fn sum(v: Self::F) -> f32;
-    /// [`SimdBlock::scales512`] or [`SimdBlock::scales256`].
+    /// [`SimdBlock::scales512_rows`], or [`SimdBlock::scales256`] of each row: the
+    /// scales of the same block of `R` rows, into `out`.
     ///
     /// # Safety
     /// As those.
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> Self::Scales<B>;
-    /// [`Width::scales`] of the same block of `R` rows, into `out`.
-    ///
-    /// # Safety
-    /// As [`Width::scales`], for each of `blocks`.
     unsafe fn scales_rows<B: SimdBlock, const R: usize>(
         blocks: [*const u8; R],
         out: &mut [MaybeUninit<Self::Scales<B>>; R],
@@ -105,11 +101,6 @@ impl Width for Avx512 {
     unsafe fn sum(v: __m512) -> f32 {
         // SAFETY: the caller's CPU has AVX-512F.
         unsafe { _mm512_reduce_add_ps(v) }
-    }
-    #[inline(always)]
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales512 {
-        // SAFETY: forwarded contract.
-        unsafe { B::scales512(block) }
     }
     #[inline(always)]
     unsafe fn scales_rows<B: SimdBlock, const R: usize>(
@@ -154,11 +145,6 @@ impl Width for Avx512Vbmi {
         unsafe { Avx512::sum(v) }
     }
     #[inline(always)]
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales512 {
-        // SAFETY: forwarded contract.
-        unsafe { B::scales512(block) }
-    }
-    #[inline(always)]
     unsafe fn scales_rows<B: SimdBlock, const R: usize>(
         blocks: [*const u8; R],
         out: &mut [MaybeUninit<B::Scales512>; R],
@@ -199,11 +185,6 @@ impl Width for Avx2 {
     unsafe fn sum(v: __m256) -> f32 {
         // SAFETY: the caller's CPU has AVX2.
         unsafe { hsum256(v) }
-    }
-    #[inline(always)]
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales256 {
-        // SAFETY: forwarded contract.
-        unsafe { B::scales256(block) }
     }
     #[inline(always)]
     unsafe fn scales_rows<B: SimdBlock, const R: usize>(
