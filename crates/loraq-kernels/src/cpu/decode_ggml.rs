@@ -5,9 +5,10 @@
 //! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
 //! loads of one run (the generic and prefill loops) and block decoders in steps
 //! (`scales512` then `step512`, `scales256` then `step256`: the fused loop of
-//! `super::gemv_ggml`) that unpack a block's scales once. Each lane is computed with the operations, in the order, of
-//! `loraq_quant::ggml::block_element` (a product, or a product then a subtraction,
-//! never a fused multiply-add), so every SIMD path and the scalar decode give the same
+//! `super::gemv_ggml`) that unpack a block's scales once. Each lane has the bits of
+//! `loraq_quant::ggml::block_element` (a product; Q4_K / Q5_K's `d sc q - dmin m` as
+//! one fused multiply-subtract, whose one rounding is the scalar's because `d sc q` is
+//! exact: [`k4_scales512`]), so every SIMD path and the scalar decode give the same
 //! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
 //! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
 //! [`BlockRows`]; [`visit_ggml`] maps a type to its format.
@@ -70,6 +71,41 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `scales` are its [`SimdBlock::scales512`] and `step < ELEMENTS / STEP`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn step512(block: *const u8, scales: &Self::Scales512, step: usize) -> Self::Step512;
+    /// [`SimdBlock::scales512`] of the same block of `R` rows, into `out` (Q4_K and
+    /// Q5_K unpack four rows' at once).
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available and each of `blocks` points at `Self::BYTES` readable
+    /// bytes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn scales512_rows<const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [std::mem::MaybeUninit<Self::Scales512>; R],
+    ) {
+        for (o, block) in out.iter_mut().zip(blocks) {
+            // SAFETY: forwarded contract.
+            o.write(unsafe { Self::scales512(block) });
+        }
+    }
+    /// As [`SimdBlock::step512`], on a CPU that also has AVX512_VBMI: Q5_K moves its 64
+    /// assembled 5-bit codes into the lanes with one `vpermb` (the other types' loads
+    /// are as short without it, and this is their `step512`).
+    ///
+    /// # Safety
+    /// As [`SimdBlock::step512`], and AVX512_VBMI is available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    #[inline]
+    unsafe fn step512_vbmi(
+        block: *const u8,
+        scales: &Self::Scales512,
+        step: usize,
+    ) -> Self::Step512 {
+        // SAFETY: forwarded contract.
+        unsafe { Self::step512(block, scales, step) }
+    }
     /// A block's scales, unpacked once for the 8-lane steps.
     #[cfg(target_arch = "x86_64")]
     type Scales256: Copy;
@@ -101,6 +137,26 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
             let scales = Self::scales512(block);
             for step in 0..Self::ELEMENTS / Self::STEP {
                 for (v, w) in Self::step512(block, &scales, step)
+                    .as_ref()
+                    .iter()
+                    .enumerate()
+                {
+                    _mm512_storeu_ps(out.add(step * Self::STEP + 16 * v), *w);
+                }
+            }
+        }
+    }
+    /// As [`SimdBlock::decode512`], through [`SimdBlock::step512_vbmi`].
+    ///
+    /// # Safety
+    /// As [`SimdBlock::step512_vbmi`], and `out` points at `Self::ELEMENTS` writable f32.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    unsafe fn decode512_vbmi(block: *const u8, out: *mut f32) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            let scales = Self::scales512(block);
+            for step in 0..Self::ELEMENTS / Self::STEP {
+                for (v, w) in Self::step512_vbmi(block, &scales, step)
                     .as_ref()
                     .iter()
                     .enumerate()
@@ -212,6 +268,13 @@ unsafe fn k4_scale_bytes(block: *const u8) -> __m128i {
 /// super-block, each product rounded as `block_element` rounds it; `d` and `dmin`
 /// converted by F16C (exact, as `fp16_to_f32`).
 ///
+/// Both products are exact in f32 (an f16's 11 significant bits times a 6-bit integer),
+/// and so is `d sc q` for a code `q < 32` (at most 22 bits; f16's range keeps it far
+/// from f32's overflow and subnormals). `block_element`'s `d sc q - dmin m` therefore
+/// rounds once, at the subtraction, and a fused multiply-subtract `fmsub(q, d sc, dmin
+/// m)` gives its bits (NaN payloads aside, where a scale is infinite or NaN): the
+/// decoders build their tables with one instruction per table.
+///
 /// # Safety
 /// AVX-512F/BW, and the block's first 20 bytes readable.
 #[cfg(target_arch = "x86_64")]
@@ -230,6 +293,111 @@ unsafe fn k4_scales512(block: *const u8) -> [f32; 16] {
         _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(values, by));
     }
     out
+}
+
+/// [`k4_scales512`] of the same block of four rows, unpacked together: the rows' first
+/// 16 bytes (`d`, `dmin`, the 12 packed bytes) in the four 128-bit lanes of one vector
+/// go through [`k4_scale_bytes`]' shuffles and masks once, and their eight f16 `d` /
+/// `dmin` through one F16C conversion.
+///
+/// # Safety
+/// AVX-512F/BW, and each block's first 16 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn k4_scales512_x4(blocks: [*const u8; 4]) -> [[f32; 16]; 4] {
+    let mut out = [[0f32; 16]; 4];
+    // SAFETY: 16 readable bytes at each block (caller); each row of `out` holds 16 f32.
+    unsafe {
+        let lane = |r: usize| _mm_loadu_si128(blocks[r].cast());
+        let packed = _mm512_inserti32x4::<3>(
+            _mm512_inserti32x4::<2>(
+                _mm512_inserti32x4::<1>(_mm512_castsi128_si512(lane(0)), lane(1)),
+                lane(2),
+            ),
+            lane(3),
+        );
+        // k4_scale_bytes' shuffles, the packed bytes starting at byte 4 of each lane.
+        let low_source = _mm512_shuffle_epi8(
+            packed,
+            _mm512_broadcast_i32x4(_mm_setr_epi8(
+                4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15,
+            )),
+        );
+        let low = _mm512_or_si512(
+            _mm512_and_si512(
+                low_source,
+                _mm512_broadcast_i32x4(_mm_setr_epi8(
+                    63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                )),
+            ),
+            _mm512_and_si512(
+                _mm512_srli_epi16::<4>(low_source),
+                _mm512_broadcast_i32x4(_mm_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                )),
+            ),
+        );
+        let high_source = _mm512_shuffle_epi8(
+            packed,
+            _mm512_broadcast_i32x4(_mm_setr_epi8(
+                -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11,
+            )),
+        );
+        let high = _mm512_and_si512(_mm512_srli_epi16::<2>(high_source), _mm512_set1_epi8(0x30));
+        let bytes = _mm512_or_si512(low, high);
+        // d0, dmin0, d1, dmin1, ..: words 0 and 1 of each lane.
+        let halves = _mm512_permutexvar_epi16(
+            _mm512_castsi128_si512(_mm_setr_epi16(0, 1, 8, 9, 16, 17, 24, 25)),
+            packed,
+        );
+        let d_dmin = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm512_castsi512_si128(halves)));
+        let lanes = [
+            _mm512_castsi512_si128(bytes),
+            _mm512_extracti32x4_epi32::<1>(bytes),
+            _mm512_extracti32x4_epi32::<2>(bytes),
+            _mm512_extracti32x4_epi32::<3>(bytes),
+        ];
+        for (r, (lane_bytes, row)) in lanes.into_iter().zip(out.iter_mut()).enumerate() {
+            let values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane_bytes));
+            let (d, dmin) = (2 * r as i32, 2 * r as i32 + 1);
+            let by = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(
+                    d, d, d, d, d, d, d, d, dmin, dmin, dmin, dmin, dmin, dmin, dmin, dmin,
+                ),
+                d_dmin,
+            );
+            _mm512_storeu_ps(row.as_mut_ptr(), _mm512_mul_ps(values, by));
+        }
+    }
+    out
+}
+
+/// [`SimdBlock::scales512_rows`] of Q4_K and Q5_K: four rows by [`k4_scales512_x4`],
+/// other counts row by row.
+///
+/// # Safety
+/// AVX-512F/BW, and each block's first 20 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn k4_scales512_rows<const R: usize>(
+    blocks: [*const u8; R],
+    out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        if R == 4 {
+            let four = k4_scales512_x4([blocks[0], blocks[1], blocks[2], blocks[3]]);
+            for (o, scales) in out.iter_mut().zip(four) {
+                o.write(scales);
+            }
+        } else {
+            for (o, block) in out.iter_mut().zip(blocks) {
+                o.write(k4_scales512(block));
+            }
+        }
+    }
 }
 
 /// As [`k4_scales512`], with AVX2 (`d` and `dmin` by [`f16_at`]).
@@ -261,18 +429,18 @@ unsafe fn k4_scales256(block: *const u8) -> [f32; 16] {
 }
 
 /// The eight group scales `d (ls - 32)` of an IQ4_XS block: `ls` is nibble `ib` of the
-/// 32-bit `scales_l` and, as bits 4 and 5, bits `2 ib`, `2 ib + 1` of `scales_h`.
+/// 32-bit `scales_l` and, as bits 4 and 5, bits `2 ib`, `2 ib + 1` of `scales_h`; `d`
+/// is the block's f16 scale, converted by the caller.
 ///
 /// # Safety
 /// AVX2, and the block's first 8 bytes readable.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn iq4_xs_scales(block: *const u8) -> [f32; 8] {
+unsafe fn iq4_xs_scales(block: *const u8, d: f32) -> [f32; 8] {
     let mut out = [0f32; 8];
     // SAFETY: the caller guarantees the 8 bytes (d, scales_h, scales_l); `out` holds 8.
     unsafe {
-        let d = f16_at(block, 0);
         let scales_h = block.add(2).cast::<u16>().read_unaligned();
         let scales_l = block.add(4).cast::<i32>().read_unaligned();
         let low = _mm256_and_si256(
@@ -317,6 +485,57 @@ unsafe fn q6_k_scales(block: *const u8) -> [f32; 16] {
     out
 }
 
+/// [`q6_k_scales`] with `d` by F16C.
+///
+/// # Safety
+/// AVX-512F/BW, and the block's 210 bytes readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_scales512(block: *const u8) -> [f32; 16] {
+    let mut out = [0f32; 16];
+    // SAFETY: bytes 192..210 are readable (caller); `out` holds 16 f32.
+    unsafe {
+        let d = _mm512_set1_ps(f16c_at(block, 208));
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast()));
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+    }
+    out
+}
+
+/// Elements `64 step .. + 64` of a Q6_K block (half `n = step / 2`, quarters `2 part`
+/// and `2 part + 1`, `part = step % 2`) as 64 bytes `q - 32`: byte i < 32 is quarter
+/// 2 part's element i, byte 32 + i quarter 2 part + 1's. Their low four bits are the
+/// low (part 0) or high nibbles of `ql` bytes 64 n .. + 64 in order; their two high
+/// bits are bits 2 quarter, 2 quarter + 1 of `qh` byte i, placed at bits 4 and 5 by a
+/// shift of the 32 `qh` bytes held in both halves of the vector (the bits a 32-bit
+/// shift carries in from a neighbouring byte are masked off).
+///
+/// # Safety
+/// AVX-512F/BW, the block's 210 bytes readable and `step < 4`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q6_k_step_codes(block: *const u8, step: usize) -> __m512i {
+    let (n, part) = (step / 2, step % 2);
+    // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
+    unsafe {
+        let ql = _mm512_loadu_si512(block.add(64 * n).cast());
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * n).cast()));
+        let nibble = _mm512_set1_epi8(0x0F);
+        let (low, high) = if part == 0 {
+            let shifts = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2);
+            (_mm512_and_si512(ql, nibble), _mm512_sllv_epi32(qh, shifts))
+        } else {
+            let shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+            let low = _mm512_and_si512(_mm512_srli_epi16::<4>(ql), nibble);
+            (low, _mm512_srlv_epi32(qh, shifts))
+        };
+        let high = _mm512_and_si512(high, _mm512_set1_epi8(0x30));
+        _mm512_sub_epi8(_mm512_or_si512(low, high), _mm512_set1_epi8(32))
+    }
+}
+
 /// Eight bytes from `p` widened to eight i32 lanes, unsigned.
 ///
 /// # Safety
@@ -351,13 +570,19 @@ fn scaled(q: __m256i, scale: f32) -> __m256 {
     _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale))
 }
 
-/// `i32` lanes to f32, times `scale`, less `min` (two roundings: the scalar
-/// `d * q - min` of the K types).
+/// `i32` lanes `q` (Q4_K / Q5_K codes, below 32) to f32, times `scale`, less `min`, as
+/// one fused multiply-subtract: the bits of the scalar `d * q - min`, which rounds the
+/// product and then the difference, because the product is exact (see
+/// [`k4_scales512`]), so only the difference rounds either way.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 fn scaled_less_min(q: __m256i, scale: f32, min: f32) -> __m256 {
-    _mm256_sub_ps(scaled(q, scale), _mm256_set1_ps(min))
+    _mm256_fmsub_ps(
+        _mm256_cvtepi32_ps(q),
+        _mm256_set1_ps(scale),
+        _mm256_set1_ps(min),
+    )
 }
 
 /// Sixteen bytes from `p` widened to sixteen i32 lanes, unsigned.
@@ -636,8 +861,10 @@ impl SimdBlock for Q4KBlock {
             } else {
                 _mm512_srli_epi32::<4>(raw)
             };
-            _mm512_sub_ps(
-                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d)),
+            // One rounding, as block_element's (k4_scales512).
+            _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(q),
+                _mm512_set1_ps(d),
                 _mm512_set1_ps(min),
             )
         }
@@ -658,14 +885,26 @@ impl SimdBlock for Q4KBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn scales512_rows<const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
+    ) {
+        // SAFETY: each block's 144 bytes are readable (caller).
+        unsafe { k4_scales512_rows(blocks, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
         // SAFETY: 144 readable bytes at `block`, j < 4 (caller).
         unsafe {
             let codes = _mm512_cvtepi32_ps(code_lanes512());
             // Groups 2j (low nibbles) and 2j + 1 (high): each code's value.
+            // One rounding, as block_element's (k4_scales512).
             let [low, high] = [2 * j, 2 * j + 1].map(|group| {
-                _mm512_sub_ps(
-                    _mm512_mul_ps(codes, _mm512_set1_ps(scales[group])),
+                _mm512_fmsub_ps(
+                    codes,
+                    _mm512_set1_ps(scales[group]),
                     _mm512_set1_ps(scales[8 + group]),
                 )
             });
@@ -721,6 +960,32 @@ impl SimdBlock for Q4KBlock {
     }
 }
 
+/// The `vpermb` indices that put byte `16 v + i` of a vector into byte `v` of dword
+/// `i` (Q5_K's `step512_vbmi`: the 16 lanes of vector `v` are then the dwords shifted
+/// right by `8 v`).
+#[cfg(target_arch = "x86_64")]
+const LANE_BYTE_SOURCES: [u8; 64] = {
+    let mut sources = [0u8; 64];
+    let mut p = 0;
+    while p < 64 {
+        sources[p] = (16 * (p % 4) + p / 4) as u8;
+        p += 1;
+    }
+    sources
+};
+
+/// [`LANE_BYTE_SOURCES`] as a vector.
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn lane_byte_sources() -> __m512i {
+    // SAFETY: 64 readable bytes.
+    unsafe { _mm512_loadu_si512(LANE_BYTE_SOURCES.as_ptr().cast()) }
+}
+
 /// Q5_K: Q4_K's layout with a fifth bit per element in `qh` (byte `l`, bit
 /// `group`).
 #[derive(Clone, Copy, Default)]
@@ -749,8 +1014,10 @@ impl SimdBlock for Q5KBlock {
             );
             let high = _mm512_slli_epi32::<4>(_mm512_and_si512(bit, _mm512_set1_epi32(1)));
             let q = _mm512_or_si512(low, high);
-            _mm512_sub_ps(
-                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d)),
+            // One rounding, as block_element's (k4_scales512).
+            _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(q),
+                _mm512_set1_ps(d),
                 _mm512_set1_ps(min),
             )
         }
@@ -771,6 +1038,16 @@ impl SimdBlock for Q5KBlock {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    unsafe fn scales512_rows<const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
+    ) {
+        // SAFETY: each block's 176 bytes are readable (caller).
+        unsafe { k4_scales512_rows(blocks, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
     unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
         // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
         unsafe {
@@ -782,9 +1059,10 @@ impl SimdBlock for Q5KBlock {
             for (upper, table) in tables.iter_mut().enumerate() {
                 let (d, min) = (scales[2 * j + upper], scales[8 + 2 * j + upper]);
                 let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
+                // One rounding, as block_element's (k4_scales512).
                 *table = [
-                    _mm512_sub_ps(_mm512_mul_ps(codes, d), min),
-                    _mm512_sub_ps(_mm512_mul_ps(codes_high, d), min),
+                    _mm512_fmsub_ps(codes, d, min),
+                    _mm512_fmsub_ps(codes_high, d, min),
                 ];
             }
             let mut out = [_mm512_setzero_ps(); 4];
@@ -812,6 +1090,61 @@ impl SimdBlock for Q5KBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    #[inline]
+    unsafe fn step512_vbmi(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
+        // The step's 64 five-bit codes as bytes in input order (byte l < 32: group 2j's
+        // element l, byte 32 + l: group 2j + 1's), from the 32 code bytes and the 32
+        // `qh` bytes each held in both halves of a vector: the low half takes the low
+        // nibbles and bit 2j of `qh`, the high half the high nibbles and bit 2j + 1.
+        // A shift of 4 (high half) brings each byte's nibble to its bits 0..3, a
+        // rotation of the dword by 4 - 2j (3 - 2j) brings bit 2j (2j + 1) of each `qh`
+        // byte to bit 4 of the same byte, and one ternary-logic merge takes bits 0..3
+        // from the first and the rest from the second (bits 5..7 are left over, and
+        // `vpermt2ps` reads only bits 0..4 of an index). One `vpermb` then puts code
+        // 16 v + i into byte v of dword i, so vector v's indices are that vector
+        // shifted right by 8 v.
+        // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
+        unsafe {
+            let qs = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(48 + 32 * j).cast()));
+            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16).cast()));
+            let (low_half, high_half) = ((4 - 2 * j as i32) & 31, (3 - 2 * j as i32) & 31);
+            let rotation =
+                _mm512_inserti64x4::<1>(_mm512_set1_epi32(low_half), _mm256_set1_epi32(high_half));
+            let nibbles = _mm512_srlv_epi32(
+                qs,
+                _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
+            );
+            // (a & c) | (b & !c), c the low-nibble mask.
+            let codes = _mm512_ternarylogic_epi32::<0xE4>(
+                nibbles,
+                _mm512_rolv_epi32(qh, rotation),
+                _mm512_set1_epi8(0x0F),
+            );
+            let moved = _mm512_permutexvar_epi8(lane_byte_sources(), codes);
+            let codes_low = _mm512_cvtepi32_ps(code_lanes512());
+            let codes_high = _mm512_add_ps(codes_low, _mm512_set1_ps(16.0));
+            let mut out = [_mm512_setzero_ps(); 4];
+            for (upper, pair) in out.chunks_exact_mut(2).enumerate() {
+                let (d, min) = (scales[2 * j + upper], scales[8 + 2 * j + upper]);
+                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
+                // One rounding, as block_element's (k4_scales512).
+                let low = _mm512_fmsub_ps(codes_low, d, min);
+                let high = _mm512_fmsub_ps(codes_high, d, min);
+                for (h, w) in pair.iter_mut().enumerate() {
+                    let index = match 2 * upper + h {
+                        0 => moved,
+                        1 => _mm512_srli_epi32::<8>(moved),
+                        2 => _mm512_srli_epi32::<16>(moved),
+                        _ => _mm512_srli_epi32::<24>(moved),
+                    };
+                    *w = _mm512_permutex2var_ps(low, index, high);
+                }
+            }
+            out
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     type Scales256 = [f32; 16];
     #[cfg(target_arch = "x86_64")]
     type Step256 = [__m256; 8];
@@ -826,20 +1159,32 @@ impl SimdBlock for Q5KBlock {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn step256(block: *const u8, scales: &[f32; 16], j: usize) -> [__m256; 8] {
+        // Groups 2j and 2j + 1 share their code bytes and their `qh` bytes: each is
+        // widened once for both. `qh` shifted left by 4 holds bit `g` of each byte at
+        // bit 4 + g of its lane; a right shift by `g` and a mask leave it at bit 4.
         // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
         unsafe {
+            let (d_low, min_low) = (scales[2 * j], scales[8 + 2 * j]);
+            let (d_high, min_high) = (scales[2 * j + 1], scales[9 + 2 * j]);
+            let (shift_low, shift_high) = (
+                _mm_cvtsi32_si128(2 * j as i32),
+                _mm_cvtsi32_si128(2 * j as i32 + 1),
+            );
+            let (nibble, fifth) = (_mm256_set1_epi32(0xF), _mm256_set1_epi32(16));
             let mut out = [_mm256_setzero_ps(); 8];
-            for upper in 0..2 {
-                let group = 2 * j + upper;
-                let (d, min) = (scales[group], scales[8 + group]);
-                let shift = _mm_cvtsi32_si128(group as i32);
-                for l in 0..4 {
-                    let low = nibbles8(block.add(48 + 32 * j + 8 * l), upper == 1);
-                    let bit = _mm256_srl_epi32(bytes8_u(block.add(16 + 8 * l)), shift);
-                    let high = _mm256_slli_epi32::<4>(_mm256_and_si256(bit, _mm256_set1_epi32(1)));
-                    let q = _mm256_or_si256(low, high);
-                    out[4 * upper + l] = scaled_less_min(q, d, min);
-                }
+            for l in 0..4 {
+                let w = bytes8_u(block.add(48 + 32 * j + 8 * l));
+                let qh = _mm256_slli_epi32::<4>(bytes8_u(block.add(16 + 8 * l)));
+                let low = _mm256_or_si256(
+                    _mm256_and_si256(w, nibble),
+                    _mm256_and_si256(_mm256_srl_epi32(qh, shift_low), fifth),
+                );
+                let high = _mm256_or_si256(
+                    _mm256_srli_epi32::<4>(w),
+                    _mm256_and_si256(_mm256_srl_epi32(qh, shift_high), fifth),
+                );
+                out[l] = scaled_less_min(low, d_low, min_low);
+                out[4 + l] = scaled_less_min(high, d_high, min_high);
             }
             out
         }
@@ -907,35 +1252,17 @@ impl SimdBlock for Q6KBlock {
     #[inline]
     unsafe fn scales512(block: *const u8) -> [f32; 16] {
         // SAFETY: the block's 210 bytes are readable (caller).
-        unsafe { q6_k_scales(block) }
+        unsafe { q6_k_scales512(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn step512(block: *const u8, scales: &[f32; 16], step: usize) -> [__m512; 4] {
-        // Elements 64 step .. + 64 (half n, quarters 2 part and 2 part + 1) as 64
-        // bytes `q - 32`: byte i < 32 is quarter 2 part's element i, byte 32 + i
-        // quarter 2 part + 1's. Their low four bits are the low (part 0) or high
-        // nibbles of `ql` bytes 64 n .. + 64 in order; their two high bits are bits
-        // 2 quarter, 2 quarter + 1 of `qh` byte i, placed at bits 4 and 5 by a shift
-        // of the 32 `qh` bytes held in both halves of the vector (the bits a 32-bit
-        // shift carries in from a neighbouring byte are masked off).
-        let (n, part) = (step / 2, step % 2);
+        // The step's 64 codes `q - 32` as bytes (q6_k_step_codes), widened 16 at a
+        // time; every value is exact (`d sc (q - 32)`: at most 24 significant bits).
         // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
         unsafe {
-            let ql = _mm512_loadu_si512(block.add(64 * n).cast());
-            let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(128 + 32 * n).cast()));
-            let nibble = _mm512_set1_epi8(0x0F);
-            let (low, high) = if part == 0 {
-                let shifts = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2);
-                (_mm512_and_si512(ql, nibble), _mm512_sllv_epi32(qh, shifts))
-            } else {
-                let shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-                let low = _mm512_and_si512(_mm512_srli_epi16::<4>(ql), nibble);
-                (low, _mm512_srlv_epi32(qh, shifts))
-            };
-            let high = _mm512_and_si512(high, _mm512_set1_epi8(0x30));
-            let q = _mm512_sub_epi8(_mm512_or_si512(low, high), _mm512_set1_epi8(32));
+            let q = q6_k_step_codes(block, step);
             let lanes = [
                 _mm512_castsi512_si128(q),
                 _mm512_extracti32x4_epi32::<1>(q),
@@ -1068,7 +1395,7 @@ impl SimdBlock for Iq4XsBlock {
             let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 IQ4_VALUES.as_ptr().cast(),
             )));
-            (values, iq4_xs_scales(block))
+            (values, iq4_xs_scales(block, f16c_at(block, 0)))
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -1094,7 +1421,7 @@ impl SimdBlock for Iq4XsBlock {
     #[inline]
     unsafe fn scales256(block: *const u8) -> [f32; 8] {
         // SAFETY: the block's 136 bytes are readable (caller).
-        unsafe { iq4_xs_scales(block) }
+        unsafe { iq4_xs_scales(block, f16_at(block, 0)) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
@@ -1475,6 +1802,11 @@ mod tests {
                     Isa::Avx2 => unsafe { B::decode256(block.as_ptr(), got.as_mut_ptr()) },
                     Isa::Scalar => continue,
                 }
+                let mut got_vbmi = got.clone();
+                if isa == Isa::Avx512 && crate::cpu::gemv_ggml::has_vbmi() {
+                    // SAFETY: AVX-512 and AVX512_VBMI were detected; as above.
+                    unsafe { B::decode512_vbmi(block.as_ptr(), got_vbmi.as_mut_ptr()) };
+                }
                 // The 16- and 8-lane loads (the prefill's panel decode) of the same block.
                 let mut loaded = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
                 for e in (0..B::ELEMENTS).step_by(16) {
@@ -1490,7 +1822,11 @@ mod tests {
                         }
                     }
                 }
-                for (what, values) in [("block decode", &got), ("load", &loaded)] {
+                for (what, values) in [
+                    ("block decode", &got),
+                    ("block decode (vbmi)", &got_vbmi),
+                    ("load", &loaded),
+                ] {
                     for (e, (g, w)) in values.iter().zip(&want).enumerate() {
                         assert!(
                             g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),

@@ -6,8 +6,10 @@
 //! 64-element unit of the block, [`SimdBlock::STEP`]) each row's codes are dequantized
 //! in registers ([`SimdBlock::step512`] / [`SimdBlock::step256`]: Q4_0, Q4_K and IQ4_XS
 //! look each 4-bit code up with one `vpermps` in a 16-entry table of the group's
-//! dequantized values, Q5_K with `vpermt2ps` in 32 entries, Q6_K assembles 64 codes
-//! `q - 32` as bytes and widens them) and multiplied into every token's accumulator,
+//! dequantized values, Q5_K with `vpermt2ps` in 32 entries (with AVX512_VBMI its 64
+//! codes of a step assembled as bytes and moved into the lanes by one `vpermb`:
+//! [`SimdBlock::step512_vbmi`]), Q6_K assembles 64 codes `q - 32` as bytes and widens
+//! them) and multiplied into every token's accumulator,
 //! 16 (AVX-512) or 8 (AVX2) inputs per vector. The rows of a pass take turns step by
 //! step, so the `R x T` accumulators' dependency chains overlap. The vectors are the
 //! bits of `loraq_quant::ggml::block_element`, and each row's products are
@@ -16,7 +18,8 @@
 //! the dequantized weight bit for bit. GGUF rows are whole blocks (32 or 256 inputs),
 //! so there is no tail.
 //!
-//! One loop serves both instruction sets through [`Width`], whose few vector
+//! One loop serves the three instruction sets (AVX-512, AVX-512 with VBMI, AVX2)
+//! through [`Width`], whose few vector
 //! operations are `#[inline(always)]` wrappers of the intrinsics: monomorphized inside
 //! the `#[target_feature]` entry points it compiles to the code written for each set.
 
@@ -56,11 +59,15 @@ trait Width {
     /// # Safety
     /// The CPU has the set.
     unsafe fn sum(v: Self::F) -> f32;
-    /// [`SimdBlock::scales512`] or [`SimdBlock::scales256`].
+    /// [`SimdBlock::scales512_rows`], or [`SimdBlock::scales256`] of each row: the
+    /// scales of the same block of `R` rows, into `out`.
     ///
     /// # Safety
     /// As those.
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> Self::Scales<B>;
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<Self::Scales<B>>; R],
+    );
     /// [`SimdBlock::step512`] or [`SimdBlock::step256`].
     ///
     /// # Safety
@@ -96,9 +103,12 @@ impl Width for Avx512 {
         unsafe { _mm512_reduce_add_ps(v) }
     }
     #[inline(always)]
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales512 {
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<B::Scales512>; R],
+    ) {
         // SAFETY: forwarded contract.
-        unsafe { B::scales512(block) }
+        unsafe { B::scales512_rows(blocks, out) }
     }
     #[inline(always)]
     unsafe fn step<B: SimdBlock>(
@@ -108,6 +118,48 @@ impl Width for Avx512 {
     ) -> B::Step512 {
         // SAFETY: forwarded contract.
         unsafe { B::step512(block, scales, step) }
+    }
+}
+
+/// AVX-512F/BW with AVX512_VBMI: [`Avx512`] with [`SimdBlock::step512_vbmi`].
+struct Avx512Vbmi;
+
+impl Width for Avx512Vbmi {
+    type F = __m512;
+    const LANES: usize = 16;
+    type Scales<B: SimdBlock> = B::Scales512;
+    type Step<B: SimdBlock> = B::Step512;
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        // SAFETY: forwarded contract.
+        unsafe { Avx512::zero() }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(w: __m512, x: *const f32, acc: __m512) -> __m512 {
+        // SAFETY: forwarded contract.
+        unsafe { Avx512::fmadd(w, x, acc) }
+    }
+    #[inline(always)]
+    unsafe fn sum(v: __m512) -> f32 {
+        // SAFETY: forwarded contract.
+        unsafe { Avx512::sum(v) }
+    }
+    #[inline(always)]
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<B::Scales512>; R],
+    ) {
+        // SAFETY: forwarded contract.
+        unsafe { B::scales512_rows(blocks, out) }
+    }
+    #[inline(always)]
+    unsafe fn step<B: SimdBlock>(
+        block: *const u8,
+        scales: &B::Scales512,
+        step: usize,
+    ) -> B::Step512 {
+        // SAFETY: forwarded contract (the CPU has AVX512_VBMI too).
+        unsafe { B::step512_vbmi(block, scales, step) }
     }
 }
 
@@ -135,9 +187,14 @@ impl Width for Avx2 {
         unsafe { hsum256(v) }
     }
     #[inline(always)]
-    unsafe fn scales<B: SimdBlock>(block: *const u8) -> B::Scales256 {
-        // SAFETY: forwarded contract.
-        unsafe { B::scales256(block) }
+    unsafe fn scales_rows<B: SimdBlock, const R: usize>(
+        blocks: [*const u8; R],
+        out: &mut [MaybeUninit<B::Scales256>; R],
+    ) {
+        for (o, block) in out.iter_mut().zip(blocks) {
+            // SAFETY: forwarded contract.
+            o.write(unsafe { B::scales256(block) });
+        }
     }
     #[inline(always)]
     unsafe fn step<B: SimdBlock>(
@@ -154,10 +211,18 @@ impl Width for Avx2 {
 pub(crate) struct GgmlKernel<'a, B: SimdBlock> {
     /// AVX-512 or AVX2.
     pub isa: Isa,
+    /// With [`Isa::Avx512`]: the CPU also has AVX512_VBMI ([`SimdBlock::step512_vbmi`]).
+    pub vbmi: bool,
     pub weight: BlockRows<'a, B>,
     /// Activations, `[T, in_features]`, rows `x_stride` apart.
     pub x: &'a [f32],
     pub x_stride: usize,
+}
+
+/// Whether the CPU has AVX512_VBMI (byte permutes), which the AVX-512 loop uses where
+/// it has [`SimdBlock::step512_vbmi`].
+pub(crate) fn has_vbmi() -> bool {
+    is_x86_feature_detected!("avx512vbmi")
 }
 
 /// Runs the fused decode of `w` through this loop when its type has one (returns
@@ -188,6 +253,7 @@ pub(crate) fn decode<const T: usize>(
         fn simd<B: SimdBlock>(self, weight: BlockRows<'_, B>) -> bool {
             let kernel = GgmlKernel {
                 isa: self.isa,
+                vbmi: has_vbmi(),
                 weight,
                 x: self.x,
                 x_stride: self.x_stride,
@@ -281,6 +347,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         // SAFETY: forwarded from the caller.
         unsafe {
             match self.isa {
+                Isa::Avx512 if self.vbmi => self.rows_avx512_vbmi::<R, T>(row0, out),
                 Isa::Avx512 => self.rows_avx512::<R, T>(row0, out),
                 Isa::Avx2 => self.rows_avx2::<R, T>(row0, out),
                 Isa::Scalar => unreachable!("the GGUF loop needs AVX2 or AVX-512"),
@@ -294,6 +361,18 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
     unsafe fn rows_avx512<const R: usize, const T: usize>(&self, row0: usize, out: &mut [f32]) {
         // SAFETY: forwarded from the caller.
         unsafe { self.rows_with::<Avx512, R, T>(row0, out) }
+    }
+
+    /// # Safety
+    /// As [`Self::rows_simd`], on a CPU with AVX-512F/BW and AVX512_VBMI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn rows_avx512_vbmi<const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        out: &mut [f32],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.rows_with::<Avx512Vbmi, R, T>(row0, out) }
     }
 
     /// # Safety
@@ -340,9 +419,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
                         }
                     }
                 }
-                for (scales_r, row) in scales.iter_mut().zip(rows) {
-                    scales_r.write(W::scales::<B>(row.add(b * B::BYTES)));
-                }
+                W::scales_rows::<B, R>(rows.map(|row| row.add(b * B::BYTES)), &mut scales);
                 let x_block = xp.add(b * B::ELEMENTS);
                 for step in 0..B::ELEMENTS / B::STEP {
                     for r in 0..R {
@@ -420,23 +497,33 @@ mod tests {
                 if isa == Isa::Scalar {
                     continue;
                 }
-                let kernel = GgmlKernel {
-                    isa,
-                    weight: BlockRows::new(&weight, B::default()),
-                    x: &x,
-                    x_stride,
-                };
-                let mut got = vec![0f32; rows * T];
-                kernel.dot_rows::<T>(0, rows, &mut got);
                 let mut want = vec![0f32; rows * T];
                 gemv::dot_rows::<_, T>(isa, &dense, 0, rows, &x, x_stride, &mut want);
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "{} {isa:?} {blocks} blocks, {T} tokens, output {i}: {g:e} vs {w:e}",
-                        B::TYPE
-                    );
+                // AVX-512 with and (where the CPU has it) without AVX512_VBMI.
+                let vbmi_variants = if isa == Isa::Avx512 && has_vbmi() {
+                    &[false, true][..]
+                } else {
+                    &[false][..]
+                };
+                for &vbmi in vbmi_variants {
+                    let kernel = GgmlKernel {
+                        isa,
+                        vbmi,
+                        weight: BlockRows::new(&weight, B::default()),
+                        x: &x,
+                        x_stride,
+                    };
+                    let mut got = vec![0f32; rows * T];
+                    kernel.dot_rows::<T>(0, rows, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{} {isa:?} (vbmi {vbmi}) {blocks} blocks, {T} tokens, output {i}: \
+                             {g:e} vs {w:e}",
+                            B::TYPE
+                        );
+                    }
                 }
             }
         }
