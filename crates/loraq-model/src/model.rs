@@ -249,8 +249,15 @@ impl Loader<'_> {
             // The auto backend on an AMX machine runs prefill-sized products on AMX
             // tiles where the decoded weight and the factors are bf16 values (exact as
             // one plane) and no activation fake-quant applies; LORAQ_AMX=0 turns it off.
+            // Only an unquantized bf16 base: the tiles take an f32 copy of the weight
+            // (4 bytes a weight beside the kernel's 2), which for a 4-bit base would be
+            // eight times its codes, and decoding every quantized weight to test it
+            // would slow every load.
             let amx = match self.backend {
-                LinearBackend::Auto if act_quant == ActivationQuant::None => {
+                LinearBackend::Auto
+                    if act_quant == ActivationQuant::None
+                        && matches!(weight, loraq_quant::QuantizedWeight::Bf16(_)) =>
+                {
                     loraq_amx::Amx::detect()
                 }
                 _ => None,
