@@ -262,6 +262,13 @@ impl Loader<'_> {
                 }
                 _ => None,
             };
+            // The tiles' f32 copy widened from the bf16 values just read, not read again.
+            let amx_weight: Option<Vec<f32>> = match (&amx, &weight) {
+                (Some(_), loraq_quant::QuantizedWeight::Bf16(w)) => {
+                    Some(w.data.iter().map(|v| v.to_f32()).collect())
+                }
+                _ => None,
+            };
             let has_adapter = adapter.is_some();
             let amx_lora = match (&amx, &adapter) {
                 (Some(_), Some(f)) => match &f.values {
@@ -289,10 +296,9 @@ impl Loader<'_> {
             let linear: Linear = Box::new(KernelLinear::new(module_path.to_string(), linear));
             // A module with LoRA factors the tiles cannot take (f32) stays on the kernels.
             let amx = amx.filter(|_| amx_lora.is_some() || !has_adapter);
-            let linear = match amx {
+            let linear = match amx.zip(amx_weight) {
                 None => linear,
-                Some(amx) => {
-                    let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
+                Some((amx, values)) => {
                     match AmxLinear::new(module_path.to_string(), amx, linear, values, amx_lora) {
                         Ok(tiled) => {
                             *self.linears_by_backend.entry("cpu+amx").or_insert(0) += 1;
