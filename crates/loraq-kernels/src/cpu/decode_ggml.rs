@@ -46,32 +46,29 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `e % 16 == 0` and `e + 16 <= Self::ELEMENTS`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(block: *const u8, e: usize) -> __m512;
-    /// Elements per step of the block decoders: the unit whose scales are applied
+    /// Elements per step of the AVX2 block decoders: the unit whose scales are applied
     /// together (Q8_0, Q4_0, IQ4_XS: a 32-element group; Q4_K, Q5_K: the two groups
     /// that share a run of code bytes; Q6_K: a quarter of a 256-element block).
     #[cfg(target_arch = "x86_64")]
     const STEP: usize;
-    /// A block's scales, unpacked once for the 16-lane steps.
+    /// Elements per step of the AVX-512 factored decoders ([`SimdBlock::codes512`]):
+    /// `CODES512 / 16` vectors that share one vector of scales.
     #[cfg(target_arch = "x86_64")]
-    type Scales512: Copy;
-    /// The `STEP / 16` vectors of one 16-lane step.
+    const CODES512: usize;
+    /// Whether a block has group minimums (Q4_K, Q5_K: `x = d sc q - dmin m`), which
+    /// the factored loop adds once per block as `dmin m` times the negated sums of the
+    /// group's activations ([`SimdBlock::factors512`] lanes 8..16).
     #[cfg(target_arch = "x86_64")]
-    type Step512: AsRef<[__m512]>;
-    /// The block's scales, unpacked for [`SimdBlock::step512`].
+    const HAS_MINS: bool = false;
+    /// A block's unpacked scales for the factored steps: 16 lanes, the type's group
+    /// scales (and, with [`SimdBlock::HAS_MINS`], its eight minimums `dmin m` in lanes
+    /// 8..16).
     ///
     /// # Safety
     /// AVX-512F/BW are available and `block` points at `Self::BYTES` readable bytes.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn scales512(block: *const u8) -> Self::Scales512;
-    /// Elements `STEP * step ..` of the block, dequantized, 16 per vector in input
-    /// order; every value the bits of `block_element`.
-    ///
-    /// # Safety
-    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes,
-    /// `scales` are its [`SimdBlock::scales512`] and `step < ELEMENTS / STEP`.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn step512(block: *const u8, scales: &Self::Scales512, step: usize) -> Self::Step512;
-    /// [`SimdBlock::scales512`] of the same block of `R` rows, into `out` (Q4_K and
+    unsafe fn factors512(block: *const u8) -> __m512;
+    /// [`SimdBlock::factors512`] of the same block of `R` rows, into `out` (Q4_K and
     /// Q5_K unpack four rows' at once).
     ///
     /// # Safety
@@ -80,93 +77,58 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512_rows<const R: usize>(
-        blocks: [*const u8; R],
-        out: &mut [std::mem::MaybeUninit<Self::Scales512>; R],
-    ) {
+    unsafe fn factors512_rows<const R: usize>(blocks: [*const u8; R], out: &mut [__m512; R]) {
         for (o, block) in out.iter_mut().zip(blocks) {
             // SAFETY: forwarded contract.
-            o.write(unsafe { Self::scales512(block) });
+            *o = unsafe { Self::factors512(block) };
         }
     }
-    /// As [`SimdBlock::step512`], on a CPU that also has AVX512_VBMI: Q5_K moves its 64
-    /// assembled 5-bit codes into the lanes with one `vpermb` (the other types' loads
-    /// are as short without it, and this is their `step512`).
+    /// The step's vectors of code values before their scales (`q`, `q - 8`, `q - 32`,
+    /// an IQ4 table value), exact small integers, in the order of
+    /// [`SimdBlock::source512`]: every lane of every vector of a step is scaled by the
+    /// same lane of [`SimdBlock::step_scales512`].
     ///
     /// # Safety
-    /// As [`SimdBlock::step512`], and AVX512_VBMI is available.
+    /// AVX-512F/BW are available, `block` points at `Self::BYTES` readable bytes and
+    /// `step < ELEMENTS / CODES512`.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    #[inline]
-    unsafe fn step512_vbmi(
-        block: *const u8,
-        scales: &Self::Scales512,
-        step: usize,
-    ) -> Self::Step512 {
-        // SAFETY: forwarded contract.
-        unsafe { Self::step512(block, scales, step) }
-    }
+    unsafe fn codes512(block: *const u8, step: usize) -> Self::Codes512;
+    /// The `CODES512 / 16` vectors of one factored step.
+    #[cfg(target_arch = "x86_64")]
+    type Codes512: AsRef<[__m512]>;
+    /// The per-lane scales of `step`, from the block's [`SimdBlock::factors512`].
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available and `step < ELEMENTS / CODES512`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn step_scales512(factors: __m512, step: usize) -> __m512;
+    /// The block element that position `p` of [`SimdBlock::codes512`]'s output holds
+    /// (position `CODES512 step + 16 v + i`: lane `i` of vector `v` of `step`); the
+    /// activation is reordered once per call to match.
+    #[cfg(target_arch = "x86_64")]
+    fn source512(p: usize) -> usize;
     /// A block's scales, unpacked once for the 8-lane steps.
     #[cfg(target_arch = "x86_64")]
     type Scales256: Copy;
     /// The `STEP / 8` vectors of one 8-lane step.
     #[cfg(target_arch = "x86_64")]
     type Step256: AsRef<[__m256]>;
-    /// As [`SimdBlock::scales512`], for [`SimdBlock::step256`].
+    /// The block's scales, unpacked for [`SimdBlock::step256`].
     ///
     /// # Safety
     /// AVX2 and FMA are available and `block` points at `Self::BYTES` readable bytes.
     #[cfg(target_arch = "x86_64")]
     unsafe fn scales256(block: *const u8) -> Self::Scales256;
-    /// As [`SimdBlock::step512`], 8 elements per vector.
+    /// Elements `STEP * step ..` of the block, dequantized, 8 per vector in input
+    /// order; every value the bits of `block_element`.
     ///
     /// # Safety
     /// AVX2 and FMA are available, `block` points at `Self::BYTES` readable bytes,
     /// `scales` are its [`SimdBlock::scales256`] and `step < ELEMENTS / STEP`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn step256(block: *const u8, scales: &Self::Scales256, step: usize) -> Self::Step256;
-    /// The block's `Self::ELEMENTS` values through [`SimdBlock::step512`], stored at
+    /// The block's `Self::ELEMENTS` values through [`SimdBlock::step256`], stored at
     /// `out` (the tests' view of the steps).
-    ///
-    /// # Safety
-    /// As [`SimdBlock::step512`], and `out` points at `Self::ELEMENTS` writable f32.
-    #[cfg(all(test, target_arch = "x86_64"))]
-    unsafe fn decode512(block: *const u8, out: *mut f32) {
-        // SAFETY: forwarded contract.
-        unsafe {
-            let scales = Self::scales512(block);
-            for step in 0..Self::ELEMENTS / Self::STEP {
-                for (v, w) in Self::step512(block, &scales, step)
-                    .as_ref()
-                    .iter()
-                    .enumerate()
-                {
-                    _mm512_storeu_ps(out.add(step * Self::STEP + 16 * v), *w);
-                }
-            }
-        }
-    }
-    /// As [`SimdBlock::decode512`], through [`SimdBlock::step512_vbmi`].
-    ///
-    /// # Safety
-    /// As [`SimdBlock::step512_vbmi`], and `out` points at `Self::ELEMENTS` writable f32.
-    #[cfg(all(test, target_arch = "x86_64"))]
-    unsafe fn decode512_vbmi(block: *const u8, out: *mut f32) {
-        // SAFETY: forwarded contract.
-        unsafe {
-            let scales = Self::scales512(block);
-            for step in 0..Self::ELEMENTS / Self::STEP {
-                for (v, w) in Self::step512_vbmi(block, &scales, step)
-                    .as_ref()
-                    .iter()
-                    .enumerate()
-                {
-                    _mm512_storeu_ps(out.add(step * Self::STEP + 16 * v), *w);
-                }
-            }
-        }
-    }
-    /// As [`SimdBlock::decode512`], through [`SimdBlock::step256`].
     ///
     /// # Safety
     /// As [`SimdBlock::step256`], and `out` points at `Self::ELEMENTS` writable f32.
@@ -280,9 +242,8 @@ unsafe fn k4_scale_bytes(block: *const u8) -> __m128i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn k4_scales512(block: *const u8) -> [f32; 16] {
-    let mut out = [0f32; 16];
-    // SAFETY: bytes 0..20 are readable (caller); `out` holds 16 f32.
+unsafe fn k4_scales512(block: *const u8) -> __m512 {
+    // SAFETY: bytes 0..20 are readable (caller).
     unsafe {
         let values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block)));
         let d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(block.cast::<i32>().read_unaligned()));
@@ -290,9 +251,8 @@ unsafe fn k4_scales512(block: *const u8) -> [f32; 16] {
             _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
             _mm512_castps128_ps512(d_dmin),
         );
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(values, by));
+        _mm512_mul_ps(values, by)
     }
-    out
 }
 
 /// [`k4_scales512`] of the same block of four rows, unpacked together: the rows' first
@@ -305,9 +265,9 @@ unsafe fn k4_scales512(block: *const u8) -> [f32; 16] {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn k4_scales512_x4(blocks: [*const u8; 4]) -> [[f32; 16]; 4] {
-    let mut out = [[0f32; 16]; 4];
-    // SAFETY: 16 readable bytes at each block (caller); each row of `out` holds 16 f32.
+unsafe fn k4_scales512_x4(blocks: [*const u8; 4]) -> [__m512; 4] {
+    let mut out = [_mm512_setzero_ps(); 4];
+    // SAFETY: 16 readable bytes at each block (caller).
     unsafe {
         let lane = |r: usize| _mm_loadu_si128(blocks[r].cast());
         let packed = _mm512_inserti32x4::<3>(
@@ -367,13 +327,13 @@ unsafe fn k4_scales512_x4(blocks: [*const u8; 4]) -> [[f32; 16]; 4] {
                 ),
                 d_dmin,
             );
-            _mm512_storeu_ps(row.as_mut_ptr(), _mm512_mul_ps(values, by));
+            *row = _mm512_mul_ps(values, by);
         }
     }
     out
 }
 
-/// [`SimdBlock::scales512_rows`] of Q4_K and Q5_K: four rows by [`k4_scales512_x4`],
+/// [`SimdBlock::factors512_rows`] of Q4_K and Q5_K: four rows by [`k4_scales512_x4`],
 /// other counts row by row.
 ///
 /// # Safety
@@ -381,20 +341,15 @@ unsafe fn k4_scales512_x4(blocks: [*const u8; 4]) -> [[f32; 16]; 4] {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn k4_scales512_rows<const R: usize>(
-    blocks: [*const u8; R],
-    out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
-) {
+unsafe fn k4_scales512_rows<const R: usize>(blocks: [*const u8; R], out: &mut [__m512; R]) {
     // SAFETY: forwarded contract.
     unsafe {
         if R == 4 {
             let four = k4_scales512_x4([blocks[0], blocks[1], blocks[2], blocks[3]]);
-            for (o, scales) in out.iter_mut().zip(four) {
-                o.write(scales);
-            }
+            out.copy_from_slice(&four[..R]);
         } else {
             for (o, block) in out.iter_mut().zip(blocks) {
-                o.write(k4_scales512(block));
+                *o = k4_scales512(block);
             }
         }
     }
@@ -492,15 +447,13 @@ unsafe fn q6_k_scales(block: *const u8) -> [f32; 16] {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn q6_k_scales512(block: *const u8) -> [f32; 16] {
-    let mut out = [0f32; 16];
-    // SAFETY: bytes 192..210 are readable (caller); `out` holds 16 f32.
+unsafe fn q6_k_scales512(block: *const u8) -> __m512 {
+    // SAFETY: bytes 192..210 are readable (caller).
     unsafe {
         let d = _mm512_set1_ps(f16c_at(block, 208));
         let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(192).cast()));
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc))
     }
-    out
 }
 
 /// Elements `64 step .. + 64` of a Q6_K block (half `n = step / 2`, quarters `2 part`
@@ -597,14 +550,6 @@ unsafe fn bytes16_u(p: *const u8) -> __m512i {
     unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())) }
 }
 
-/// The lanes `0, 1, .., 15`: the 4-bit codes, in the order of a 16-entry table.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-fn code_lanes512() -> __m512i {
-    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-}
-
 /// The 32 elements of a 32-element group whose 16 code bytes at `qs` hold element `j`
 /// in the low nibble of byte `j` and element `16 + j` in the high one, each looked up
 /// in `table` (the group's dequantized value per code), as two vectors in input order.
@@ -657,6 +602,108 @@ unsafe fn iq4_xs_scale(block: *const u8, ib: usize) -> f32 {
     }
 }
 
+/// The code values `0, 1, .., 31` as f32: Q4_K's (the first 16) and Q5_K's tables of
+/// unscaled codes.
+#[cfg(target_arch = "x86_64")]
+const CODE_VALUES: [f32; 32] = {
+    let mut values = [0f32; 32];
+    let mut q = 0;
+    while q < 32 {
+        values[q] = q as f32;
+        q += 1;
+    }
+    values
+};
+
+/// Q4_0's unscaled values `q - 8` by code.
+#[cfg(target_arch = "x86_64")]
+const Q4_0_VALUES: [f32; 16] = {
+    let mut values = [0f32; 16];
+    let mut q = 0;
+    while q < 16 {
+        values[q] = q as f32 - 8.0;
+        q += 1;
+    }
+    values
+};
+
+/// The IQ4 table (`kvalues_iq4nl`) as f32.
+#[cfg(target_arch = "x86_64")]
+const IQ4_F32_VALUES: [f32; 16] = {
+    let mut values = [0f32; 16];
+    let mut q = 0;
+    while q < 16 {
+        values[q] = IQ4_VALUES[q] as f32;
+        q += 1;
+    }
+    values
+};
+
+/// The block element at position `p` of Q4_K's and Q5_K's factored steps: step
+/// `s = 2c + h` reads code bytes `64c .. 64c + 64` as 16 dword lanes, lane `i` holding
+/// bytes `4i .. 4i + 4`: bytes `32 j + l` of super-block step `j = 2c + i / 8` hold
+/// element `l` of group `2j` (low nibble, `h = 0`) and of group `2j + 1` (high), and
+/// vector `k` takes byte `k` of each lane.
+#[cfg(target_arch = "x86_64")]
+fn k4_source512(p: usize) -> usize {
+    let (step, k, i) = (p / 64, p % 64 / 16, p % 16);
+    let (c, h) = (step / 2, step % 2);
+    64 * (2 * c + i / 8) + 32 * h + 4 * (i % 8) + k
+}
+
+/// Per step of Q4_K / Q5_K, the scale lane of each vector lane: group `4c + h` in lanes
+/// 0..8 and `4c + 2 + h` in lanes 8..16 ([`k4_source512`]).
+#[cfg(target_arch = "x86_64")]
+const K4_STEP_SCALE_LANES: [[i32; 16]; 4] = {
+    let mut lanes = [[0i32; 16]; 4];
+    let mut step = 0;
+    while step < 4 {
+        let mut i = 0;
+        while i < 16 {
+            lanes[step][i] = (4 * (step / 2) + step % 2 + 2 * (i / 8)) as i32;
+            i += 1;
+        }
+        step += 1;
+    }
+    lanes
+};
+
+/// Per step of Q5_K, the left rotation of each `qh` dword lane that brings the fifth
+/// bit of group `g = 4c + 2 (i / 8) + h` (bit `g` of each byte) to bit 4: `4 - g`,
+/// modulo 32.
+#[cfg(target_arch = "x86_64")]
+const Q5K_QH_ROTATIONS: [[i32; 16]; 4] = {
+    let mut rotations = [[0i32; 16]; 4];
+    let mut step = 0;
+    while step < 4 {
+        let mut i = 0;
+        while i < 16 {
+            let group = 4 * (step / 2) + 2 * (i / 8) + step % 2;
+            rotations[step][i] = ((36 - group) % 32) as i32;
+            i += 1;
+        }
+        step += 1;
+    }
+    rotations
+};
+
+/// Per step, scale lane `4 step + i / 4` for vector lane `i`: Q6_K's 16-element groups
+/// and IQ4_XS's 32-element groups, four lanes each.
+#[cfg(target_arch = "x86_64")]
+const QUAD_SCALE_LANES: [[i32; 16]; 4] = {
+    let mut lanes = [[0i32; 16]; 4];
+    let mut step = 0;
+    while step < 4 {
+        let mut i = 0;
+        while i < 16 {
+            lanes[step][i] = (4 * step + i / 4) as i32;
+            i += 1;
+        }
+        step += 1;
+    }
+    lanes
+};
+
 /// Q8_0: `x = q d`.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct Q8_0Block;
@@ -676,28 +723,38 @@ impl SimdBlock for Q8_0Block {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 32;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = f32;
+    const CODES512: usize = 32;
     #[cfg(target_arch = "x86_64")]
-    type Step512 = [__m512; 2];
+    type Codes512 = [__m512; 2];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> f32 {
+    unsafe fn factors512(block: *const u8) -> __m512 {
         // SAFETY: the block's 34 bytes are readable (caller).
-        unsafe { f16c_at(block, 0) }
+        unsafe { _mm512_set1_ps(f16c_at(block, 0)) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(block: *const u8, d: &f32, _: usize) -> [__m512; 2] {
+    unsafe fn codes512(block: *const u8, _: usize) -> [__m512; 2] {
         // SAFETY: 34 readable bytes at `block` (caller).
         unsafe {
-            let d = _mm512_set1_ps(*d);
             [0, 16].map(|e| {
-                let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(2 + e).cast()));
-                _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    block.add(2 + e).cast(),
+                )))
             })
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step_scales512(d: __m512, _: usize) -> __m512 {
+        d
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn source512(p: usize) -> usize {
+        p
     }
     #[cfg(target_arch = "x86_64")]
     type Scales256 = f32;
@@ -760,26 +817,32 @@ impl SimdBlock for Q4_0Block {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 32;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = __m512;
+    const CODES512: usize = 32;
     #[cfg(target_arch = "x86_64")]
-    type Step512 = [__m512; 2];
+    type Codes512 = [__m512; 2];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> __m512 {
-        // The block's 16 values `(q - 8) d`, by code.
+    unsafe fn factors512(block: *const u8) -> __m512 {
         // SAFETY: the block's 18 bytes are readable (caller).
-        unsafe {
-            let codes = _mm512_sub_epi32(code_lanes512(), _mm512_set1_epi32(8));
-            _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(f16c_at(block, 0)))
-        }
+        unsafe { _mm512_set1_ps(f16c_at(block, 0)) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(block: *const u8, table: &__m512, _: usize) -> [__m512; 2] {
-        // SAFETY: 18 readable bytes at `block` (caller).
-        unsafe { nibble_halves512(block.add(2), *table) }
+    unsafe fn codes512(block: *const u8, _: usize) -> [__m512; 2] {
+        // SAFETY: 18 readable bytes at `block` (caller); 16 f32 in the table.
+        unsafe { nibble_halves512(block.add(2), _mm512_loadu_ps(Q4_0_VALUES.as_ptr())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step_scales512(d: __m512, _: usize) -> __m512 {
+        d
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn source512(p: usize) -> usize {
+        p
     }
     #[cfg(target_arch = "x86_64")]
     type Scales256 = f32;
@@ -872,49 +935,61 @@ impl SimdBlock for Q4KBlock {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = [f32; 16];
+    const CODES512: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Step512 = [__m512; 4];
+    const HAS_MINS: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    type Codes512 = [__m512; 4];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> [f32; 16] {
+    unsafe fn factors512(block: *const u8) -> __m512 {
         // SAFETY: the block's 144 bytes are readable (caller).
         unsafe { k4_scales512(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512_rows<const R: usize>(
-        blocks: [*const u8; R],
-        out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
-    ) {
-        // SAFETY: each block's 144 bytes are readable (caller).
+    unsafe fn factors512_rows<const R: usize>(blocks: [*const u8; R], out: &mut [__m512; R]) {
+        // SAFETY: each block's bytes are readable (caller).
         unsafe { k4_scales512_rows(blocks, out) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
-        // SAFETY: 144 readable bytes at `block`, j < 4 (caller).
+    unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
+        // SAFETY: step < 4 (caller); 16 i32 per entry.
         unsafe {
-            let codes = _mm512_cvtepi32_ps(code_lanes512());
-            // Groups 2j (low nibbles) and 2j + 1 (high): each code's value.
-            // One rounding, as block_element's (k4_scales512).
-            let [low, high] = [2 * j, 2 * j + 1].map(|group| {
-                _mm512_fmsub_ps(
-                    codes,
-                    _mm512_set1_ps(scales[group]),
-                    _mm512_set1_ps(scales[8 + group]),
-                )
-            });
-            let qs = block.add(16 + 32 * j);
-            let [first, second] = [0, 16].map(|h| bytes16_u(qs.add(h)));
+            let lanes = _mm512_loadu_si512(K4_STEP_SCALE_LANES[step].as_ptr().cast());
+            _mm512_permutexvar_ps(lanes, factors)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn source512(p: usize) -> usize {
+        k4_source512(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn codes512(block: *const u8, step: usize) -> [__m512; 4] {
+        // Step 2c + h: the low (h = 0) or high nibbles of code bytes 64c .. 64c + 64 as
+        // 16 dword lanes (k4_source512); byte k of each lane is vector k's code, and
+        // `vpermps` reads only the low 4 bits of an index.
+        let (c, h) = (step / 2, step % 2);
+        // SAFETY: 144 readable bytes at `block`, step < 4 (caller); 16 f32 in the table.
+        unsafe {
+            let raw = _mm512_loadu_si512(block.add(16 + 64 * c).cast());
+            let nibbles = if h == 0 {
+                raw
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
+            let table = _mm512_loadu_ps(CODE_VALUES.as_ptr());
             [
-                _mm512_permutexvar_ps(first, low),
-                _mm512_permutexvar_ps(second, low),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(first), high),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(second), high),
+                _mm512_permutexvar_ps(nibbles, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(nibbles), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(nibbles), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(nibbles), table),
             ]
         }
     }
@@ -960,32 +1035,6 @@ impl SimdBlock for Q4KBlock {
     }
 }
 
-/// The `vpermb` indices that put byte `16 v + i` of a vector into byte `v` of dword
-/// `i` (Q5_K's `step512_vbmi`: the 16 lanes of vector `v` are then the dwords shifted
-/// right by `8 v`).
-#[cfg(target_arch = "x86_64")]
-const LANE_BYTE_SOURCES: [u8; 64] = {
-    let mut sources = [0u8; 64];
-    let mut p = 0;
-    while p < 64 {
-        sources[p] = (16 * (p % 4) + p / 4) as u8;
-        p += 1;
-    }
-    sources
-};
-
-/// [`LANE_BYTE_SOURCES`] as a vector.
-///
-/// # Safety
-/// AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn lane_byte_sources() -> __m512i {
-    // SAFETY: 64 readable bytes.
-    unsafe { _mm512_loadu_si512(LANE_BYTE_SOURCES.as_ptr().cast()) }
-}
-
 /// Q5_K: Q4_K's layout with a fifth bit per element in `qh` (byte `l`, bit
 /// `group`).
 #[derive(Clone, Copy, Default)]
@@ -1025,123 +1074,77 @@ impl SimdBlock for Q5KBlock {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = [f32; 16];
+    const CODES512: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Step512 = [__m512; 4];
+    const HAS_MINS: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    type Codes512 = [__m512; 4];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> [f32; 16] {
+    unsafe fn factors512(block: *const u8) -> __m512 {
         // SAFETY: the block's 176 bytes are readable (caller).
         unsafe { k4_scales512(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512_rows<const R: usize>(
-        blocks: [*const u8; R],
-        out: &mut [std::mem::MaybeUninit<[f32; 16]>; R],
-    ) {
-        // SAFETY: each block's 176 bytes are readable (caller).
+    unsafe fn factors512_rows<const R: usize>(blocks: [*const u8; R], out: &mut [__m512; R]) {
+        // SAFETY: each block's bytes are readable (caller).
         unsafe { k4_scales512_rows(blocks, out) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
-        // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
+    unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
+        // SAFETY: step < 4 (caller); 16 i32 per entry.
         unsafe {
-            let codes = _mm512_cvtepi32_ps(code_lanes512());
-            let codes_high = _mm512_add_ps(codes, _mm512_set1_ps(16.0));
-            // Groups 2j and 2j + 1: each 5-bit code's value, codes 0..16 and 16..32
-            // (written out: a closure here is not inlined).
-            let mut tables = [[_mm512_setzero_ps(); 2]; 2];
-            for (upper, table) in tables.iter_mut().enumerate() {
-                let (d, min) = (scales[2 * j + upper], scales[8 + 2 * j + upper]);
-                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
-                // One rounding, as block_element's (k4_scales512).
-                *table = [
-                    _mm512_fmsub_ps(codes, d, min),
-                    _mm512_fmsub_ps(codes_high, d, min),
-                ];
-            }
-            let mut out = [_mm512_setzero_ps(); 4];
-            for h in 0..2 {
-                // qh byte l, shifted left by 4: bit `group` of the byte lands on bit
-                // 4 + group, and a right shift by `group` brings it to bit 4.
-                let qh = _mm512_slli_epi32::<4>(bytes16_u(block.add(16 + 16 * h)));
-                let raw = bytes16_u(block.add(48 + 32 * j + 16 * h));
-                let nibbles = [
-                    _mm512_and_si512(raw, _mm512_set1_epi32(0xF)),
-                    _mm512_srli_epi32::<4>(raw),
-                ];
-                for upper in 0..2 {
-                    let group = 2 * j + upper;
-                    let bit = _mm512_and_si512(
-                        _mm512_srl_epi32(qh, _mm_cvtsi32_si128(group as i32)),
-                        _mm512_set1_epi32(16),
-                    );
-                    let index = _mm512_or_si512(nibbles[upper], bit);
-                    let [low, high] = tables[upper];
-                    out[2 * upper + h] = _mm512_permutex2var_ps(low, index, high);
-                }
-            }
-            out
+            let lanes = _mm512_loadu_si512(K4_STEP_SCALE_LANES[step].as_ptr().cast());
+            _mm512_permutexvar_ps(lanes, factors)
         }
     }
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    fn source512(p: usize) -> usize {
+        k4_source512(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512_vbmi(block: *const u8, scales: &[f32; 16], j: usize) -> [__m512; 4] {
-        // The step's 64 five-bit codes as bytes in input order (byte l < 32: group 2j's
-        // element l, byte 32 + l: group 2j + 1's), from the 32 code bytes and the 32
-        // `qh` bytes each held in both halves of a vector: the low half takes the low
-        // nibbles and bit 2j of `qh`, the high half the high nibbles and bit 2j + 1.
-        // A shift of 4 (high half) brings each byte's nibble to its bits 0..3, a
-        // rotation of the dword by 4 - 2j (3 - 2j) brings bit 2j (2j + 1) of each `qh`
-        // byte to bit 4 of the same byte, and one ternary-logic merge takes bits 0..3
-        // from the first and the rest from the second (bits 5..7 are left over, and
-        // `vpermt2ps` reads only bits 0..4 of an index). One `vpermb` then puts code
-        // 16 v + i into byte v of dword i, so vector v's indices are that vector
-        // shifted right by 8 v.
-        // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
+    unsafe fn codes512(block: *const u8, step: usize) -> [__m512; 4] {
+        // Q4_K's layout (k4_source512) with the fifth bit: lane i's byte k is element
+        // 4 (i % 8) + k of group g = 4c + 2 (i / 8) + h, whose fifth bit is bit g of
+        // `qh` byte 4 (i % 8) + k, i.e. bit 8k + g of `qh` dword i % 8 (the 32 `qh`
+        // bytes in both halves of a vector). Rotating each dword left by 4 - g puts
+        // that bit on bit 4 of byte k, and one ternary-logic merge takes bits 0..3 from
+        // the nibbles and the rest from the rotated `qh` (bits 5..7 are left over, and
+        // `vpermt2ps` reads only bits 0..4 of an index): byte k of each lane is then
+        // vector k's 5-bit code.
+        let (c, h) = (step / 2, step % 2);
+        // SAFETY: 176 readable bytes at `block`, step < 4 (caller); 32 f32 in the
+        // table, 16 i32 per rotation entry.
         unsafe {
-            let qs = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(48 + 32 * j).cast()));
+            let raw = _mm512_loadu_si512(block.add(48 + 64 * c).cast());
+            let nibbles = if h == 0 {
+                raw
+            } else {
+                _mm512_srli_epi32::<4>(raw)
+            };
             let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16).cast()));
-            let (low_half, high_half) = ((4 - 2 * j as i32) & 31, (3 - 2 * j as i32) & 31);
-            let rotation =
-                _mm512_inserti64x4::<1>(_mm512_set1_epi32(low_half), _mm256_set1_epi32(high_half));
-            let nibbles = _mm512_srlv_epi32(
-                qs,
-                _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
-            );
+            let rotation = _mm512_loadu_si512(Q5K_QH_ROTATIONS[step].as_ptr().cast());
             // (a & c) | (b & !c), c the low-nibble mask.
             let codes = _mm512_ternarylogic_epi32::<0xE4>(
                 nibbles,
                 _mm512_rolv_epi32(qh, rotation),
                 _mm512_set1_epi8(0x0F),
             );
-            let moved = _mm512_permutexvar_epi8(lane_byte_sources(), codes);
-            let codes_low = _mm512_cvtepi32_ps(code_lanes512());
-            let codes_high = _mm512_add_ps(codes_low, _mm512_set1_ps(16.0));
-            let mut out = [_mm512_setzero_ps(); 4];
-            for (upper, pair) in out.chunks_exact_mut(2).enumerate() {
-                let (d, min) = (scales[2 * j + upper], scales[8 + 2 * j + upper]);
-                let (d, min) = (_mm512_set1_ps(d), _mm512_set1_ps(min));
-                // One rounding, as block_element's (k4_scales512).
-                let low = _mm512_fmsub_ps(codes_low, d, min);
-                let high = _mm512_fmsub_ps(codes_high, d, min);
-                for (h, w) in pair.iter_mut().enumerate() {
-                    let index = match 2 * upper + h {
-                        0 => moved,
-                        1 => _mm512_srli_epi32::<8>(moved),
-                        2 => _mm512_srli_epi32::<16>(moved),
-                        _ => _mm512_srli_epi32::<24>(moved),
-                    };
-                    *w = _mm512_permutex2var_ps(low, index, high);
-                }
-            }
-            out
+            let low = _mm512_loadu_ps(CODE_VALUES.as_ptr());
+            let high = _mm512_loadu_ps(CODE_VALUES.as_ptr().add(16));
+            [
+                _mm512_permutex2var_ps(low, codes, high),
+                _mm512_permutex2var_ps(low, _mm512_srli_epi32::<8>(codes), high),
+                _mm512_permutex2var_ps(low, _mm512_srli_epi32::<16>(codes), high),
+                _mm512_permutex2var_ps(low, _mm512_srli_epi32::<24>(codes), high),
+            ]
         }
     }
     #[cfg(target_arch = "x86_64")]
@@ -1244,38 +1247,50 @@ impl SimdBlock for Q6KBlock {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = [f32; 16];
+    const CODES512: usize = 64;
     #[cfg(target_arch = "x86_64")]
-    type Step512 = [__m512; 4];
+    type Codes512 = [__m512; 4];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> [f32; 16] {
+    unsafe fn factors512(block: *const u8) -> __m512 {
         // SAFETY: the block's 210 bytes are readable (caller).
         unsafe { q6_k_scales512(block) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(block: *const u8, scales: &[f32; 16], step: usize) -> [__m512; 4] {
-        // The step's 64 codes `q - 32` as bytes (q6_k_step_codes), widened 16 at a
-        // time; every value is exact (`d sc (q - 32)`: at most 24 significant bits).
+    unsafe fn codes512(block: *const u8, step: usize) -> [__m512; 4] {
+        // The step's 64 codes `q - 32` as bytes (q6_k_step_codes); byte k of each dword
+        // lane, sign-extended by a left and an arithmetic right shift, is vector k.
         // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
         unsafe {
             let q = q6_k_step_codes(block, step);
-            let lanes = [
-                _mm512_castsi512_si128(q),
-                _mm512_extracti32x4_epi32::<1>(q),
-                _mm512_extracti32x4_epi32::<2>(q),
-                _mm512_extracti32x4_epi32::<3>(q),
-            ];
-            let mut out = [_mm512_setzero_ps(); 4];
-            for (v, lane) in lanes.into_iter().enumerate() {
-                let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane));
-                out[v] = _mm512_mul_ps(values, _mm512_set1_ps(scales[4 * step + v]));
-            }
-            out
+            [
+                _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(q))),
+                _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(q))),
+                _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(q))),
+                _mm512_cvtepi32_ps(_mm512_srai_epi32::<24>(q)),
+            ]
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
+        // Lane i of step s holds elements of scale group 4s + i / 4 (q6_k_source512).
+        // SAFETY: step < 4 (caller); 16 i32 per entry.
+        unsafe {
+            let lanes = _mm512_loadu_si512(QUAD_SCALE_LANES[step].as_ptr().cast());
+            _mm512_permutexvar_ps(lanes, factors)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn source512(p: usize) -> usize {
+        // Step s = 2n + part, vector k, lane i: quarter 2 part + i / 8 of half n,
+        // element 4 (i % 8) + k (q6_k_step_codes).
+        let (step, k, i) = (p / 64, p % 64 / 16, p % 16);
+        128 * (step / 2) + 32 * (2 * (step % 2) + i / 8) + 4 * (i % 8) + k
     }
     #[cfg(target_arch = "x86_64")]
     type Scales256 = [f32; 16];
@@ -1292,7 +1307,7 @@ impl SimdBlock for Q6KBlock {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn step256(block: *const u8, scales: &[f32; 16], step: usize) -> [__m256; 8] {
-        // As step512, a quarter (32 codes `q - 32` as bytes) at a time: its low four
+        // As q6_k_step_codes, a quarter (32 codes `q - 32` as bytes) at a time: its low four
         // bits from `ql` bytes 64 n + 32 (quarter % 2) .., low or high nibbles, its two
         // high bits from `qh` bytes 128 + 32 n .., shifted to bits 4 and 5 (16-bit
         // shifts; the bits carried in from the neighbouring byte are masked off).
@@ -1383,34 +1398,59 @@ impl SimdBlock for Iq4XsBlock {
     #[cfg(target_arch = "x86_64")]
     const STEP: usize = 32;
     #[cfg(target_arch = "x86_64")]
-    type Scales512 = (__m512, [f32; 8]);
+    const CODES512: usize = 128;
     #[cfg(target_arch = "x86_64")]
-    type Step512 = [__m512; 2];
+    type Codes512 = [__m512; 8];
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn scales512(block: *const u8) -> (__m512, [f32; 8]) {
+    unsafe fn factors512(block: *const u8) -> __m512 {
         // SAFETY: the block's 136 bytes are readable (caller).
         unsafe {
-            let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                IQ4_VALUES.as_ptr().cast(),
-            )));
-            (values, iq4_xs_scales(block, f16c_at(block, 0)))
+            let scales = iq4_xs_scales(block, f16c_at(block, 0));
+            _mm512_castps256_ps512(_mm256_loadu_ps(scales.as_ptr()))
         }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn step512(
-        block: *const u8,
-        (values, scales): &(__m512, [f32; 8]),
-        ib: usize,
-    ) -> [__m512; 2] {
-        // SAFETY: 136 readable bytes at `block`, ib < 8 (caller).
+    unsafe fn codes512(block: *const u8, step: usize) -> [__m512; 8] {
+        // Code bytes 64 step .. + 64 (groups 4 step .. + 4) as 16 dword lanes: nibble q
+        // of every lane, by a shift of 4q, indexes the IQ4 table (`vpermps` reads only
+        // the low 4 bits of an index), as NVFP4's loop does (gemv_fp4.rs).
+        // SAFETY: 136 readable bytes at `block`, step < 2 (caller); 16 f32 in the table.
         unsafe {
-            let table = _mm512_mul_ps(_mm512_set1_ps(scales[ib]), *values);
-            nibble_halves512(block.add(8 + 16 * ib), table)
+            let raw = _mm512_loadu_si512(block.add(8 + 64 * step).cast());
+            let table = _mm512_loadu_ps(IQ4_F32_VALUES.as_ptr());
+            [
+                _mm512_permutexvar_ps(raw, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(raw), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(raw), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(raw), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(raw), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(raw), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(raw), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(raw), table),
+            ]
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
+        // Lane i of step s holds elements of group 4s + i / 4 (source512).
+        // SAFETY: step < 2 (caller); 16 i32 per entry.
+        unsafe {
+            let lanes = _mm512_loadu_si512(QUAD_SCALE_LANES[step].as_ptr().cast());
+            _mm512_permutexvar_ps(lanes, factors)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn source512(p: usize) -> usize {
+        // Step c, vector q = 2k + h, lane i: group 4c + i / 4, byte 4 (i % 4) + k of the
+        // group's 16, its low (h = 0: element j) or high nibble (element 16 + j).
+        let (step, q, i) = (p / 128, p % 128 / 16, p % 16);
+        32 * (4 * step + i / 4) + 16 * (q % 2) + 4 * (i % 4) + q / 2
     }
     #[cfg(target_arch = "x86_64")]
     type Scales256 = [f32; 8];
@@ -1785,8 +1825,60 @@ mod tests {
         blocks
     }
 
+    /// The AVX-512 factored steps of one block, recombined per element: position `p`
+    /// of step `s` is element `source512(p)`, its value the code times lane `p % 16`
+    /// of the step's scales, less the group's minimum (`factors512` lane 8 + group)
+    /// for types with minimums.
+    ///
+    /// # Safety
+    /// AVX-512F/BW are available and `block` holds `B::BYTES` bytes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn factored_elements<B: SimdBlock>(block: &[u8]) -> Vec<f32> {
+        let mut out = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+        let mut seen = vec![false; B::ELEMENTS];
+        let lanes = |v: __m512| {
+            let mut a = [0f32; 16];
+            // SAFETY: 16 f32.
+            unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) };
+            a
+        };
+        // SAFETY: AVX-512 (caller); a whole block; step < ELEMENTS / CODES512.
+        unsafe {
+            let factors = B::factors512(block.as_ptr());
+            let mins = lanes(factors);
+            for step in 0..B::ELEMENTS / B::CODES512 {
+                let scales = lanes(B::step_scales512(factors, step));
+                for (v, codes) in B::codes512(block.as_ptr(), step)
+                    .as_ref()
+                    .iter()
+                    .enumerate()
+                {
+                    for (i, code) in lanes(*codes).into_iter().enumerate() {
+                        let e = B::source512(step * B::CODES512 + 16 * v + i);
+                        assert!(
+                            !std::mem::replace(&mut seen[e], true),
+                            "{}: {e} twice",
+                            B::TYPE
+                        );
+                        let scaled = code * scales[i];
+                        out[e] = if B::HAS_MINS {
+                            scaled - mins[8 + e / 32]
+                        } else {
+                            scaled
+                        };
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// The whole-block decoders of every available ISA give the bits of
-    /// `block_element` on every element of every block (NaN: any NaN).
+    /// `block_element` on every element of every block (NaN: any NaN): the AVX2
+    /// steps, the loads, and the AVX-512 factored steps recombined (each code times
+    /// its scale is exact, so one rounding at the minimum's subtraction, as
+    /// `block_element`'s).
     fn check_block_decoders<B: SimdBlock>(blocks: &[u8]) {
         for (i, block) in blocks.chunks_exact(B::BYTES).enumerate() {
             let want: Vec<f32> = (0..B::ELEMENTS)
@@ -1794,19 +1886,17 @@ mod tests {
                 .collect();
             #[cfg(target_arch = "x86_64")]
             for isa in Isa::available() {
-                let mut got = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
-                match isa {
-                    // SAFETY: the ISA was detected; a whole block in, its elements out.
-                    Isa::Avx512 => unsafe { B::decode512(block.as_ptr(), got.as_mut_ptr()) },
-                    // SAFETY: as above.
-                    Isa::Avx2 => unsafe { B::decode256(block.as_ptr(), got.as_mut_ptr()) },
+                let got = match isa {
+                    // SAFETY: the ISA was detected; a whole block in.
+                    Isa::Avx512 => unsafe { factored_elements::<B>(block) },
+                    Isa::Avx2 => {
+                        let mut got = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+                        // SAFETY: as above; its elements out.
+                        unsafe { B::decode256(block.as_ptr(), got.as_mut_ptr()) };
+                        got
+                    }
                     Isa::Scalar => continue,
-                }
-                let mut got_vbmi = got.clone();
-                if isa == Isa::Avx512 && crate::cpu::gemv_ggml::has_vbmi() {
-                    // SAFETY: AVX-512 and AVX512_VBMI were detected; as above.
-                    unsafe { B::decode512_vbmi(block.as_ptr(), got_vbmi.as_mut_ptr()) };
-                }
+                };
                 // The 16- and 8-lane loads (the prefill's panel decode) of the same block.
                 let mut loaded = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
                 for e in (0..B::ELEMENTS).step_by(16) {
@@ -1822,11 +1912,7 @@ mod tests {
                         }
                     }
                 }
-                for (what, values) in [
-                    ("block decode", &got),
-                    ("block decode (vbmi)", &got_vbmi),
-                    ("load", &loaded),
-                ] {
+                for (what, values) in [("block decode", &got), ("load", &loaded)] {
                     for (e, (g, w)) in values.iter().zip(&want).enumerate() {
                         assert!(
                             g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
