@@ -273,11 +273,13 @@ fn max_abs_diff(a: &[(String, Vec<f64>)], b: &[(String, Vec<f64>)]) -> f64 {
 
 /// Largest |logit difference| allowed between a GGUF base whose block-type linears run
 /// in their type on the fused CPU kernel (dequantized in the loop) and the same base
-/// decoded to f32 once (`--backend dense`, candle's matmul). The weights are the same
-/// f32 values bit for bit (crates/loraq-kernels' `ggml_fused_is_the_decoded_weight`
-/// checks the kernel against the decoded matrix bit for bit); only the summation
-/// order differs (the kernel's 8- or 16-lane accumulators against candle's gemm), a
-/// few f32 ulps per dot product carried through the layers.
+/// decoded to f32 once (`--backend dense`, candle's matmul). The decoded weights are
+/// the same f32 values bit for bit, but the products are not: the fused kernel sums
+/// in its own order and (AVX-512) multiplies each step's sum of code values times
+/// activations by the scales once, adding Q4_K / Q5_K's minimums through per-group
+/// activation sums (crates/loraq-kernels' `ggml_fused_matches_reference_and_the_
+/// decoded_weight` holds both within 2^-12 of `sum |w x|` of the f64 sum): a few f32
+/// ulps per dot product carried through the layers.
 const QUANTIZED_VS_DECODED_TOLERANCE: f64 = 1e-4;
 
 #[test]

@@ -318,8 +318,8 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
                         for (t, a) in acc[r].iter_mut().enumerate() {
                             let x = x_block.add(t * cols + step * B::CODES512);
                             let mut p = _mm512_mul_ps(w[0], _mm512_loadu_ps(x));
-                            for (v, &w_v) in w.iter().enumerate().take(vectors).skip(1) {
-                                p = _mm512_fmadd_ps(w_v, _mm512_loadu_ps(x.add(16 * v)), p);
+                            for v in 1..vectors {
+                                p = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(x.add(16 * v)), p);
                             }
                             *a = _mm512_fmadd_ps(p, scales, *a);
                         }
