@@ -256,7 +256,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
     #[inline(always)]
     unsafe fn prefetch_span<const R: usize>(rows: &[*const u8; R], b: usize, blocks: usize) {
         let span_blocks = SPAN / B::ELEMENTS;
-        if b % span_blocks == 0 {
+        if b.is_multiple_of(span_blocks) {
             let span_bytes = span_blocks.min(blocks - b) * B::BYTES;
             for &row in rows {
                 for line in (0..span_bytes).step_by(64) {
@@ -318,6 +318,9 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
                         for (t, a) in acc[r].iter_mut().enumerate() {
                             let x = x_block.add(t * cols + step * B::CODES512);
                             let mut p = _mm512_mul_ps(w[0], _mm512_loadu_ps(x));
+                            // Indexed: the iterator adaptors over the step's
+                            // vectors were left as calls (three times the loop's time).
+                            #[allow(clippy::needless_range_loop)]
                             for v in 1..vectors {
                                 p = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(x.add(16 * v)), p);
                             }
