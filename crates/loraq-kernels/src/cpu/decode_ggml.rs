@@ -3,14 +3,17 @@
 //! stored blocks once and never a dequantized copy.
 //!
 //! Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and IQ4_XS are [`SimdBlock`] types: 8- and 16-lane
-//! loads of one run (the generic and prefill loops) and block decoders in steps
-//! (`scales512` then `step512`, `scales256` then `step256`: the fused loop of
-//! `super::gemv_ggml`) that unpack a block's scales once. Each lane has the bits of
-//! `loraq_quant::ggml::block_element` (a product; Q4_K / Q5_K's `d sc q - dmin m` as
-//! one fused multiply-subtract, whose one rounding is the scalar's because `d sc q` is
-//! exact: [`k4_scales512`]), so every SIMD path and the scalar decode give the same
-//! bits. The other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types)
-//! are [`ScalarBlock`]: per element by `block_element`. Both are read through one
+//! loads of one run (the generic and prefill loops), AVX2 block decoders in steps
+//! (`scales256` then `step256`) that unpack a block's scales once, and the AVX-512
+//! factored steps (`factors512`, then per step `codes512` and `step_scales512`: code
+//! values before their scale and the per-lane scales they take, in the order of
+//! `source512`) of the fused loop of `super::gemv_ggml`. Each dequantized lane has the
+//! bits of `loraq_quant::ggml::block_element` (a product; Q4_K / Q5_K's `d sc q - dmin
+//! m` as one fused multiply-subtract, whose one rounding is the scalar's because `d sc
+//! q` is exact: [`k4_scales512`]), and so does each factored code times its scale, less
+//! the minimum; so every SIMD decode and the scalar one give the same values. The
+//! other types (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, MXFP4, the float types) are
+//! [`ScalarBlock`]: per element by `block_element`. Both are read through one
 //! [`BlockRows`]; [`visit_ggml`] maps a type to its format.
 
 use super::decode::RowDecode;
@@ -234,8 +237,8 @@ unsafe fn k4_scale_bytes(block: *const u8) -> __m128i {
 /// and so is `d sc q` for a code `q < 32` (at most 22 bits; f16's range keeps it far
 /// from f32's overflow and subnormals). `block_element`'s `d sc q - dmin m` therefore
 /// rounds once, at the subtraction, and a fused multiply-subtract `fmsub(q, d sc, dmin
-/// m)` gives its bits (NaN payloads aside, where a scale is infinite or NaN): the
-/// decoders build their tables with one instruction per table.
+/// m)` gives its bits (NaN payloads aside, where a scale is infinite or NaN), and so
+/// does a code times `d sc` less `dmin m` (the factored steps, recombined).
 ///
 /// # Safety
 /// AVX-512F/BW, and the block's first 20 bytes readable.
