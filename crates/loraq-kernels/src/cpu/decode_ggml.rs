@@ -690,6 +690,38 @@ const Q5K_QH_ROTATIONS: [[i32; 16]; 4] = {
     rotations
 };
 
+/// Lane `i` of the result is lane `lanes[i]` of `factors`: a step's per-lane scales.
+///
+/// # Safety
+/// AVX-512F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn scale_lanes512(factors: __m512, lanes: &[i32; 16]) -> __m512 {
+    // SAFETY: 16 i32.
+    unsafe { _mm512_permutexvar_ps(_mm512_loadu_si512(lanes.as_ptr().cast()), factors) }
+}
+
+/// Q4_K / Q5_K step `2c + h`'s code bytes `64c .. 64c + 64` (from `codes`, the
+/// block's 128 code bytes) as 16 dword lanes, shifted right by 4 for the high
+/// nibbles (`h = 1`): byte `k` of each lane holds vector `k`'s code in its low 4 bits
+/// ([`k4_source512`]).
+///
+/// # Safety
+/// AVX-512F/BW, `codes .. codes + 128` readable and `step < 4`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn k4_step_nibbles(codes: *const u8, step: usize) -> __m512i {
+    // SAFETY: 128 readable bytes (caller), step < 4.
+    let raw = unsafe { _mm512_loadu_si512(codes.add(64 * (step / 2)).cast()) };
+    if step.is_multiple_of(2) {
+        raw
+    } else {
+        _mm512_srli_epi32::<4>(raw)
+    }
+}
+
 /// Per step, scale lane `4 step + i / 4` for vector lane `i`: Q6_K's 16-element groups
 /// and IQ4_XS's 32-element groups, four lanes each.
 #[cfg(target_arch = "x86_64")]
@@ -961,11 +993,8 @@ impl SimdBlock for Q4KBlock {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
-        // SAFETY: step < 4 (caller); 16 i32 per entry.
-        unsafe {
-            let lanes = _mm512_loadu_si512(K4_STEP_SCALE_LANES[step].as_ptr().cast());
-            _mm512_permutexvar_ps(lanes, factors)
-        }
+        // SAFETY: step < 4 (caller).
+        unsafe { scale_lanes512(factors, &K4_STEP_SCALE_LANES[step]) }
     }
     #[cfg(target_arch = "x86_64")]
     fn source512(p: usize) -> usize {
@@ -978,15 +1007,9 @@ impl SimdBlock for Q4KBlock {
         // Step 2c + h: the low (h = 0) or high nibbles of code bytes 64c .. 64c + 64 as
         // 16 dword lanes (k4_source512); byte k of each lane is vector k's code, and
         // `vpermps` reads only the low 4 bits of an index.
-        let (c, h) = (step / 2, step % 2);
         // SAFETY: 144 readable bytes at `block`, step < 4 (caller); 16 f32 in the table.
         unsafe {
-            let raw = _mm512_loadu_si512(block.add(16 + 64 * c).cast());
-            let nibbles = if h == 0 {
-                raw
-            } else {
-                _mm512_srli_epi32::<4>(raw)
-            };
+            let nibbles = k4_step_nibbles(block.add(16), step);
             let table = _mm512_loadu_ps(CODE_VALUES.as_ptr());
             [
                 _mm512_permutexvar_ps(nibbles, table),
@@ -1100,11 +1123,8 @@ impl SimdBlock for Q5KBlock {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
-        // SAFETY: step < 4 (caller); 16 i32 per entry.
-        unsafe {
-            let lanes = _mm512_loadu_si512(K4_STEP_SCALE_LANES[step].as_ptr().cast());
-            _mm512_permutexvar_ps(lanes, factors)
-        }
+        // SAFETY: step < 4 (caller).
+        unsafe { scale_lanes512(factors, &K4_STEP_SCALE_LANES[step]) }
     }
     #[cfg(target_arch = "x86_64")]
     fn source512(p: usize) -> usize {
@@ -1122,16 +1142,10 @@ impl SimdBlock for Q5KBlock {
         // the nibbles and the rest from the rotated `qh` (bits 5..7 are left over, and
         // `vpermt2ps` reads only bits 0..4 of an index): byte k of each lane is then
         // vector k's 5-bit code.
-        let (c, h) = (step / 2, step % 2);
         // SAFETY: 176 readable bytes at `block`, step < 4 (caller); 32 f32 in the
         // table, 16 i32 per rotation entry.
         unsafe {
-            let raw = _mm512_loadu_si512(block.add(48 + 64 * c).cast());
-            let nibbles = if h == 0 {
-                raw
-            } else {
-                _mm512_srli_epi32::<4>(raw)
-            };
+            let nibbles = k4_step_nibbles(block.add(48), step);
             let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(16).cast()));
             let rotation = _mm512_loadu_si512(Q5K_QH_ROTATIONS[step].as_ptr().cast());
             // (a & c) | (b & !c), c the low-nibble mask.
@@ -1281,12 +1295,9 @@ impl SimdBlock for Q6KBlock {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
-        // Lane i of step s holds elements of scale group 4s + i / 4 (q6_k_source512).
-        // SAFETY: step < 4 (caller); 16 i32 per entry.
-        unsafe {
-            let lanes = _mm512_loadu_si512(QUAD_SCALE_LANES[step].as_ptr().cast());
-            _mm512_permutexvar_ps(lanes, factors)
-        }
+        // Lane i of step s holds elements of scale group 4s + i / 4 (source512).
+        // SAFETY: step < 4 (caller).
+        unsafe { scale_lanes512(factors, &QUAD_SCALE_LANES[step]) }
     }
     #[cfg(target_arch = "x86_64")]
     fn source512(p: usize) -> usize {
@@ -1442,11 +1453,8 @@ impl SimdBlock for Iq4XsBlock {
     #[inline]
     unsafe fn step_scales512(factors: __m512, step: usize) -> __m512 {
         // Lane i of step s holds elements of group 4s + i / 4 (source512).
-        // SAFETY: step < 2 (caller); 16 i32 per entry.
-        unsafe {
-            let lanes = _mm512_loadu_si512(QUAD_SCALE_LANES[step].as_ptr().cast());
-            _mm512_permutexvar_ps(lanes, factors)
-        }
+        // SAFETY: step < 2 (caller).
+        unsafe { scale_lanes512(factors, &QUAD_SCALE_LANES[step]) }
     }
     #[cfg(target_arch = "x86_64")]
     fn source512(p: usize) -> usize {
