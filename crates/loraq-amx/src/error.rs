@@ -27,6 +27,14 @@ pub enum AmxError {
         /// What is wrong.
         detail: String,
     },
+    /// A value packed as a bf16 operand is not a bf16 value (one plane would round it).
+    #[error("weight value {index} ({value}) is not a bf16 value")]
+    NotBf16 {
+        /// Its index in the row-major values.
+        index: usize,
+        /// The value, printed.
+        value: String,
+    },
     /// The products were asked of a machine (or process) without usable AMX tiles.
     #[error("AMX bf16 tiles are not usable on this machine")]
     Unavailable,

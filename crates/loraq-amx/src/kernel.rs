@@ -11,9 +11,9 @@ use core::arch::asm;
 use rayon::prelude::*;
 
 /// Rows (and columns) of an f32 accumulator tile, rows of a left tile.
-const TILE: usize = 16;
+pub(crate) const TILE: usize = 16;
 /// bf16 values along k in one tile.
-const KSTEP: usize = 32;
+pub(crate) const KSTEP: usize = 32;
 /// k-steps per block of k (256 values): a block of the packed big operand stays in L2.
 const KBLOCK_STEPS: usize = 8;
 /// Rows of a big left operand per task.
@@ -25,24 +25,24 @@ const TASK_COLS: usize = 256;
 /// One packed tile: 16 rows of 64 bytes, aligned to a cache line.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Tile([u16; 512]);
+pub(crate) struct Tile(pub(crate) [u16; 512]);
 
 /// A zeroed buffer of tiles (allocated zeroed by the system, not copied tile by tile).
-struct Tiles {
+pub(crate) struct Tiles {
     raw: Vec<u16>,
     offset: usize,
     len: usize,
 }
 
 impl Tiles {
-    fn zeroed(len: usize) -> Tiles {
+    pub(crate) fn zeroed(len: usize) -> Tiles {
         // 32 spare u16 values (64 bytes) to align the first tile to a cache line.
         let raw = vec![0u16; len * 512 + 32];
         let offset = raw.as_ptr().align_offset(64);
         Tiles { raw, offset, len }
     }
 
-    fn as_slice(&self) -> &[Tile] {
+    pub(crate) fn as_slice(&self) -> &[Tile] {
         // SAFETY: `raw[offset..]` is 64-byte aligned and holds `len * 512` initialized
         // u16 values, which are `len` valid Tiles (same size, any bit pattern valid).
         unsafe {
@@ -50,7 +50,7 @@ impl Tiles {
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [Tile] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [Tile] {
         // SAFETY: as in `as_slice`, and the borrow of `raw` is exclusive.
         unsafe {
             std::slice::from_raw_parts_mut(
@@ -64,13 +64,13 @@ impl Tiles {
 /// 16 f32 values on one cache line (a row of an accumulator tile).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([f32; 16]);
+pub(crate) struct Line(pub(crate) [f32; 16]);
 
 /// The tile configuration (palette 1): all eight tiles 16 rows of 64 bytes.
 #[repr(C, align(64))]
-struct TileConfig([u8; 64]);
+pub(crate) struct TileConfig([u8; 64]);
 
-fn tile_config() -> TileConfig {
+pub(crate) fn tile_config() -> TileConfig {
     let mut bytes = [0u8; 64];
     bytes[0] = 1;
     for t in 0..8 {
@@ -82,12 +82,12 @@ fn tile_config() -> TileConfig {
 
 /// Loads the tile configuration on this thread for as long as it lives, releases the
 /// tiles when dropped.
-struct TileScope;
+pub(crate) struct TileScope;
 
 impl TileScope {
     /// # Safety
     /// AMX must be usable in this process ([`crate::detect::usable`]).
-    unsafe fn enter(config: &TileConfig) -> TileScope {
+    pub(crate) unsafe fn enter(config: &TileConfig) -> TileScope {
         // SAFETY: the caller checked AMX; `config` is a valid 64-byte palette-1
         // configuration.
         unsafe {
@@ -227,7 +227,7 @@ unsafe fn block<const PA: usize, const PB: usize, const ORDER: usize>(
 /// # Safety
 /// As [`block`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn block_dyn(
+pub(crate) unsafe fn block_dyn(
     pa: usize,
     pb: usize,
     order: usize,
@@ -357,7 +357,7 @@ fn pack_planes<const P: usize>(
 
 /// The planes of `N` values as bf16 bits in u32 lanes (`[plane][value]`).
 #[inline(always)]
-fn plane_words<const P: usize, const N: usize>(values: &[f32; N]) -> [[u32; N]; P] {
+pub(crate) fn plane_words<const P: usize, const N: usize>(values: &[f32; N]) -> [[u32; N]; P] {
     let mut out = [[0u32; N]; P];
     for (i, &x) in values.iter().enumerate() {
         let bits = plane_bits::<P>(x);
@@ -370,7 +370,12 @@ fn plane_words<const P: usize, const N: usize>(values: &[f32; N]) -> [[u32; N]; 
 
 /// `count` values of `data` from `base`, `stride` apart, zero-padded to `N`.
 #[inline(always)]
-fn gather<const N: usize>(data: &[f32], base: usize, stride: usize, count: usize) -> [f32; N] {
+pub(crate) fn gather<const N: usize>(
+    data: &[f32],
+    base: usize,
+    stride: usize,
+    count: usize,
+) -> [f32; N] {
     let mut values = [0f32; N];
     if stride == 1 && count == N {
         values = <[f32; N]>::try_from(&data[base..base + N]).expect("N values");
@@ -524,10 +529,10 @@ fn pack_planes_avx512<const P: usize>(
 
 /// A raw pointer to the output, shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-struct Shared(*mut f32);
+pub(crate) struct Shared(pub(crate) *mut f32);
 impl Shared {
     /// The pointer (a method, so that closures capture the whole `Shared`).
-    fn ptr(&self) -> *mut f32 {
+    pub(crate) fn ptr(&self) -> *mut f32 {
         self.0
     }
 }

@@ -34,10 +34,14 @@ mod detect;
 mod error;
 #[cfg(target_arch = "x86_64")]
 mod kernel;
+mod packed;
+#[cfg(target_arch = "x86_64")]
+mod packed_kernel;
 mod split;
 mod view;
 
 pub use error::AmxError;
+pub use packed::PackedBf16;
 pub use split::{
     BF16_UNIT_ROUNDOFF, Planes, accumulation_bound, plane_pairs, relative_error_bound, round_bf16,
     split_bf16,

@@ -6,8 +6,8 @@
 //! `2^-126`). Skipped (with a note) where AMX is not usable.
 
 use loraq_amx::{
-    Accumulate, Amx, MatrixMut, MatrixRef, Operand, Planes, accumulation_bound, plane_pairs,
-    relative_error_bound, round_bf16,
+    Accumulate, Amx, MatrixMut, MatrixRef, Operand, PackedBf16, Planes, accumulation_bound,
+    plane_pairs, relative_error_bound, round_bf16,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -76,6 +76,9 @@ struct Case<'a> {
     b_bf16: bool,
     out_col_major: bool,
     accumulate: bool,
+    /// B (bf16 values) packed once as the weight `W = B^T` and multiplied by
+    /// [`Amx::matmul_packed`] instead of [`Amx::matmul`].
+    packed: bool,
 }
 
 /// Runs the product and checks every element against the f64 reference; returns the
@@ -106,17 +109,30 @@ fn check(amx: Amx, case: &Case<'_>, what: &str) -> f64 {
         } else {
             MatrixMut::row_major(&mut out, m, n, n).unwrap()
         };
-        amx.matmul(
-            view,
-            Operand::new(case.a.view(), case.a_planes),
-            Operand::new(case.b.view(), case.b_planes),
-            if case.accumulate {
-                Accumulate::Add
-            } else {
-                Accumulate::Replace
-            },
-        )
-        .unwrap();
+        let accumulate = if case.accumulate {
+            Accumulate::Add
+        } else {
+            Accumulate::Replace
+        };
+        if case.packed {
+            assert!(case.b_bf16 && case.b_planes == Planes::One);
+            let weight: Vec<f32> = (0..n)
+                .flat_map(|j| (0..k).map(move |l| (l, j)))
+                .map(|(l, j)| case.b.at(l, j))
+                .collect();
+            let packed = PackedBf16::from_weight_f32(&weight, n, k).unwrap();
+            assert_eq!((packed.out_features(), packed.in_features()), (n, k));
+            amx.matmul_packed(view, case.a.view(), case.a_planes, &packed, accumulate)
+                .unwrap();
+        } else {
+            amx.matmul(
+                view,
+                Operand::new(case.a.view(), case.a_planes),
+                Operand::new(case.b.view(), case.b_planes),
+                accumulate,
+            )
+            .unwrap();
+        }
     }
     let rel = relative_error_bound(case.a_planes, case.a_bf16, case.b_planes, case.b_bf16);
     let terms = k * plane_pairs(case.a_planes, case.b_planes).len() + usize::from(case.accumulate);
@@ -208,6 +224,7 @@ fn random_products_of_awkward_shapes_are_within_their_bounds() {
                 b_bf16,
                 out_col_major: case_index % 3 == 1,
                 accumulate: case_index % 2 == 1,
+                packed: false,
             };
             check(amx, &case, &format!("{a_planes:?}x{b_planes:?}"));
         }
@@ -232,6 +249,7 @@ fn the_bounds_are_attained_in_order_of_magnitude() {
         b_bf16: false,
         out_col_major: false,
         accumulate: false,
+        packed: false,
     };
     let worst = check(amx, &case, "two planes each, k = 1");
     assert!(worst > 0.05, "the worst error is only {worst} of its bound");
@@ -321,6 +339,7 @@ fn zeros_wide_range_and_subnormals_are_within_their_bounds() {
                 b_bf16: false,
                 out_col_major: false,
                 accumulate: false,
+                packed: false,
             };
             check(amx, &case, name);
         }
@@ -353,6 +372,162 @@ fn shape_and_view_errors_are_refused() {
             MatrixMut::row_major(&mut out, 2, 2, 2).unwrap(),
             Operand::new(a, Planes::One),
             Operand::new(a, Planes::One),
+            Accumulate::Replace,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, loraq_amx::AmxError::ShapeMismatch { .. }),
+        "{err}"
+    );
+}
+
+/// The packed weight ([`PackedBf16`], [`Amx::matmul_packed`]): awkward shapes (token
+/// counts and features not multiples of 16 or 32, fewer than 32 tokens, more than one
+/// task of rows and k-block of 512), one to three planes of x by rows and by columns,
+/// row- and column-major outputs, replacing and adding; every element within the bound
+/// of its plane set (three planes of x against the bf16 weight: exact products).
+#[test]
+fn packed_weight_products_of_awkward_shapes_are_within_their_bounds() {
+    let Some(amx) = amx() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let shapes = [
+        (1, 1, 1),
+        (16, 32, 32),
+        (17, 33, 15),
+        (31, 65, 47),
+        (64, 64, 64),
+        (130, 300, 20),
+        (20, 290, 150),
+        (97, 1100, 70),
+        (200, 40, 8),
+    ];
+    for &(m, k, n) in &shapes {
+        for (index, a_planes) in [Planes::Three, Planes::Two, Planes::One]
+            .into_iter()
+            .enumerate()
+        {
+            for accumulate in [false, true] {
+                let a = Dense::new(m, k, index == 1, |_, _| gaussian(&mut rng));
+                let b = Dense::new(k, n, false, |_, _| round_bf16(gaussian(&mut rng) * 3.0));
+                let case = Case {
+                    a: &a,
+                    a_planes,
+                    a_bf16: false,
+                    b: &b,
+                    b_planes: Planes::One,
+                    b_bf16: true,
+                    out_col_major: index == 2,
+                    accumulate,
+                    packed: true,
+                };
+                check(amx, &case, &format!("packed, {a_planes:?}, {m}x{k}x{n}"));
+            }
+        }
+    }
+}
+
+/// The packed weight on zeros, a range of 2^-90 to 2^90 in x and the weight, and
+/// subnormal inputs; three planes of integers against a bf16 weight give the exact
+/// integer sums, as the unpacked product does.
+#[test]
+fn packed_weight_zeros_wide_range_and_exact_sums() {
+    let Some(amx) = amx() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let (m, k, n) = (40, 70, 36);
+    let zeros = Dense::new(m, k, false, |_, _| 0.0);
+    let wide = Dense::new(m, k, false, |_, _| {
+        gaussian(&mut rng) * f32::powi(2.0, rng.random_range(-90..=90))
+    });
+    let tiny = Dense::new(m, k, false, |i, j| {
+        let scale = if (i + j) % 3 == 0 { 1e-40 } else { 1e-33 };
+        gaussian(&mut rng) * scale
+    });
+    let b = Dense::new(k, n, false, |_, _| {
+        round_bf16(gaussian(&mut rng) * f32::powi(2.0, rng.random_range(-20..=20)))
+    });
+    let b_zero = Dense::new(k, n, false, |_, _| 0.0);
+    for (a, b, name) in [
+        (&zeros, &b, "zero x"),
+        (&wide, &b, "wide range"),
+        (&tiny, &b, "subnormal"),
+        (&wide, &b_zero, "zero weight"),
+    ] {
+        for accumulate in [false, true] {
+            let case = Case {
+                a,
+                a_planes: Planes::Three,
+                a_bf16: false,
+                b,
+                b_planes: Planes::One,
+                b_bf16: true,
+                out_col_major: false,
+                accumulate,
+                packed: true,
+            };
+            check(amx, &case, name);
+        }
+    }
+    let (m, k, n) = (45, 96, 37);
+    let a = Dense::new(m, k, false, |_, _| rng.random_range(-8191i32..=8191) as f32);
+    let weight: Vec<f32> = (0..n * k)
+        .map(|_| rng.random_range(-15i32..=15) as f32 * 0.5)
+        .collect();
+    let packed = PackedBf16::from_weight_f32(&weight, n, k).unwrap();
+    let mut out = vec![f32::NAN; m * n];
+    amx.matmul_packed(
+        MatrixMut::row_major(&mut out, m, n, n).unwrap(),
+        a.view(),
+        Planes::Three,
+        &packed,
+        Accumulate::Replace,
+    )
+    .unwrap();
+    for i in 0..m {
+        for j in 0..n {
+            let exact: f64 = (0..k)
+                .map(|l| a.at(i, l) as f64 * weight[j * k + l] as f64)
+                .sum();
+            assert_eq!(out[i * n + j] as f64, exact, "({i}, {j})");
+            assert_eq!(packed.get(j, 0), weight[j * k]);
+        }
+    }
+}
+
+/// A packed weight is built from bf16 bits or from bf16 values; other values, lengths
+/// that disagree with the shape and products of the wrong shape are refused.
+#[test]
+fn packed_weight_refuses_bad_input() {
+    let bits: Vec<u16> = (0..6u16).map(|i| 0x3f80 + i).collect();
+    let from_bits = PackedBf16::from_weight_bits(&bits, 2, 3).unwrap();
+    let values: Vec<f32> = bits
+        .iter()
+        .map(|&b| f32::from_bits(u32::from(b) << 16))
+        .collect();
+    let from_values = PackedBf16::from_weight_f32(&values, 2, 3).unwrap();
+    for i in 0..2 {
+        for j in 0..3 {
+            assert_eq!(from_bits.get(i, j), values[i * 3 + j]);
+            assert_eq!(from_values.get(i, j), values[i * 3 + j]);
+        }
+    }
+    assert!(PackedBf16::from_weight_bits(&bits, 2, 2).is_err());
+    assert!(PackedBf16::from_weight_bits(&bits, usize::MAX, 2).is_err());
+    let mut off = values.clone();
+    off[4] += f32::EPSILON;
+    let err = PackedBf16::from_weight_f32(&off, 2, 3).unwrap_err();
+    assert!(
+        matches!(err, loraq_amx::AmxError::NotBf16 { index: 4, .. }),
+        "{err}"
+    );
+    let Some(amx) = amx() else { return };
+    let x = [1f32; 8];
+    let mut out = [0f32; 8];
+    let err = amx
+        .matmul_packed(
+            MatrixMut::row_major(&mut out, 4, 2, 2).unwrap(),
+            MatrixRef::row_major(&x, 4, 2).unwrap(),
+            Planes::Three,
+            &from_bits,
             Accumulate::Replace,
         )
         .unwrap_err();
