@@ -5,10 +5,16 @@
 //! machine shared with other work, single-threaded (`RAYON_NUM_THREADS=1`).
 //!
 //! `cargo run --release -p loraq-amx --example amx_rate [ROWS COLS WIDTH]`
+//!
+//! `amx_rate linear [TOKENS IN_FEATURES OUT_FEATURES]` times instead the prefill linears'
+//! product `x W^T` (x f32, three planes; W bf16) on the demo model's shapes and the
+//! 27B's (or the one given), with the weight packed on every call (`Amx::matmul`) and
+//! packed once (`Amx::matmul_packed`), in f32-product GFLOP/s and GFLOP/s of bf16 tile
+//! work (three tile products per f32 product).
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
-use loraq_amx::{Accumulate, Amx, MatrixMut, MatrixRef, Operand, Planes, round_bf16};
+use loraq_amx::{Accumulate, Amx, MatrixMut, MatrixRef, Operand, PackedBf16, Planes, round_bf16};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -41,7 +47,86 @@ fn best_of_three(mut run: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// The linears' product `x W^T` on `(tokens, in_features, out_features)` shapes.
+fn linears(shapes: &[(usize, usize, usize)]) {
+    let Some(amx) = Amx::detect() else {
+        println!("AMX not usable here");
+        return;
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for &(tokens, in_features, out_features) in shapes {
+        let x: Vec<f32> = (0..tokens * in_features)
+            .map(|_| rng.random_range(-2f32..2.0))
+            .collect();
+        let weight: Vec<f32> = (0..out_features * in_features)
+            .map(|_| round_bf16(rng.random_range(-0.05f32..0.05)))
+            .collect();
+        let packed = PackedBf16::from_weight_f32(&weight, out_features, in_features).unwrap();
+        let mut out = vec![0f32; tokens * out_features];
+        let xv = MatrixRef::row_major(&x, tokens, in_features).unwrap();
+        let flops = 2.0 * tokens as f64 * in_features as f64 * out_features as f64;
+        let report = |name: &str, seconds: f64| {
+            println!(
+                "{tokens:>5} x {in_features:>5} -> {out_features:>5}  {name:<22} {seconds:7.3} s CPU  {:7.1} GFLOP/s f32, {:7.1} bf16 work",
+                flops / seconds * 1e-9,
+                3.0 * flops / seconds * 1e-9
+            );
+        };
+        report(
+            "weight packed per call",
+            best_of_three(|| {
+                amx.matmul(
+                    MatrixMut::row_major(&mut out, tokens, out_features, out_features).unwrap(),
+                    Operand::new(xv, Planes::Three),
+                    Operand::new(
+                        MatrixRef::row_major(&weight, out_features, in_features)
+                            .unwrap()
+                            .transpose(),
+                        Planes::One,
+                    ),
+                    Accumulate::Replace,
+                )
+                .unwrap()
+            }),
+        );
+        report(
+            "weight packed once",
+            best_of_three(|| {
+                amx.matmul_packed(
+                    MatrixMut::row_major(&mut out, tokens, out_features, out_features).unwrap(),
+                    xv,
+                    Planes::Three,
+                    &packed,
+                    Accumulate::Replace,
+                )
+                .unwrap()
+            }),
+        );
+    }
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("linear") {
+        let args: Vec<usize> = std::env::args()
+            .skip(2)
+            .map(|a| a.parse().expect("a number"))
+            .collect();
+        match args[..] {
+            [t, i, o] => linears(&[(t, i, o)]),
+            _ => linears(&[
+                // The demo model (hidden 512, intermediate 1536): gate/up, down,
+                // in_proj_qkv, q_proj with its gate.
+                (2048, 512, 1536),
+                (2048, 1536, 512),
+                (512, 512, 1024),
+                (512, 512, 512),
+                // The 27B's MLP (hidden 5120, intermediate 17408).
+                (512, 5120, 17408),
+                (512, 17408, 5120),
+            ]),
+        }
+        return;
+    }
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .map(|a| a.parse().expect("a number"))

@@ -311,69 +311,58 @@ impl LinearLayer for KernelLinear {
 pub const AMX_MIN_TOKENS: usize = 16;
 
 /// A linear whose prefill-sized products run on AMX bf16 tiles (loraq-amx), exactly
-/// as accurate as an f32 product: the weight's values are bf16 (checked when built),
-/// so each `x_k w_jk` is formed exactly from the three bf16 planes of `x_k` times
-/// `w_jk` (three tile products) and summed in f32, as the f32 GEMM sums them. The LoRA
-/// path is the same two products as the kernels' (`s (x A^T)` in f32, then times
-/// `B^T`), each on the tiles with the bf16 factors as the one-plane operand, and added
-/// to the output (one more f32 rounding per element than the kernels' fused tile).
-/// Below [`AMX_MIN_TOKENS`] tokens it calls the wrapped linear.
+/// as accurate as an f32 product: the weight's values are bf16, packed once into the
+/// tile layout ([`loraq_amx::PackedBf16`]), so each `x_k w_jk` is formed exactly from
+/// the three bf16 planes of `x_k` times `w_jk` (three tile products) and summed in f32,
+/// as the f32 GEMM sums them. The LoRA path is the same two products as the kernels'
+/// (`s (x A^T)` in f32, then times `B^T`), each on the tiles with the bf16 factors
+/// packed once as the one-plane operand, and added to the output (one more f32
+/// rounding per element than the kernels' fused tile). Below [`AMX_MIN_TOKENS`] tokens
+/// it calls the wrapped linear.
 #[derive(Debug)]
 pub struct AmxLinear {
     /// The module path, for error messages.
     pub name: String,
     amx: loraq_amx::Amx,
     inner: Box<dyn LinearLayer>,
-    /// `[out_features, in_features]`, every value a bf16 value.
-    weight: Vec<f32>,
+    /// `W`, `[out_features, in_features]`.
+    weight: loraq_amx::PackedBf16,
     lora: Option<AmxLora>,
 }
 
-/// The LoRA factors of an [`AmxLinear`], bf16 values held as f32.
+/// The LoRA factors of an [`AmxLinear`], bf16 values packed once for the tiles.
 #[derive(Debug)]
-struct AmxLora {
-    /// `lora_A`, `[rank, in_features]`.
-    a: Vec<f32>,
-    /// `lora_B`, `[out_features, rank]`.
-    b: Vec<f32>,
-    rank: usize,
-    scale: f32,
-}
-
-/// Whether every value is a bf16 value (what one plane of the tile product holds
-/// exactly).
-pub fn all_bf16(values: &[f32]) -> bool {
-    values.iter().all(|&v| loraq_amx::round_bf16(v) == v)
+pub struct AmxLora {
+    /// `lora_A`, `[rank, in_features]` (the weight of `x A^T`).
+    pub a: loraq_amx::PackedBf16,
+    /// `lora_B`, `[out_features, rank]` (the weight of `(s x A^T) B^T`).
+    pub b: loraq_amx::PackedBf16,
+    /// `alpha / rank` of the module.
+    pub scale: f32,
 }
 
 impl AmxLinear {
-    /// Wraps `inner` (the linear of `weight` `[out_features, in_features]` row-major and
-    /// the optional factors `(lora_A [rank, in], lora_B [out, rank], scale)`); gives
-    /// `inner` back when a weight or factor value is not a bf16 value, so the tile
-    /// product would round it (or a shape disagrees), and the caller keeps it alone.
+    /// Wraps `inner` (the linear of `weight` `[out_features, in_features]` and the
+    /// optional factors); gives `inner` back when a shape disagrees with it, and the
+    /// caller keeps it alone.
     pub fn new(
         name: String,
         amx: loraq_amx::Amx,
         inner: Box<dyn LinearLayer>,
-        weight: Vec<f32>,
-        lora: Option<(Vec<f32>, Vec<f32>, f32)>,
+        weight: loraq_amx::PackedBf16,
+        lora: Option<AmxLora>,
     ) -> std::result::Result<AmxLinear, Box<dyn LinearLayer>> {
         let (out_features, in_features) = (inner.out_features(), inner.in_features());
-        if out_features.checked_mul(in_features) != Some(weight.len()) || !all_bf16(&weight) {
+        let weight_agrees =
+            (weight.out_features(), weight.in_features()) == (out_features, in_features);
+        let lora_agrees = lora.as_ref().is_none_or(|f| {
+            let rank = f.a.out_features();
+            f.a.in_features() == in_features
+                && (f.b.out_features(), f.b.in_features()) == (out_features, rank)
+        });
+        if !weight_agrees || !lora_agrees {
             return Err(inner);
         }
-        let lora = match lora {
-            None => None,
-            Some((a, b, scale)) => {
-                let rank = a.len().checked_div(in_features).unwrap_or(0);
-                let shapes_agree = rank.checked_mul(in_features) == Some(a.len())
-                    && rank.checked_mul(out_features) == Some(b.len());
-                if !shapes_agree || !all_bf16(&a) || !all_bf16(&b) {
-                    return Err(inner);
-                }
-                Some(AmxLora { a, b, rank, scale })
-            }
-        };
         Ok(AmxLinear {
             name,
             amx,
@@ -389,50 +378,34 @@ impl AmxLinear {
         tokens: usize,
         out: &mut [f32],
     ) -> std::result::Result<(), loraq_amx::AmxError> {
-        use loraq_amx::{Accumulate, MatrixMut, MatrixRef, Operand, Planes};
+        use loraq_amx::{Accumulate, MatrixMut, MatrixRef, Planes};
         let (out_features, in_features) = (self.out_features(), self.in_features());
-        let x_op = || -> std::result::Result<Operand<'_>, loraq_amx::AmxError> {
-            Ok(Operand::new(
-                MatrixRef::row_major(x, tokens, in_features)?,
-                Planes::Three,
-            ))
-        };
-        let weight_t = Operand::new(
-            MatrixRef::row_major(&self.weight, out_features, in_features)?.transpose(),
-            Planes::One,
-        );
-        self.amx.matmul(
+        let x = MatrixRef::row_major(x, tokens, in_features)?;
+        self.amx.matmul_packed(
             MatrixMut::row_major(out, tokens, out_features, out_features)?,
-            x_op()?,
-            weight_t,
+            x,
+            Planes::Three,
+            &self.weight,
             Accumulate::Replace,
         )?;
         if let Some(lora) = &self.lora {
-            let mut low = vec![0f32; tokens * lora.rank];
-            let a_t = Operand::new(
-                MatrixRef::row_major(&lora.a, lora.rank, in_features)?.transpose(),
-                Planes::One,
-            );
-            self.amx.matmul(
-                MatrixMut::row_major(&mut low, tokens, lora.rank, lora.rank)?,
-                x_op()?,
-                a_t,
+            let rank = lora.a.out_features();
+            let mut low = vec![0f32; tokens * rank];
+            self.amx.matmul_packed(
+                MatrixMut::row_major(&mut low, tokens, rank, rank)?,
+                x,
+                Planes::Three,
+                &lora.a,
                 Accumulate::Replace,
             )?;
             for v in &mut low {
                 *v *= lora.scale;
             }
-            let b_t = Operand::new(
-                MatrixRef::row_major(&lora.b, out_features, lora.rank)?.transpose(),
-                Planes::One,
-            );
-            self.amx.matmul(
+            self.amx.matmul_packed(
                 MatrixMut::row_major(out, tokens, out_features, out_features)?,
-                Operand::new(
-                    MatrixRef::row_major(&low, tokens, lora.rank)?,
-                    Planes::Three,
-                ),
-                b_t,
+                MatrixRef::row_major(&low, tokens, rank)?,
+                Planes::Three,
+                &lora.b,
                 Accumulate::Add,
             )?;
         }
@@ -442,10 +415,11 @@ impl AmxLinear {
 
 impl LinearLayer for AmxLinear {
     fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
-        check_shapes(&self.name, self, x, tokens, out)?;
         if tokens < AMX_MIN_TOKENS {
+            // The wrapped linear checks the shapes itself.
             return self.inner.forward(x, tokens, out);
         }
+        check_shapes(&self.name, self, x, tokens, out)?;
         self.tiles(x, tokens, out)
             .map_err(|source| ModelError::Amx {
                 module: self.name.clone(),
@@ -466,6 +440,7 @@ impl LinearLayer for AmxLinear {
 mod amx_tests {
     use super::*;
     use candle_core::Device;
+    use loraq_amx::PackedBf16;
 
     /// Deterministic bf16 values in about `[-scale, scale)`.
     fn bf16_values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
@@ -545,11 +520,10 @@ mod amx_tests {
             };
             Box::new(DenseLinear::new("m".into(), &t(&w, out, inp), Some(lora)).unwrap())
         };
-        // Not bf16 values: the wrapped linear comes back.
+        let pack = |v: &[f32], rows, cols| PackedBf16::from_weight_f32(v, rows, cols).unwrap();
+        // A weight of another shape: the wrapped linear comes back.
         if let Some(amx) = loraq_amx::Amx::detect() {
-            let mut off = w.clone();
-            off[5] += f32::EPSILON;
-            let refused = AmxLinear::new("m".into(), amx, dense(), off, None);
+            let refused = AmxLinear::new("m".into(), amx, dense(), pack(&w, inp, out), None);
             assert!(refused.is_err_and(|inner| inner.out_features() == out));
         }
         // 37 tokens (tiles and the AMX path, where present) and 5 (the fallback).
@@ -567,10 +541,14 @@ mod amx_tests {
                         "m".into(),
                         amx,
                         dense(),
-                        w.clone(),
-                        Some((a.clone(), b.clone(), scale)),
+                        pack(&w, out, inp),
+                        Some(AmxLora {
+                            a: pack(&a, rank, inp),
+                            b: pack(&b, out, rank),
+                            scale,
+                        }),
                     )
-                    .expect("bf16 values"),
+                    .expect("shapes agree"),
                 ),
                 // No AMX here: the dense linear is what the model keeps.
                 None => dense(),

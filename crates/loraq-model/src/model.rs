@@ -4,7 +4,8 @@
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::linear::{
-    AmxLinear, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
+    AmxLinear, AmxLora, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
+    LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{DType, Device, Tensor};
@@ -247,35 +248,40 @@ impl Loader<'_> {
             // (a NaN weight makes every logit NaN) by file, tensor and element.
             let weight = self.base.quantized_weight(module_path).map_err(quant_err)?;
             // The auto backend on an AMX machine runs prefill-sized products on AMX
-            // tiles where the decoded weight and the factors are bf16 values (exact as
-            // one plane) and no activation fake-quant applies; LORAQ_AMX=0 turns it off.
-            // Only an unquantized bf16 base: the tiles take an f32 copy of the weight
-            // (4 bytes a weight beside the kernel's 2), which for a 4-bit base would be
-            // eight times its codes, and decoding every quantized weight to test it
+            // tiles where the weight and the factors are bf16 values (exact as one
+            // plane) and no activation fake-quant applies; LORAQ_AMX=0 turns it off.
+            // Only an unquantized bf16 base: the tiles take a packed copy of the weight
+            // (2 bytes a weight beside the kernel's copy), which for a 4-bit base would
+            // be four times its codes, and decoding every quantized weight to test it
             // would slow every load.
             let amx = match self.backend {
-                LinearBackend::Auto
-                    if act_quant == ActivationQuant::None
-                        && matches!(weight, loraq_quant::QuantizedWeight::Bf16(_)) =>
-                {
+                LinearBackend::Auto if act_quant == ActivationQuant::None => {
                     loraq_amx::Amx::detect()
                 }
                 _ => None,
             };
-            // The tiles' f32 copy widened from the bf16 values just read, not read again.
-            let amx_weight: Option<Vec<f32>> = match (&amx, &weight) {
-                (Some(_), loraq_quant::QuantizedWeight::Bf16(w)) => {
-                    Some(w.data.iter().map(|v| v.to_f32()).collect())
-                }
+            let pack = |bits: &[half::bf16], rows, cols| {
+                use half::slice::HalfFloatSliceExt;
+                loraq_amx::PackedBf16::from_weight_bits(bits.reinterpret_cast(), rows, cols)
+                    .map_err(|source| ModelError::Amx {
+                        module: module_path.to_string(),
+                        source,
+                    })
+            };
+            // The tiles' packed weight made from the bf16 values just read, not read
+            // again.
+            let amx_weight = match (&amx, &weight) {
+                (Some(_), loraq_quant::QuantizedWeight::Bf16(w)) => Some(pack(&w.data, out, inp)?),
                 _ => None,
             };
             let has_adapter = adapter.is_some();
-            let amx_lora = match (&amx, &adapter) {
+            let amx_lora = match (&amx_weight, &adapter) {
                 (Some(_), Some(f)) => match &f.values {
-                    FactorValues::Bf16 { a, b } => {
-                        let widen = |v: &[half::bf16]| v.iter().map(|x| x.to_f32()).collect();
-                        Some((widen(a), widen(b), f.scale as f32))
-                    }
+                    FactorValues::Bf16 { a, b } => Some(AmxLora {
+                        a: pack(a, f.rank, inp)?,
+                        b: pack(b, out, f.rank)?,
+                        scale: f.scale as f32,
+                    }),
                     FactorValues::F32 { .. } => None,
                 },
                 _ => None,
@@ -298,13 +304,13 @@ impl Loader<'_> {
             let amx = amx.filter(|_| amx_lora.is_some() || !has_adapter);
             let linear = match amx.zip(amx_weight) {
                 None => linear,
-                Some((amx, values)) => {
-                    match AmxLinear::new(module_path.to_string(), amx, linear, values, amx_lora) {
+                Some((amx, packed)) => {
+                    match AmxLinear::new(module_path.to_string(), amx, linear, packed, amx_lora) {
                         Ok(tiled) => {
                             *self.linears_by_backend.entry("cpu+amx").or_insert(0) += 1;
                             return Ok(Box::new(tiled));
                         }
-                        // Not bf16 values: the kernels' linear alone.
+                        // Shapes the tiles disagree with: the kernels' linear alone.
                         Err(linear) => linear,
                     }
                 }
