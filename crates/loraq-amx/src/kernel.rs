@@ -461,38 +461,9 @@ fn pack_planes_avx512<const P: usize>(
                 }
             }
         }
-        Side::Left if along_stride == 1 || across_stride != 1 => {
-            // A row of the left operand at a time, all its k-steps (contiguous or
-            // gathered).
-            for t in 0..line_tiles {
-                let (line0, lc) = (lines + t * TILE, line_count(t));
-                for line in 0..lc {
-                    for s in 0..steps {
-                        let (k0, kc) = ((step0 + s) * KSTEP, k_count(s));
-                        if kc == 0 {
-                            continue;
-                        }
-                        let values = gather::<KSTEP>(
-                            data,
-                            (line0 + line) * across_stride + k0 * along_stride,
-                            along_stride,
-                            kc,
-                        );
-                        let words = plane_words::<P, KSTEP>(&values);
-                        for q in 0..P {
-                            let row =
-                                &mut out[tile_index(t, s, q)].0[line * KSTEP..(line + 1) * KSTEP];
-                            for kk in 0..KSTEP {
-                                row[kk] = words[q][kk] as u16;
-                                seen[q] |= words[q][kk] & 0x7fff;
-                            }
-                        }
-                    }
-                }
-            }
-        }
         _ => {
-            // Element by element (small operands in other layouts).
+            // A row (left) or column (right) at a time, all its k-steps (contiguous or
+            // gathered).
             for t in 0..line_tiles {
                 let (line0, lc) = (lines + t * TILE, line_count(t));
                 for line in 0..lc {

@@ -58,6 +58,47 @@ fn check(
     }
 }
 
+/// The shape accessors and the transpose, the same for both views.
+macro_rules! view_shape {
+    ($view:ident) => {
+        impl<'a> $view<'a> {
+            /// The transposed view (no copy).
+            pub fn transpose(self) -> $view<'a> {
+                $view {
+                    data: self.data,
+                    rows: self.cols,
+                    cols: self.rows,
+                    row_stride: self.col_stride,
+                    col_stride: self.row_stride,
+                }
+            }
+
+            /// Number of rows.
+            pub fn rows(&self) -> usize {
+                self.rows
+            }
+
+            /// Number of columns.
+            pub fn cols(&self) -> usize {
+                self.cols
+            }
+
+            /// Distance between consecutive rows, in elements.
+            pub fn row_stride(&self) -> usize {
+                self.row_stride
+            }
+
+            /// Distance between consecutive columns, in elements.
+            pub fn col_stride(&self) -> usize {
+                self.col_stride
+            }
+        }
+    };
+}
+
+view_shape!(MatrixRef);
+view_shape!(MatrixMut);
+
 impl<'a> MatrixRef<'a> {
     /// A view with explicit strides; an error when it reaches past `data`.
     pub fn new(
@@ -85,37 +126,6 @@ impl<'a> MatrixRef<'a> {
     /// A column-major `rows x cols` matrix.
     pub fn col_major(data: &'a [f32], rows: usize, cols: usize) -> Result<MatrixRef<'a>, AmxError> {
         MatrixRef::new(data, rows, cols, 1, rows)
-    }
-
-    /// The transposed view (no copy).
-    pub fn transpose(self) -> MatrixRef<'a> {
-        MatrixRef {
-            data: self.data,
-            rows: self.cols,
-            cols: self.rows,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-        }
-    }
-
-    /// Number of rows.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Number of columns.
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// Distance between consecutive rows, in elements.
-    pub fn row_stride(&self) -> usize {
-        self.row_stride
-    }
-
-    /// Distance between consecutive columns, in elements.
-    pub fn col_stride(&self) -> usize {
-        self.col_stride
     }
 
     /// Element `(i, j)`; panics outside the view.
@@ -182,37 +192,6 @@ impl<'a> MatrixMut<'a> {
             row_stride: 1,
             col_stride,
         })
-    }
-
-    /// The transposed view (no copy).
-    pub fn transpose(self) -> MatrixMut<'a> {
-        MatrixMut {
-            data: self.data,
-            rows: self.cols,
-            cols: self.rows,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-        }
-    }
-
-    /// Number of rows.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Number of columns.
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
-    /// Distance between consecutive rows, in elements.
-    pub fn row_stride(&self) -> usize {
-        self.row_stride
-    }
-
-    /// Distance between consecutive columns, in elements.
-    pub fn col_stride(&self) -> usize {
-        self.col_stride
     }
 
     /// The underlying slice.
