@@ -61,7 +61,14 @@ fn linears(shapes: &[(usize, usize, usize)]) {
         let weight: Vec<f32> = (0..out_features * in_features)
             .map(|_| round_bf16(rng.random_range(-0.05f32..0.05)))
             .collect();
-        let packed = PackedBf16::from_weight_f32(&weight, out_features, in_features).unwrap();
+        let bits: Vec<u16> = weight.iter().map(|w| (w.to_bits() >> 16) as u16).collect();
+        let start = cpu_seconds();
+        let packed = PackedBf16::from_weight_bits(&bits, out_features, in_features).unwrap();
+        let pack_seconds = cpu_seconds() - start;
+        println!(
+            "{tokens:>5} x {in_features:>5} -> {out_features:>5}  packing the weight once {pack_seconds:7.3} s CPU  {:7.2} GB/s of bf16",
+            2.0 * bits.len() as f64 / pack_seconds * 1e-9
+        );
         let mut out = vec![0f32; tokens * out_features];
         let xv = MatrixRef::row_major(&x, tokens, in_features).unwrap();
         let flops = 2.0 * tokens as f64 * in_features as f64 * out_features as f64;

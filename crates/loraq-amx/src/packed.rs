@@ -14,6 +14,7 @@ use crate::error::AmxError;
 use crate::split::Planes;
 use crate::view::{MatrixMut, MatrixRef};
 use crate::{Accumulate, Amx};
+use rayon::prelude::*;
 
 /// Output features per column tile.
 pub(crate) const TILE_COLUMNS: usize = 16;
@@ -89,7 +90,7 @@ impl PackedBf16 {
     fn pack(
         out_features: usize,
         in_features: usize,
-        value: impl Fn(usize, usize) -> u16,
+        value: impl Fn(usize, usize) -> u16 + Sync,
     ) -> Result<PackedBf16, AmxError> {
         let column_tiles = 2 * out_features.div_ceil(2 * TILE_COLUMNS);
         // At least one k-step, so that a product over zero input features is a product
@@ -107,19 +108,24 @@ impl PackedBf16 {
         let mut raw = vec![0u16; values];
         let offset = raw.as_ptr().align_offset(64);
         let tiles = &mut raw[offset..offset + column_tiles * k_steps * TILE_VALUES];
-        for (index, tile) in tiles.chunks_exact_mut(TILE_VALUES).enumerate() {
-            let (c, s) = (index / k_steps, index % k_steps);
-            let rows = TILE_COLUMNS.min(out_features.saturating_sub(c * TILE_COLUMNS));
-            let depth = TILE_DEPTH.min(in_features.saturating_sub(s * TILE_DEPTH));
-            for l in 0..rows {
-                let row = c * TILE_COLUMNS + l;
-                for d in 0..depth {
-                    // Pair p = d / 2 is the tile's row p; its 16 pairs are the columns.
-                    tile[(d / 2) * 2 * TILE_COLUMNS + 2 * l + d % 2] =
-                        value(row, s * TILE_DEPTH + d);
+        // One column tile (16 rows of W, all its k-steps) per rayon task, a tile at a
+        // time: value d of k-step s of row l goes to pair row d / 2, column l, half d % 2.
+        tiles
+            .par_chunks_mut(k_steps * TILE_VALUES)
+            .enumerate()
+            .for_each(|(c, column)| {
+                let rows = TILE_COLUMNS.min(out_features.saturating_sub(c * TILE_COLUMNS));
+                for (s, tile) in column.chunks_exact_mut(TILE_VALUES).enumerate() {
+                    let depth = TILE_DEPTH.min(in_features.saturating_sub(s * TILE_DEPTH));
+                    for l in 0..rows {
+                        let row = c * TILE_COLUMNS + l;
+                        for d in 0..depth {
+                            tile[(d / 2) * 2 * TILE_COLUMNS + 2 * l + d % 2] =
+                                value(row, s * TILE_DEPTH + d);
+                        }
+                    }
                 }
-            }
-        }
+            });
         Ok(PackedBf16 {
             raw,
             offset,
