@@ -35,6 +35,7 @@
 //! [`crate::split`]).
 
 use crate::error::{ExtractError, Result};
+use crate::gram;
 use faer::linalg::matmul::matmul;
 use faer::linalg::solvers::{DenseSolveCore, Solve};
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
@@ -86,38 +87,15 @@ fn narrow(x: MatRef<'_, f64>) -> Mat<f32> {
 
 /// $X^\top Y$ in f64 for `count x k` row-major f32 matrices ($X^\top X$ when `y` is
 /// `None`, its lower triangle computed and mirrored), over blocks of rows widened to f64
-/// (an f32 Gram matrix is not accurate enough to invert when $s_0/s_k$ is large).
-fn tall_cross_f64(x: &[f32], y: Option<&[f32]>, k: usize, par: Par) -> Mat<f64> {
-    const BLOCK: usize = 1024;
+/// (an f32 Gram matrix is not accurate enough to invert when $s_0/s_k$ is large), on
+/// row ranges in parallel ([`crate::gram`]).
+fn tall_cross_f64(x: &[f32], y: Option<&[f32]>, k: usize) -> Mat<f64> {
     let count = x.len() / k.max(1);
-    let mut out = Mat::<f64>::zeros(k, k);
-    let widen_into = |dst: &mut [f64], src: &[f32]| {
-        dst.par_chunks_mut(k * 64)
-            .zip(src.par_chunks(k * 64))
-            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f64));
-    };
-    let mut xb = vec![0f64; BLOCK.min(count) * k];
-    let mut yb = if y.is_some() { xb.clone() } else { Vec::new() };
-    let mut start = 0;
-    while start < count {
-        let len = BLOCK.min(count - start);
-        let span = start * k..(start + len) * k;
-        widen_into(&mut xb[..len * k], &x[span.clone()]);
-        let xm = MatRef::from_row_major_slice(&xb[..len * k], len, k);
-        match y {
-            Some(y) => {
-                widen_into(&mut yb[..len * k], &y[span]);
-                let ym = MatRef::from_row_major_slice(&yb[..len * k], len, k);
-                matmul(out.as_mut(), Accum::Add, xm.transpose(), ym, 1.0, par);
-            }
-            None => lower_gram_add(out.as_mut(), xm.transpose(), par),
-        }
-        start += len;
+    let xm = MatRef::from_row_major_slice(x, count, k);
+    match y {
+        Some(y) => gram::tall_cross_f64(xm, MatRef::from_row_major_slice(y, count, k)),
+        None => gram::tall_gram_f64(xm),
     }
-    if y.is_none() {
-        mirror_lower(out.as_mut());
-    }
-    out
 }
 
 /// Adds the lower triangle of $M M^\top$ to `dst` (the upper triangle is left alone).
@@ -573,14 +551,14 @@ pub(crate) fn cast_aware(
     const WHAT_B: &str = "factor B after the bf16 cast";
     const WHAT_A: &str = "factor A after the bf16 cast";
     // First round: A with H = B0^T B0.
-    let b0tb0 = tall_cross_f64(&b0, None, k, par);
+    let b0tb0 = tall_cross_f64(&b0, None, k);
     let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref());
     finite(WHAT_A, &aq)?;
     let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par);
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
-        let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k, par);
+        let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k);
         let Some(t) = spd_solve(btb.as_ref(), btb0.as_ref()) else {
             break;
         };
@@ -616,7 +594,6 @@ fn rounded_grams(
     b0: &[f32],
     b0tb0: MatRef<'_, f64>,
     k: usize,
-    par: Par,
 ) -> (Mat<f64>, Mat<f64>) {
     let count = b0.len() / k.max(1);
     let mut error = vec![0f32; b0.len()];
@@ -629,18 +606,9 @@ fn rounded_grams(
             }
         });
     let em = MatRef::from_row_major_slice(&error, count, k);
-    // [E^T B0 | E^T E] as one product over the rows.
-    let mut cross = Mat::<f32>::zeros(k, k);
-    matmul(
-        cross.as_mut(),
-        Accum::Replace,
-        em.transpose(),
-        MatRef::from_row_major_slice(b0, count, k),
-        1.0,
-        par,
-    );
-    let mut ete = Mat::<f32>::zeros(k, k);
-    lower_gram_add(ete.as_mut(), em.transpose(), par);
+    // E^T B0 and the lower triangle of E^T E, over row ranges in parallel.
+    let cross = gram::tall_cross_f32(em, MatRef::from_row_major_slice(b0, count, k));
+    let ete = gram::tall_lower_gram_f32(em);
     drop(error);
     let btb0 = Mat::<f64>::from_fn(k, k, |i, j| b0tb0[(i, j)] + cross[(i, j)] as f64);
     let btb = Mat::<f64>::from_fn(k, k, |i, j| {
@@ -656,8 +624,8 @@ fn rounded_grams(
         return (btb, btb0);
     }
     let bqf = widen(bq);
-    let btb = tall_cross_f64(&bqf, None, k, par);
-    let btb0 = tall_cross_f64(&bqf, Some(b0), k, par);
+    let btb = tall_cross_f64(&bqf, None, k);
+    let btb0 = tall_cross_f64(&bqf, Some(b0), k);
     (btb, btb0)
 }
 

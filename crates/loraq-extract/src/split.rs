@@ -1,10 +1,11 @@
 //! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
 //! cast (cast-aware: [`crate::cast`]) with finite checks, and the error the cast adds.
 
-use crate::cast::{cast_aware, lower_gram_add};
+use crate::cast::cast_aware;
 use crate::error::Result;
 use crate::factor::Factorization;
-use faer::{Mat, MatRef, Par};
+use crate::gram::tall_lower_gram_f32;
+use faer::{MatRef, Par};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -126,7 +127,7 @@ pub fn cast_pair(
         });
     }
     let (bq, aq, b, a) = cast_aware(module, b, a, rows, cols, k, weights, par)?;
-    let cast_error = cast_error(&bq, &aq, &b, &a, rows, cols, k, par);
+    let cast_error = cast_error(&bq, &aq, &b, &a, rows, cols, k);
     Ok(CastFactors {
         rank: k,
         b_bf16: to_bytes(&bq),
@@ -146,7 +147,6 @@ fn cast_error(
     rows: usize,
     cols: usize,
     k: usize,
-    par: Par,
 ) -> f64 {
     // P = [E_B | B]  (rows x 2k), Q = [A_q ; E_A]  (2k x cols), row-major.
     let mut p = vec![0f32; rows * 2 * k];
@@ -169,19 +169,10 @@ fn cast_error(
         .par_iter_mut()
         .zip(aq.par_iter().zip(a.par_iter()))
         .for_each(|(e, (&q, &v))| *e = q.to_f32() - v);
-    let mut ptp = Mat::<f32>::zeros(2 * k, 2 * k);
-    lower_gram_add(
-        ptp.as_mut(),
-        MatRef::from_row_major_slice(&p, rows, 2 * k).transpose(),
-        par,
-    );
+    // Lower triangles, over row ranges (columns of Q) in parallel.
+    let ptp = tall_lower_gram_f32(MatRef::from_row_major_slice(&p, rows, 2 * k));
     drop(p);
-    let mut qqt = Mat::<f32>::zeros(2 * k, 2 * k);
-    lower_gram_add(
-        qqt.as_mut(),
-        MatRef::from_row_major_slice(&q, 2 * k, cols),
-        par,
-    );
+    let qqt = tall_lower_gram_f32(MatRef::from_row_major_slice(&q, 2 * k, cols).transpose());
     let mut cast_sq = 0f64;
     for j in 0..2 * k {
         cast_sq += ptp[(j, j)] as f64 * qqt[(j, j)] as f64;
