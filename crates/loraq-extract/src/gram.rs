@@ -35,7 +35,7 @@ fn ranges(count: usize) -> Vec<(usize, usize)> {
 }
 
 /// The ranges' sums added in range order.
-fn add_in_order<T: faer::traits::ComplexField + Copy + std::ops::Add<Output = T>>(
+fn add_in_order<T: faer::traits::ComplexField + Copy + std::ops::AddAssign>(
     parts: Vec<Mat<T>>,
     k_rows: usize,
     k_cols: usize,
@@ -47,7 +47,7 @@ fn add_in_order<T: faer::traits::ComplexField + Copy + std::ops::Add<Output = T>
     for part in parts {
         for j in 0..k_cols {
             for i in 0..k_rows {
-                out[(i, j)] = out[(i, j)] + part[(i, j)];
+                out[(i, j)] += part[(i, j)];
             }
         }
     }
