@@ -494,9 +494,23 @@ pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
     x.par_iter().map(|v| v.to_f32()).collect()
 }
 
-/// The cast-aware bf16 pair: `(B_q, A_q, B_0, A_0)` with $B_0 A_0 = B A$ the rotated f32
-/// factors the cast error is measured against.
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+/// What [`cast_aware`] returns: the bf16 pair and the rotated f32 factors it is measured
+/// against.
+pub(crate) struct CastPair {
+    /// $B_q$, `out_features x k` row-major.
+    pub(crate) bq: Vec<bf16>,
+    /// $A_q$, `k x in_features` row-major.
+    pub(crate) aq: Vec<bf16>,
+    /// $B_0$ (rotated, f32), with $B_0 A_0 = B A$.
+    pub(crate) b0: Vec<f32>,
+    /// $A_0$ (rotated, f32).
+    pub(crate) a0: Vec<f32>,
+    /// $B_0^\top B_0$ in f64.
+    pub(crate) b0tb0: Mat<f64>,
+}
+
+/// The cast-aware bf16 pair of B and A (module doc).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn cast_aware(
     module: &str,
     b: &[f32],
@@ -506,7 +520,7 @@ pub(crate) fn cast_aware(
     k: usize,
     weights: Option<&[f32]>,
     par: Par,
-) -> Result<(Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>)> {
+) -> Result<CastPair> {
     let rotation = narrow(mixing_rotation(k).as_ref());
     // B0 = B M^T, A0 = M A.
     let b0 = product(
@@ -578,7 +592,13 @@ pub(crate) fn cast_aware(
         aq = aq1;
         bq = bq1;
     }
-    Ok((bq, aq, b0, a0))
+    Ok(CastPair {
+        bq,
+        aq,
+        b0,
+        a0,
+        b0tb0,
+    })
 }
 
 /// $B_q^\top B_q$ and $B_q^\top B_0$ in f64 for the rounded $B_q$ of $B_0$, from $B_0^\top
@@ -782,7 +802,8 @@ mod tests {
         let (b, a) = decaying_factors(rows, cols, k, 30.0);
         let nearest = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
-        let (bq, aq, b0, a0) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+        let CastPair { bq, aq, b0, a0, .. } =
+            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         // The rotated f32 pair is the same product to f32 precision.
         let rotated = dense_error(&nearest(&b0), &nearest(&a0), &b, &a, rows, cols, k);
@@ -794,7 +815,8 @@ mod tests {
         // With a flat spectrum there is nothing to trade: no worse than nearest.
         let (b, a) = decaying_factors(rows, cols, k, 1.0);
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
-        let (bq, aq, _, _) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+        let CastPair { bq, aq, .. } =
+            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         assert!(
             aware < plain,
@@ -825,9 +847,10 @@ mod tests {
             }
             sum.sqrt()
         };
-        let (bq, aq, _, _) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+        let CastPair { bq, aq, .. } =
+            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let unweighted = weighted_error(&bq, &aq);
-        let (bq, aq, _, _) =
+        let CastPair { bq, aq, .. } =
             cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
         let weighted = weighted_error(&bq, &aq);
         assert!(weighted < unweighted, "{weighted} vs {unweighted}");
