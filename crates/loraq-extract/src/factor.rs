@@ -523,7 +523,7 @@ struct TallSvd {
 /// $\tilde Z$: $\tilde Z^\top \tilde Z = T^\top Z^\top Z T = L L^\top$, the SVD of the
 /// `q x q` factor $L^\top = U_R S V_R^\top$, and $U_z = Z (T L^{-\top} U_R)$: one product
 /// with Z instead of a Householder bidiagonalization of $\tilde Z$ (about 4x the CPU time
-/// at 5120 x 272), and $U_z^\top U_z = C^\top Z^\top Z\, C$ for $C = T L^{-\top} U_R$
+/// at 5120 x 272), and $U_z^\top U_z = C^\top Z^\top Z \\, C$ for $C = T L^{-\top} U_R$
 /// from `q x q` matrices. $U_z$ is orthonormal to about
 /// $\kappa(\tilde Z)^2 \epsilon_{64}$, so $\tilde Z$ must be well conditioned: `None` when
 /// a squared Cholesky pivot is below $10^{-8}$ of the largest diagonal entry
