@@ -35,6 +35,7 @@
 //! [`crate::split`]).
 
 use crate::error::{ExtractError, Result};
+use crate::gram;
 use faer::linalg::matmul::matmul;
 use faer::linalg::solvers::{DenseSolveCore, Solve};
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
@@ -86,38 +87,15 @@ fn narrow(x: MatRef<'_, f64>) -> Mat<f32> {
 
 /// $X^\top Y$ in f64 for `count x k` row-major f32 matrices ($X^\top X$ when `y` is
 /// `None`, its lower triangle computed and mirrored), over blocks of rows widened to f64
-/// (an f32 Gram matrix is not accurate enough to invert when $s_0/s_k$ is large).
-fn tall_cross_f64(x: &[f32], y: Option<&[f32]>, k: usize, par: Par) -> Mat<f64> {
-    const BLOCK: usize = 1024;
+/// (an f32 Gram matrix is not accurate enough to invert when $s_0/s_k$ is large), on
+/// row ranges in parallel ([`crate::gram`]).
+fn tall_cross_f64(x: &[f32], y: Option<&[f32]>, k: usize) -> Mat<f64> {
     let count = x.len() / k.max(1);
-    let mut out = Mat::<f64>::zeros(k, k);
-    let widen_into = |dst: &mut [f64], src: &[f32]| {
-        dst.par_chunks_mut(k * 64)
-            .zip(src.par_chunks(k * 64))
-            .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f64));
-    };
-    let mut xb = vec![0f64; BLOCK.min(count) * k];
-    let mut yb = if y.is_some() { xb.clone() } else { Vec::new() };
-    let mut start = 0;
-    while start < count {
-        let len = BLOCK.min(count - start);
-        let span = start * k..(start + len) * k;
-        widen_into(&mut xb[..len * k], &x[span.clone()]);
-        let xm = MatRef::from_row_major_slice(&xb[..len * k], len, k);
-        match y {
-            Some(y) => {
-                widen_into(&mut yb[..len * k], &y[span]);
-                let ym = MatRef::from_row_major_slice(&yb[..len * k], len, k);
-                matmul(out.as_mut(), Accum::Add, xm.transpose(), ym, 1.0, par);
-            }
-            None => lower_gram_add(out.as_mut(), xm.transpose(), par),
-        }
-        start += len;
+    let xm = MatRef::from_row_major_slice(x, count, k);
+    match y {
+        Some(y) => gram::tall_cross_f64(xm, MatRef::from_row_major_slice(y, count, k)),
+        None => gram::tall_gram_f64(xm),
     }
-    if y.is_none() {
-        mirror_lower(out.as_mut());
-    }
-    out
 }
 
 /// Adds the lower triangle of $M M^\top$ to `dst` (the upper triangle is left alone).
@@ -516,9 +494,23 @@ pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
     x.par_iter().map(|v| v.to_f32()).collect()
 }
 
-/// The cast-aware bf16 pair: `(B_q, A_q, B_0, A_0)` with $B_0 A_0 = B A$ the rotated f32
-/// factors the cast error is measured against.
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+/// What [`cast_aware`] returns: the bf16 pair and the rotated f32 factors it is measured
+/// against.
+pub(crate) struct CastPair {
+    /// $B_q$, `out_features x k` row-major.
+    pub(crate) bq: Vec<bf16>,
+    /// $A_q$, `k x in_features` row-major.
+    pub(crate) aq: Vec<bf16>,
+    /// $B_0$ (rotated, f32), with $B_0 A_0 = B A$.
+    pub(crate) b0: Vec<f32>,
+    /// $A_0$ (rotated, f32).
+    pub(crate) a0: Vec<f32>,
+    /// $B_0^\top B_0$ in f64.
+    pub(crate) b0tb0: Mat<f64>,
+}
+
+/// The cast-aware bf16 pair of B and A (module doc).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn cast_aware(
     module: &str,
     b: &[f32],
@@ -528,7 +520,7 @@ pub(crate) fn cast_aware(
     k: usize,
     weights: Option<&[f32]>,
     par: Par,
-) -> Result<(Vec<bf16>, Vec<bf16>, Vec<f32>, Vec<f32>)> {
+) -> Result<CastPair> {
     let rotation = narrow(mixing_rotation(k).as_ref());
     // B0 = B M^T, A0 = M A.
     let b0 = product(
@@ -573,14 +565,14 @@ pub(crate) fn cast_aware(
     const WHAT_B: &str = "factor B after the bf16 cast";
     const WHAT_A: &str = "factor A after the bf16 cast";
     // First round: A with H = B0^T B0.
-    let b0tb0 = tall_cross_f64(&b0, None, k, par);
+    let b0tb0 = tall_cross_f64(&b0, None, k);
     let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref());
     finite(WHAT_A, &aq)?;
     let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par);
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
-        let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k, par);
+        let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k);
         let Some(t) = spd_solve(btb.as_ref(), btb0.as_ref()) else {
             break;
         };
@@ -600,7 +592,13 @@ pub(crate) fn cast_aware(
         aq = aq1;
         bq = bq1;
     }
-    Ok((bq, aq, b0, a0))
+    Ok(CastPair {
+        bq,
+        aq,
+        b0,
+        a0,
+        b0tb0,
+    })
 }
 
 /// $B_q^\top B_q$ and $B_q^\top B_0$ in f64 for the rounded $B_q$ of $B_0$, from $B_0^\top
@@ -616,7 +614,6 @@ fn rounded_grams(
     b0: &[f32],
     b0tb0: MatRef<'_, f64>,
     k: usize,
-    par: Par,
 ) -> (Mat<f64>, Mat<f64>) {
     let count = b0.len() / k.max(1);
     let mut error = vec![0f32; b0.len()];
@@ -629,18 +626,9 @@ fn rounded_grams(
             }
         });
     let em = MatRef::from_row_major_slice(&error, count, k);
-    // [E^T B0 | E^T E] as one product over the rows.
-    let mut cross = Mat::<f32>::zeros(k, k);
-    matmul(
-        cross.as_mut(),
-        Accum::Replace,
-        em.transpose(),
-        MatRef::from_row_major_slice(b0, count, k),
-        1.0,
-        par,
-    );
-    let mut ete = Mat::<f32>::zeros(k, k);
-    lower_gram_add(ete.as_mut(), em.transpose(), par);
+    // E^T B0 and the lower triangle of E^T E, over row ranges in parallel.
+    let cross = gram::tall_cross_f32(em, MatRef::from_row_major_slice(b0, count, k));
+    let ete = gram::tall_lower_gram_f32(em);
     drop(error);
     let btb0 = Mat::<f64>::from_fn(k, k, |i, j| b0tb0[(i, j)] + cross[(i, j)] as f64);
     let btb = Mat::<f64>::from_fn(k, k, |i, j| {
@@ -656,8 +644,8 @@ fn rounded_grams(
         return (btb, btb0);
     }
     let bqf = widen(bq);
-    let btb = tall_cross_f64(&bqf, None, k, par);
-    let btb0 = tall_cross_f64(&bqf, Some(b0), k, par);
+    let btb = tall_cross_f64(&bqf, None, k);
+    let btb0 = tall_cross_f64(&bqf, Some(b0), k);
     (btb, btb0)
 }
 
@@ -814,7 +802,8 @@ mod tests {
         let (b, a) = decaying_factors(rows, cols, k, 30.0);
         let nearest = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
-        let (bq, aq, b0, a0) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+        let CastPair { bq, aq, b0, a0, .. } =
+            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         // The rotated f32 pair is the same product to f32 precision.
         let rotated = dense_error(&nearest(&b0), &nearest(&a0), &b, &a, rows, cols, k);
@@ -826,7 +815,8 @@ mod tests {
         // With a flat spectrum there is nothing to trade: no worse than nearest.
         let (b, a) = decaying_factors(rows, cols, k, 1.0);
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
-        let (bq, aq, _, _) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+        let CastPair { bq, aq, .. } =
+            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         assert!(
             aware < plain,
@@ -857,9 +847,10 @@ mod tests {
             }
             sum.sqrt()
         };
-        let (bq, aq, _, _) = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+        let CastPair { bq, aq, .. } =
+            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
         let unweighted = weighted_error(&bq, &aq);
-        let (bq, aq, _, _) =
+        let CastPair { bq, aq, .. } =
             cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
         let weighted = weighted_error(&bq, &aq);
         assert!(weighted < unweighted, "{weighted} vs {unweighted}");

@@ -25,9 +25,9 @@
 //! Numerical rank: only $s_i > s_0 \cdot 10^{-7}$ are kept. Nothing divides by a singular
 //! value: the factors are built from orthonormal bases and $S^{1/2}$.
 
-use crate::cast::{lower_gram_add, mirror_lower};
 use crate::error::{ExtractError, Result};
 use crate::floor::expected_floor_ratio;
+use crate::gram::tall_gram_f64;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par, Side};
 use loraq_amx::{Accumulate, Amx, MatrixMut, MatrixRef, Operand, Planes};
@@ -483,7 +483,7 @@ fn numerical_rank(s: &[f64], max_rank: usize) -> usize {
 /// is below `1e-6` of the largest are dropped: they carry no energy that matters next
 /// to any rounding floor). Returns `None` when `w` is zero.
 fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
-    let g = gram_f64(w, par);
+    let g = tall_gram_f64(w);
     // Fast path: Cholesky-QR, Q = W L^-T with G = L L^T, when no direction of W is
     // below 1e-5 of its largest (every pivot above 1e-10 of the largest diagonal);
     // otherwise the eigendecomposition, which drops the negligible directions.
@@ -510,38 +510,47 @@ fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
 }
 
 /// A thin SVD $Z = U_z \\,\mathrm{diag}(s)\\, V_z^\top$: `left` $U_z$ (`n x q`), `right`
-/// $V_z$ (`q x q`).
+/// $V_z$ (`q x q`), and `left_gram` $U_z^\top U_z$ (f64).
 struct TallSvd {
     s: Vec<f64>,
     left: Mat<f64>,
     right: Mat<f64>,
+    left_gram: Mat<f64>,
 }
 
-/// The thin SVD of a tall f64 matrix `z` (`n x q`, $n \ge q$) through its Cholesky QR:
-/// $Z^\top Z = L L^\top$ (f64), the SVD of the `q x q` factor $L^\top = U_R S V_R^\top$,
-/// and $U_z = Z (L^{-\top} U_R)$: one $n \times q \times q$ Gram matrix and one product
-/// instead of a Householder bidiagonalization of Z (about 4x the CPU time at
-/// 5120 x 272). $U_z$ is orthonormal to about $\kappa(Z)^2 \epsilon_{64}$, so Z must be
-/// well conditioned: `None` when a squared Cholesky pivot is below $10^{-8}$ of the
-/// largest diagonal entry ($\kappa(Z) > 10^4$, or a rank-deficient delta), and the
-/// caller takes faer's SVD of Z.
-fn tall_svd(z: MatRef<'_, f64>, par: Par) -> Option<TallSvd> {
+/// The thin SVD of the tall $\tilde Z = Z T$ (`z`: `n x q`, $n \ge q$; `t`: `q x q`)
+/// through its Cholesky QR, from the Gram matrix `zz` $= Z^\top Z$ (f64) without forming
+/// $\tilde Z$: $\tilde Z^\top \tilde Z = T^\top Z^\top Z T = L L^\top$, the SVD of the
+/// `q x q` factor $L^\top = U_R S V_R^\top$, and $U_z = Z (T L^{-\top} U_R)$: one product
+/// with Z instead of a Householder bidiagonalization of $\tilde Z$ (about 4x the CPU time
+/// at 5120 x 272), and $U_z^\top U_z = C^\top Z^\top Z \\, C$ for $C = T L^{-\top} U_R$
+/// from `q x q` matrices. $U_z$ is orthonormal to about
+/// $\kappa(\tilde Z)^2 \epsilon_{64}$, so $\tilde Z$ must be well conditioned: `None` when
+/// a squared Cholesky pivot is below $10^{-8}$ of the largest diagonal entry
+/// ($\kappa > 10^4$, or a rank-deficient delta), and the caller takes faer's SVD of
+/// $\tilde Z$.
+fn tall_svd(
+    z: MatRef<'_, f64>,
+    t: MatRef<'_, f64>,
+    zz: MatRef<'_, f64>,
+    par: Par,
+) -> Option<TallSvd> {
     let q = z.ncols();
-    let mut g = Mat::<f64>::zeros(q, q);
-    matmul(g.as_mut(), Accum::Replace, z.transpose(), z, 1.0, par);
+    let small_product = |x: MatRef<'_, f64>, y: MatRef<'_, f64>| -> Mat<f64> {
+        let mut out = Mat::<f64>::zeros(x.nrows(), y.ncols());
+        matmul(out.as_mut(), Accum::Replace, x, y, 1.0, Par::Seq);
+        out
+    };
+    let g = small_product(t.transpose(), small_product(zz, t).as_ref());
     let (l, l_inv_t) = cholesky_factors(g.as_ref(), 1e-8)?;
     let svd = l.transpose().svd().ok()?;
-    let mut basis = Mat::<f64>::zeros(q, q);
-    matmul(
-        basis.as_mut(),
-        Accum::Replace,
-        l_inv_t.as_ref(),
-        svd.U(),
-        1.0,
-        Par::Seq,
-    );
+    let basis = small_product(t, small_product(l_inv_t.as_ref(), svd.U()).as_ref());
     let mut left = Mat::<f64>::zeros(z.nrows(), q);
     matmul(left.as_mut(), Accum::Replace, z, basis.as_ref(), 1.0, par);
+    let left_gram = small_product(
+        basis.transpose(),
+        small_product(zz, basis.as_ref()).as_ref(),
+    );
     let s: Vec<f64> = (0..q).map(|i| svd.S().column_vector()[i]).collect();
     let finite =
         s.iter().all(|v| v.is_finite()) && left.col_iter().all(|c| c.iter().all(|v| v.is_finite()));
@@ -549,6 +558,7 @@ fn tall_svd(z: MatRef<'_, f64>, par: Par) -> Option<TallSvd> {
         s,
         left,
         right: svd.V().to_owned(),
+        left_gram,
     })
 }
 
@@ -581,18 +591,6 @@ fn cholesky_factors(g: MatRef<'_, f64>, relative: f64) -> Option<(Mat<f64>, Mat<
     finite.then_some((lower, t))
 }
 
-/// $M^\top M$ in f64 of an f32 matrix (widened, so the products are exact and only the
-/// sums round): the lower triangle computed (half the multiply-adds of a full product)
-/// and mirrored.
-fn gram_f64(m: MatRef<'_, f32>, par: Par) -> Mat<f64> {
-    let m64 = to_f64(m);
-    let mut g = Mat::<f64>::zeros(m.ncols(), m.ncols());
-    lower_gram_add(g.as_mut(), m64.transpose(), par);
-    drop(m64);
-    mirror_lower(g.as_mut());
-    g
-}
-
 /// Widens a matrix to f64, by columns in parallel.
 fn to_f64(m: MatRef<'_, f32>) -> Mat<f64> {
     let mut out = Mat::<f64>::zeros(m.nrows(), m.ncols());
@@ -608,9 +606,11 @@ fn to_f64(m: MatRef<'_, f32>) -> Mat<f64> {
 /// A Gaussian test matrix (Box-Muller): unlike random signs, singular with probability 0,
 /// which matters when the sketch is as wide as the matrix. Columns are filled in
 /// parallel, each from its own stream of a generator seeded by one draw of `rng`, so the
-/// matrix does not depend on the thread count; each pair of uniforms gives two values
-/// (cosine and sine).
+/// matrix does not depend on the thread count; each draw of 64 random bits gives two
+/// 24-bit uniforms and each such pair two values (cosine and sine), in f32 arithmetic
+/// (a test matrix needs no more, and f32 `ln` / `sin_cos` cost half the f64 ones).
 fn gaussian(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Mat<f32> {
+    const UNIT: f32 = 1.0 / (1u32 << 24) as f32;
     let seed: u64 = rng.random();
     let mut out = Mat::<f32>::zeros(rows, cols);
     out.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
@@ -618,13 +618,15 @@ fn gaussian(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Mat<f32> {
         stream.set_stream(j as u64);
         let mut i = 0;
         while i < rows {
-            let u1: f64 = 1.0 - stream.random::<f64>();
-            let u2: f64 = stream.random::<f64>();
+            let bits: u64 = stream.random();
+            // u1 in (0, 1], u2 in [0, 1).
+            let u1 = 1.0 - (bits >> 40) as f32 * UNIT;
+            let u2 = ((bits >> 8) & 0x00ff_ffff) as f32 * UNIT;
             let radius = (-2.0 * u1.ln()).sqrt();
-            let (sin, cos) = (std::f64::consts::TAU * u2).sin_cos();
-            col[i] = (radius * cos) as f32;
+            let (sin, cos) = (std::f32::consts::TAU * u2).sin_cos();
+            col[i] = radius * cos;
             if i + 1 < rows {
-                col[i + 1] = (radius * sin) as f32;
+                col[i + 1] = radius * sin;
             }
             i += 2;
         }
@@ -883,7 +885,7 @@ fn project(
 ) -> Result<Factorization> {
     let (big, q) = (qw.nrows(), qw.ncols());
     let small = z.nrows();
-    let g = gram_f64(qw, par);
+    let g = tall_gram_f64(qw);
     // Q~ = Q L^-T with G = L L^T is orthonormal in exact arithmetic. Q is orthonormal
     // to f32 precision, so every pivot must be near 1: one below 0.5 means the basis
     // lost its orthonormality.
@@ -893,38 +895,45 @@ fn project(
             what: "orthonormal basis of the sketch",
             detail: "the Gram matrix of the basis has a pivot below 0.5".into(),
         })?;
+    // Z~ = Z L^-T = X^T Q~ = W S X_z^T  =>  Q~ Q~^T X = (Q L^-T X_z) S W^T. Z~ is not
+    // formed: its SVD comes from Z's Gram matrix (f32 values widened: exact products,
+    // f64 sums) and one product with Z.
     let z64 = to_f64(z);
-    let mut zt = Mat::<f64>::zeros(small, q);
-    matmul(
-        zt.as_mut(),
-        Accum::Replace,
-        z64.as_ref(),
-        l_inv_t.as_ref(),
-        1.0,
-        par,
-    );
-    drop(z64);
-    // Z~ = Z L^-T = X^T Q~ = W S X_z^T  =>  Q~ Q~^T X = (Q L^-T X_z) S W^T.
-    let TallSvd {
-        s: s_all,
-        left,
-        right,
-    } = match tall_svd(zt.as_ref(), par) {
+    let zz = tall_gram_f64(z);
+    let svd = match tall_svd(z64.as_ref(), l_inv_t.as_ref(), zz.as_ref(), par) {
         Some(svd) => svd,
         None => {
+            let mut zt = Mat::<f64>::zeros(small, q);
+            matmul(
+                zt.as_mut(),
+                Accum::Replace,
+                z64.as_ref(),
+                l_inv_t.as_ref(),
+                1.0,
+                par,
+            );
             let svd = zt.thin_svd().map_err(|e| ExtractError::Linalg {
                 module: module.to_string(),
                 what: "thin SVD of the projected delta",
                 detail: format!("{e:?}"),
             })?;
+            let left = svd.U().to_owned();
+            let left_gram = gram(left.as_ref(), q);
             TallSvd {
                 s: (0..q).map(|i| svd.S().column_vector()[i]).collect(),
-                left: svd.U().to_owned(),
+                left,
                 right: svd.V().to_owned(),
+                left_gram,
             }
         }
     };
-    drop(zt);
+    drop(z64);
+    let TallSvd {
+        s: s_all,
+        left,
+        right,
+        left_gram,
+    } = svd;
     let k = numerical_rank(&s_all, k_target);
     let first_dropped = s_all.get(k).copied();
     let mut coeff = Mat::<f64>::zeros(q, k);
@@ -959,7 +968,7 @@ fn project(
         Par::Seq,
     );
     let v = left.subcols(0, k).to_owned();
-    let v_gram = gram(v.as_ref(), k);
+    let v_gram = left_gram.submatrix(0, 0, k, k).to_owned();
     // U^T X = X_z^T L^-1 Q^T X = X_z^T L^-1 Z^T = (Z~ X_z)^T = S W^T.
     let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
     Ok(Factorization {

@@ -27,6 +27,7 @@ pub mod extract;
 pub mod factor;
 pub mod factoring;
 pub mod floor;
+mod gram;
 pub mod options;
 pub mod output;
 pub mod plan;

@@ -1,10 +1,11 @@
 //! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
 //! cast (cast-aware: [`crate::cast`]) with finite checks, and the error the cast adds.
 
-use crate::cast::{cast_aware, lower_gram_add};
+use crate::cast::{CastPair, cast_aware};
 use crate::error::Result;
 use crate::factor::Factorization;
-use faer::{Mat, MatRef, Par};
+use crate::gram::{tall_cross_f32, tall_lower_gram_f32};
+use faer::{MatRef, Par};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -125,40 +126,41 @@ pub fn cast_pair(
             cast_error: 0.0,
         });
     }
-    let (bq, aq, b, a) = cast_aware(module, b, a, rows, cols, k, weights, par)?;
-    let cast_error = cast_error(&bq, &aq, &b, &a, rows, cols, k, par);
+    let pair = cast_aware(module, b, a, rows, cols, k, weights, par)?;
+    let cast_error = cast_error(&pair, rows, cols, k);
     Ok(CastFactors {
         rank: k,
-        b_bf16: to_bytes(&bq),
-        a_bf16: to_bytes(&aq),
+        b_bf16: to_bytes(&pair.bq),
+        a_bf16: to_bytes(&pair.aq),
         cast_error,
     })
 }
 
 /// $\\|B_q A_q - BA\\|_F$ from $\langle P^\top P, Q Q^\top\rangle$, $P = [E_B\ B]$,
-/// $Q = [A_q; E_A]$ (both Gram matrices symmetric: their lower triangles, f32).
-#[allow(clippy::too_many_arguments)]
-fn cast_error(
-    bq: &[bf16],
-    aq: &[bf16],
-    b: &[f32],
-    a: &[f32],
-    rows: usize,
-    cols: usize,
-    k: usize,
-    par: Par,
-) -> f64 {
-    // P = [E_B | B]  (rows x 2k), Q = [A_q ; E_A]  (2k x cols), row-major.
-    let mut p = vec![0f32; rows * 2 * k];
-    p.par_chunks_mut(2 * k)
-        .zip(bq.par_chunks(k).zip(b.par_chunks(k)))
-        .for_each(|(row, (bq, b))| {
-            let (error, exact) = row.split_at_mut(k);
-            for ((e, &q), &v) in error.iter_mut().zip(bq).zip(b) {
-                *e = q.to_f32() - v;
+/// $Q = [A_q; E_A]$ (both Gram matrices symmetric: their lower triangles). $P^\top P$ by
+/// blocks: $B^\top B$ is the cast's own f64 $B_0^\top B_0$, $E_B^\top B$ and
+/// $E_B^\top E_B$ are f32 products over the rows ($P$ is not formed); $Q Q^\top$ in f32.
+fn cast_error(pair: &CastPair, rows: usize, cols: usize, k: usize) -> f64 {
+    let CastPair {
+        bq,
+        aq,
+        b0: b,
+        a0: a,
+        b0tb0,
+    } = pair;
+    let mut eb = vec![0f32; rows * k];
+    eb.par_chunks_mut(k * 64)
+        .zip(bq.par_chunks(k * 64).zip(b.par_chunks(k * 64)))
+        .for_each(|(e, (q, b))| {
+            for ((e, q), &b) in e.iter_mut().zip(q).zip(b) {
+                *e = q.to_f32() - b;
             }
-            exact.copy_from_slice(b);
         });
+    let ebm = MatRef::from_row_major_slice(&eb, rows, k);
+    let ebt_b = tall_cross_f32(ebm, MatRef::from_row_major_slice(b, rows, k));
+    let ebt_eb = tall_lower_gram_f32(ebm);
+    drop(eb);
+    // Q = [A_q ; E_A]  (2k x cols), row-major.
     let mut q = vec![0f32; 2 * k * cols];
     let (rounded, error) = q.split_at_mut(k * cols);
     rounded
@@ -169,24 +171,21 @@ fn cast_error(
         .par_iter_mut()
         .zip(aq.par_iter().zip(a.par_iter()))
         .for_each(|(e, (&q, &v))| *e = q.to_f32() - v);
-    let mut ptp = Mat::<f32>::zeros(2 * k, 2 * k);
-    lower_gram_add(
-        ptp.as_mut(),
-        MatRef::from_row_major_slice(&p, rows, 2 * k).transpose(),
-        par,
-    );
-    drop(p);
-    let mut qqt = Mat::<f32>::zeros(2 * k, 2 * k);
-    lower_gram_add(
-        qqt.as_mut(),
-        MatRef::from_row_major_slice(&q, 2 * k, cols),
-        par,
-    );
+    // Lower triangle, over row ranges (columns of Q) in parallel.
+    let qqt = tall_lower_gram_f32(MatRef::from_row_major_slice(&q, 2 * k, cols).transpose());
+    // (P^T P)(i, j) for i >= j.
+    let ptp = |i: usize, j: usize| -> f64 {
+        match (i < k, j < k) {
+            (true, _) => ebt_eb[(i, j)] as f64,
+            (false, true) => ebt_b[(j, i - k)] as f64,
+            (false, false) => b0tb0[(i - k, j - k)],
+        }
+    };
     let mut cast_sq = 0f64;
     for j in 0..2 * k {
-        cast_sq += ptp[(j, j)] as f64 * qqt[(j, j)] as f64;
+        cast_sq += ptp(j, j) * qqt[(j, j)] as f64;
         for i in j + 1..2 * k {
-            cast_sq += 2.0 * ptp[(i, j)] as f64 * qqt[(i, j)] as f64;
+            cast_sq += 2.0 * ptp(i, j) * qqt[(i, j)] as f64;
         }
     }
     cast_sq.max(0.0).sqrt()

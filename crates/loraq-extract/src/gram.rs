@@ -1,0 +1,219 @@
+//! Gram and cross products of tall, thin matrices ($X^\top X$, $X^\top Y$ for
+//! `count x k` operands with `count` much larger than `k`): the factorization's bases
+//! (`17408 x 272` for a 27b-slice MLP projection) and the cast's factors.
+//!
+//! faer's GEMM parallelizes over blocks of the output, and a `k x k` output has few of
+//! them, so a product whose length is all in its inner dimension runs on about one
+//! thread. These split the rows into a fixed number of ranges, one task each, and add
+//! the tasks' `k x k` sums in range order: the result depends neither on the thread count
+//! nor on the scheduling. The f64 forms widen one block of rows at a time into a buffer
+//! of the task (no widened copy of the whole operand).
+
+use crate::cast::{lower_gram_add, mirror_lower};
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatMut, MatRef, Par};
+use rayon::prelude::*;
+
+/// Row ranges a product is split into (fixed, so the sums do not depend on the thread
+/// count; enough that two to eight threads stay busy).
+const RANGES: usize = 16;
+
+/// Rows widened to f64 at once within a range (a block of `k = 272` columns is 1.1 MB).
+const BLOCK_ROWS: usize = 512;
+
+/// The fewest rows a range gets: below this a product is one task.
+const MIN_RANGE_ROWS: usize = 256;
+
+/// The row ranges of a `count`-row operand.
+fn ranges(count: usize) -> Vec<(usize, usize)> {
+    let parts = count.div_ceil(MIN_RANGE_ROWS).clamp(1, RANGES);
+    let per = count.div_ceil(parts).max(1);
+    (0..count)
+        .step_by(per)
+        .map(|start| (start, per.min(count - start)))
+        .collect()
+}
+
+/// The ranges' sums added in range order.
+fn add_in_order<T: faer::traits::ComplexField + Copy + std::ops::AddAssign>(
+    parts: Vec<Mat<T>>,
+    k_rows: usize,
+    k_cols: usize,
+) -> Mat<T> {
+    let mut parts = parts.into_iter();
+    let mut out = parts
+        .next()
+        .unwrap_or_else(|| Mat::<T>::zeros(k_rows, k_cols));
+    for part in parts {
+        for j in 0..k_cols {
+            for i in 0..k_rows {
+                out[(i, j)] += part[(i, j)];
+            }
+        }
+    }
+    out
+}
+
+/// Widens `src` into the column-major `dst` (same shape).
+fn widen_into(mut dst: MatMut<'_, f64>, src: MatRef<'_, f32>) {
+    for j in 0..src.ncols() {
+        for i in 0..src.nrows() {
+            dst[(i, j)] = src[(i, j)] as f64;
+        }
+    }
+}
+
+/// $X^\top X$ in f64 of a tall f32 matrix `x` (`count x k`, any strides): the products
+/// exact (f32 values widened), the sums f64; the lower triangle computed, then
+/// mirrored.
+pub(crate) fn tall_gram_f64(x: MatRef<'_, f32>) -> Mat<f64> {
+    let k = x.ncols();
+    let parts: Vec<Mat<f64>> = ranges(x.nrows())
+        .into_par_iter()
+        .map(|(start, len)| {
+            let mut sum = Mat::<f64>::zeros(k, k);
+            let mut block = Mat::<f64>::zeros(BLOCK_ROWS.min(len), k);
+            for first in (0..len).step_by(BLOCK_ROWS) {
+                let rows = BLOCK_ROWS.min(len - first);
+                let mut view = block.as_mut().subrows_mut(0, rows);
+                widen_into(view.as_mut(), x.subrows(start + first, rows));
+                lower_gram_add(sum.as_mut(), view.as_ref().transpose(), Par::Seq);
+            }
+            sum
+        })
+        .collect();
+    let mut out = add_in_order(parts, k, k);
+    mirror_lower(out.as_mut());
+    out
+}
+
+/// $X^\top Y$ in f64 of tall f32 matrices `x` (`count x kx`) and `y` (`count x ky`), as
+/// [`tall_gram_f64`] forms it.
+pub(crate) fn tall_cross_f64(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f64> {
+    let (kx, ky) = (x.ncols(), y.ncols());
+    let parts: Vec<Mat<f64>> = ranges(x.nrows())
+        .into_par_iter()
+        .map(|(start, len)| {
+            let mut sum = Mat::<f64>::zeros(kx, ky);
+            let mut xb = Mat::<f64>::zeros(BLOCK_ROWS.min(len), kx);
+            let mut yb = Mat::<f64>::zeros(BLOCK_ROWS.min(len), ky);
+            for first in (0..len).step_by(BLOCK_ROWS) {
+                let rows = BLOCK_ROWS.min(len - first);
+                let mut xv = xb.as_mut().subrows_mut(0, rows);
+                let mut yv = yb.as_mut().subrows_mut(0, rows);
+                widen_into(xv.as_mut(), x.subrows(start + first, rows));
+                widen_into(yv.as_mut(), y.subrows(start + first, rows));
+                matmul(
+                    sum.as_mut(),
+                    Accum::Add,
+                    xv.as_ref().transpose(),
+                    yv.as_ref(),
+                    1.0,
+                    Par::Seq,
+                );
+            }
+            sum
+        })
+        .collect();
+    add_in_order(parts, kx, ky)
+}
+
+/// The lower triangle of $X^\top X$ in f32 of a tall f32 matrix `x` (`count x k`); the
+/// upper triangle is zero.
+pub(crate) fn tall_lower_gram_f32(x: MatRef<'_, f32>) -> Mat<f32> {
+    let k = x.ncols();
+    let parts: Vec<Mat<f32>> = ranges(x.nrows())
+        .into_par_iter()
+        .map(|(start, len)| {
+            let mut sum = Mat::<f32>::zeros(k, k);
+            lower_gram_add(sum.as_mut(), x.subrows(start, len).transpose(), Par::Seq);
+            sum
+        })
+        .collect();
+    add_in_order(parts, k, k)
+}
+
+/// $X^\top Y$ in f32 of tall f32 matrices `x` (`count x kx`) and `y` (`count x ky`).
+pub(crate) fn tall_cross_f32(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f32> {
+    let (kx, ky) = (x.ncols(), y.ncols());
+    let parts: Vec<Mat<f32>> = ranges(x.nrows())
+        .into_par_iter()
+        .map(|(start, len)| {
+            let mut sum = Mat::<f32>::zeros(kx, ky);
+            matmul(
+                sum.as_mut(),
+                Accum::Replace,
+                x.subrows(start, len).transpose(),
+                y.subrows(start, len),
+                1.0,
+                Par::Seq,
+            );
+            sum
+        })
+        .collect();
+    add_in_order(parts, kx, ky)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic `rows x cols` matrix of values of mixed sign and scale.
+    fn matrix(rows: usize, cols: usize, seed: usize) -> Mat<f32> {
+        Mat::<f32>::from_fn(rows, cols, |i, j| {
+            let h = (i * 7919 + j * 104_729 + seed * 31) % 1009;
+            (h as f32 - 504.0) / 97.0 * if (i + j) % 3 == 0 { 1e-3 } else { 1.0 }
+        })
+    }
+
+    /// The chunked products against the plain definition summed in f64, on row counts
+    /// below, at and past a range and a block, and with a transposed (row-major) view.
+    #[test]
+    fn chunked_products_match_the_definition() {
+        for &rows in &[1usize, 255, 256, 700, 5000] {
+            let (kx, ky) = (9usize, 5usize);
+            let x = matrix(rows, kx, 1);
+            let y = matrix(rows, ky, 2);
+            let direct = |a: MatRef<'_, f32>, b: MatRef<'_, f32>, i: usize, j: usize| -> f64 {
+                (0..rows).map(|r| a[(r, i)] as f64 * b[(r, j)] as f64).sum()
+            };
+            let g = tall_gram_f64(x.as_ref());
+            let c = tall_cross_f64(x.as_ref(), y.as_ref());
+            let g32 = tall_lower_gram_f32(x.as_ref());
+            let c32 = tall_cross_f32(x.as_ref(), y.as_ref());
+            for i in 0..kx {
+                for j in 0..kx {
+                    let d = direct(x.as_ref(), x.as_ref(), i, j);
+                    assert!(
+                        (g[(i, j)] - d).abs() <= 1e-12 * d.abs().max(1.0),
+                        "{rows} {i} {j}"
+                    );
+                    if i >= j {
+                        let tol = 1e-5 * (rows as f64).sqrt() * d.abs().max(1.0);
+                        assert!((g32[(i, j)] as f64 - d).abs() <= tol, "{rows} {i} {j}");
+                    } else {
+                        assert_eq!(g32[(i, j)], 0.0);
+                    }
+                }
+                for j in 0..ky {
+                    let d = direct(x.as_ref(), y.as_ref(), i, j);
+                    assert!(
+                        (c[(i, j)] - d).abs() <= 1e-12 * d.abs().max(1.0),
+                        "{rows} {i} {j}"
+                    );
+                    let tol = 1e-5 * (rows as f64).sqrt() * d.abs().max(1.0);
+                    assert!((c32[(i, j)] as f64 - d).abs() <= tol, "{rows} {i} {j}");
+                }
+            }
+            // A row-major view of the same values gives the same f64 sums.
+            let mut row_major = vec![0f32; rows * kx];
+            for r in 0..rows {
+                for j in 0..kx {
+                    row_major[r * kx + j] = x[(r, j)];
+                }
+            }
+            let gr = tall_gram_f64(MatRef::from_row_major_slice(&row_major, rows, kx));
+            assert_eq!(gr, g);
+        }
+    }
+}
