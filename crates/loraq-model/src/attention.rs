@@ -8,7 +8,7 @@
 //! `T x T` matrix, and the (head, query tile) tasks run in parallel on rayon's pool.
 
 use crate::small_matmul::{
-    Product, dispatch_simd, exp_nonpositive, madd, matmul_acc, per_head_parallel,
+    Product, dispatch_simd, exp_nonpositive, madd, matmul_acc, per_head_parallel_into,
 };
 use rayon::prelude::*;
 
@@ -40,6 +40,22 @@ pub fn causal_attention(
     value: &[f32],
     dims: AttentionDims,
 ) -> Vec<f32> {
+    let mut out = vec![0f32; dims.tokens * dims.heads * dims.head_dim];
+    causal_attention_into(query, key, value, dims, &mut Vec::new(), &mut out);
+    out
+}
+
+/// [`causal_attention`] into `out` (`[tokens, heads, head_dim]`, overwritten), with
+/// `scratch` (grown as needed, contents ignored) for the per-head blocks, so the
+/// forward pass reuses one buffer for every layer and prompt.
+pub fn causal_attention_into(
+    query: &[f32],
+    key: &[f32],
+    value: &[f32],
+    dims: AttentionDims,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let AttentionDims {
         tokens,
         heads,
@@ -51,23 +67,27 @@ pub fn causal_attention(
     // block (the last one zero-padded), so a score tile is a product with row stride
     // KEY_TILE. A `[head_dim, tokens]` K^T instead puts the rows a product reads
     // `tokens * 4` bytes apart: a multiple of 4 KiB for prompts of 1,024, 2,048, 4,096
-    // tokens, so all of them fall in one L1 set and evict each other.
+    // tokens, so all of them fall in one L1 set and evict each other. The key tiles
+    // are built in parallel, one task per (kv head, key tile).
     let key_tiles = tokens.div_ceil(KEY_TILE);
-    let key_t: Vec<Vec<f32>> = (0..kv_heads)
-        .map(|j| {
-            let mut kt = vec![0f32; key_tiles * hd * KEY_TILE];
-            for t in 0..tokens {
-                let block = &mut kt[(t / KEY_TILE) * hd * KEY_TILE..][..hd * KEY_TILE];
-                let column = t % KEY_TILE;
+    let tile_len = hd * KEY_TILE;
+    let mut key_t = vec![0f32; kv_heads * key_tiles * tile_len];
+    key_t
+        .par_chunks_mut(tile_len)
+        .enumerate()
+        .for_each(|(index, block)| {
+            let (j, tile) = (index / key_tiles, index % key_tiles);
+            let t0 = tile * KEY_TILE;
+            for t in t0..tokens.min(t0 + KEY_TILE) {
+                let column = t - t0;
                 for (d, &x) in key[(t * kv_heads + j) * hd..][..hd].iter().enumerate() {
                     block[d * KEY_TILE + column] = x;
                 }
             }
-            kt
-        })
-        .collect();
+        });
+    let key_t = &key_t;
     // Within a head, the query tiles run in parallel too.
-    per_head_parallel(tokens, heads, hd, |h, head_out| {
+    per_head_parallel_into(tokens, heads, hd, scratch, out, |h, head_out| {
         let kv = h / group;
         head_out
             .par_chunks_mut(QUERY_TILE * hd)
@@ -75,7 +95,7 @@ pub fn causal_attention(
             .for_each(|(tile, out)| {
                 let tile_input = TileInput {
                     query,
-                    key_t: &key_t[kv],
+                    key_t: &key_t[kv * key_tiles * tile_len..][..key_tiles * tile_len],
                     value,
                     dims,
                     head: h,
@@ -84,7 +104,7 @@ pub fn causal_attention(
                 };
                 attend_tile(&tile_input, out);
             });
-    })
+    });
 }
 
 /// One (head, query tile) task's operands.

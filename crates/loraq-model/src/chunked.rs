@@ -24,7 +24,7 @@
 
 use crate::ops::{DeltaRuleDims, l2_normalize};
 use crate::small_matmul::{
-    Product, axpy, dispatch_simd, exp_nonpositive, matmul_acc, per_head_parallel,
+    Product, axpy, dispatch_simd, exp_nonpositive, matmul_acc, per_head_parallel_into,
 };
 
 /// Tokens per chunk (transformers' and fla's `chunk_size`).
@@ -52,7 +52,9 @@ pub fn gated_delta_rule_chunked(
         query_stride: dims.key_heads * dims.key_dim,
         value_stride: dims.value_heads * dims.value_dim,
     };
-    chunked_from_rows(&inputs, decay, beta, dims, chunk)
+    let mut out = vec![0f32; dims.tokens * dims.value_heads * dims.value_dim];
+    chunked_from_rows(&inputs, decay, beta, dims, chunk, &mut Vec::new(), &mut out);
+    out
 }
 
 /// The convolved `in_proj_qkv` output of one prompt as the forward pass holds it: per
@@ -70,14 +72,18 @@ pub(crate) struct StridedQkv<'a> {
 }
 
 /// [`gated_delta_rule_chunked`] reading the query, key and value heads in place from
-/// one `[tokens, stride]` matrix (no split copies).
+/// one `[tokens, stride]` matrix (no split copies), into `out` (`[tokens, value_heads,
+/// value_dim]`, overwritten), with `scratch` (grown as needed, contents ignored) for
+/// the per-head blocks.
 pub(crate) fn gated_delta_rule_chunked_strided(
     qkv: StridedQkv<'_>,
     decay: &[f32],
     beta: &[f32],
     dims: DeltaRuleDims,
     chunk: usize,
-) -> Vec<f32> {
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let inputs = TokenRows {
         query: qkv.rows,
         key: &qkv.rows[qkv.key_offset.min(qkv.rows.len())..],
@@ -85,7 +91,7 @@ pub(crate) fn gated_delta_rule_chunked_strided(
         query_stride: qkv.stride,
         value_stride: qkv.stride,
     };
-    chunked_from_rows(&inputs, decay, beta, dims, chunk)
+    chunked_from_rows(&inputs, decay, beta, dims, chunk, scratch, out);
 }
 
 /// Token-major inputs: token `t`'s query (key) head `j` at `query[t * query_stride + j *
@@ -106,7 +112,10 @@ fn chunked_from_rows(
     beta: &[f32],
     dims: DeltaRuleDims,
     chunk: usize,
-) -> Vec<f32> {
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    use rayon::prelude::*;
     let TokenRows {
         query,
         key,
@@ -127,9 +136,11 @@ fn chunked_from_rows(
     let chunk = chunk.min(tokens).max(1);
     let group = value_heads / key_heads;
     let scale = 1.0 / (dk as f32).sqrt();
-    // Normalized queries and keys per key head, head-major ([key_heads, tokens, dk]).
+    // Normalized queries and keys per key head, head-major ([key_heads, tokens, dk]),
+    // one parallel task per (key head, query or key).
     let head_major = |x: &[f32], query: bool| -> Vec<Vec<f32>> {
         (0..key_heads)
+            .into_par_iter()
             .map(|kh| {
                 let mut out = Vec::with_capacity(tokens * dk);
                 for t in 0..tokens {
@@ -147,9 +158,8 @@ fn chunked_from_rows(
             })
             .collect()
     };
-    let q = head_major(query, true);
-    let k = head_major(key, false);
-    per_head_parallel(tokens, value_heads, dv, |h, out| {
+    let (q, k) = rayon::join(|| head_major(query, true), || head_major(key, false));
+    per_head_parallel_into(tokens, value_heads, dv, scratch, out, |h, out| {
         let kh = h / group;
         let v: Vec<f32> = (0..tokens)
             .flat_map(|t| &value[t * value_stride + h * dv..][..dv])
@@ -169,7 +179,7 @@ fn chunked_from_rows(
             chunk,
         };
         delta_rule_head(&input, out);
-    })
+    });
 }
 
 /// Rows of the forward substitution solved one by one between block products.

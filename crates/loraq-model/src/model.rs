@@ -921,8 +921,12 @@ impl Model {
         let mut normed = vec![0f32; rows * h];
         let mut mixed = vec![0f32; rows * h];
         for layer in &self.layers {
-            normed.copy_from_slice(&x);
-            crate::small_matmul::rms_norm_rows(&mut normed, &layer.input_norm, c.rms_norm_eps);
+            crate::small_matmul::rms_norm_rows_into(
+                &x,
+                &mut normed,
+                &layer.input_norm,
+                c.rms_norm_eps,
+            );
             match &layer.mixer {
                 Mixer::Linear(net) => {
                     self.gated_delta_net(net, &normed, &segments, &mut arena, &mut mixed)?
@@ -932,8 +936,8 @@ impl Model {
                 }
             }
             crate::small_matmul::add_assign(&mut x, &mixed);
-            normed.copy_from_slice(&x);
-            crate::small_matmul::rms_norm_rows(
+            crate::small_matmul::rms_norm_rows_into(
+                &x,
                 &mut normed,
                 &layer.post_attention_norm,
                 c.rms_norm_eps,
@@ -1002,19 +1006,25 @@ impl Model {
         // query comes first and its gate second.
         let query = sized(&mut arena.query, t * heads * hd);
         let gate = sized(&mut arena.gate, t * heads * hd);
+        let q_full = &*q_full;
         if c.attn_output_gate {
-            for ((q_row, gate_row), full) in query
-                .chunks_exact_mut(hd)
-                .zip(gate.chunks_exact_mut(hd))
-                .zip(q_full.chunks_exact(2 * hd))
-            {
-                q_row.copy_from_slice(&full[..hd]);
-                gate_row.copy_from_slice(&full[hd..]);
-            }
+            // The split, then q_norm, per piece of tokens, the pieces in parallel.
+            let width = heads * hd;
+            crate::small_matmul::par_rows_pair(query, gate, width, |t0, q_rows, g_rows| {
+                let full_rows = &q_full[t0 * 2 * width..][..q_rows.len() * 2];
+                for ((q_row, gate_row), full) in q_rows
+                    .chunks_exact_mut(hd)
+                    .zip(g_rows.chunks_exact_mut(hd))
+                    .zip(full_rows.chunks_exact(2 * hd))
+                {
+                    q_row.copy_from_slice(&full[..hd]);
+                    gate_row.copy_from_slice(&full[hd..]);
+                }
+                crate::small_matmul::rms_norm_rows_serial(q_rows, &attn.q_norm, c.rms_norm_eps);
+            });
         } else {
-            query.copy_from_slice(q_full);
+            crate::small_matmul::rms_norm_rows_into(q_full, query, &attn.q_norm, c.rms_norm_eps);
         }
-        crate::small_matmul::rms_norm_rows(query, &attn.q_norm, c.rms_norm_eps);
         let key = sized(&mut arena.key, t * kv * hd);
         attn.k_proj.forward(x, t, key)?;
         crate::small_matmul::rms_norm_rows(key, &attn.k_norm, c.rms_norm_eps);
@@ -1034,7 +1044,7 @@ impl Model {
         // Each prompt attends to itself only.
         let attended = sized(&mut arena.core, t * heads * hd);
         for seg in segments {
-            let o = crate::attention::causal_attention(
+            crate::attention::causal_attention_into(
                 seg.rows(query, heads * hd),
                 seg.rows(key, kv * hd),
                 seg.rows(value, kv * hd),
@@ -1044,9 +1054,9 @@ impl Model {
                     kv_heads: kv,
                     head_dim: hd,
                 },
+                &mut arena.per_head,
+                &mut attended[seg.start * heads * hd..(seg.start + seg.len) * heads * hd],
             );
-            attended[seg.start * heads * hd..(seg.start + seg.len) * heads * hd]
-                .copy_from_slice(&o);
         }
         if c.attn_output_gate {
             crate::small_matmul::sigmoid_mul(attended, gate);
@@ -1080,14 +1090,16 @@ impl Model {
         net.in_proj_b.forward(x, t, beta)?;
         let decay = sized(&mut arena.decay, t * nv);
         net.in_proj_a.forward(x, t, decay)?;
-        for v in beta.iter_mut() {
-            *v = ops::sigmoid(*v);
-        }
-        for row in decay.chunks_exact_mut(nv) {
-            for ((v, &neg_a), &dt_bias) in row.iter_mut().zip(&net.neg_a).zip(&net.dt_bias) {
-                *v = neg_a * ops::softplus(*v + dt_bias);
+        crate::small_matmul::par_rows_pair(beta, decay, nv, |_, beta, decay| {
+            for v in beta.iter_mut() {
+                *v = ops::sigmoid(*v);
             }
-        }
+            for row in decay.chunks_exact_mut(nv) {
+                for ((v, &neg_a), &dt_bias) in row.iter_mut().zip(&net.neg_a).zip(&net.dt_bias) {
+                    *v = neg_a * ops::softplus(*v + dt_bias);
+                }
+            }
+        });
         // The convolution and the delta rule of each prompt, from its own zero state.
         let mixed = sized(&mut arena.query, t * conv_dim);
         let core = sized(&mut arena.core, t * value_dim);
@@ -1108,7 +1120,7 @@ impl Model {
                 value_dim: dv,
             };
             let rows = seg.start * nv..(seg.start + seg.len) * nv;
-            let o = crate::chunked::gated_delta_rule_chunked_strided(
+            crate::chunked::gated_delta_rule_chunked_strided(
                 crate::chunked::StridedQkv {
                     rows: seg_mixed,
                     stride: conv_dim,
@@ -1119,8 +1131,9 @@ impl Model {
                 &beta[rows],
                 dims,
                 crate::chunked::DELTA_RULE_CHUNK,
+                &mut arena.per_head,
+                &mut core[seg.start * value_dim..(seg.start + seg.len) * value_dim],
             );
-            core[seg.start * value_dim..(seg.start + seg.len) * value_dim].copy_from_slice(&o);
         }
         // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
         crate::small_matmul::rms_norm_rows(core, &net.norm_weight, c.rms_norm_eps);
@@ -1148,6 +1161,9 @@ struct Activations {
     core: Vec<f32>,
     beta: Vec<f32>,
     decay: Vec<f32>,
+    /// The token mixers' per-head output blocks (head-major) before they are
+    /// interleaved token-major.
+    per_head: Vec<f32>,
 }
 
 /// `buffer[..len]`, grown (zero-filled) when shorter.
@@ -1186,14 +1202,24 @@ impl RopeTable {
     /// Rotary embedding in place on the first `rotary_dim` dimensions of every head of
     /// `x` (`[tokens, heads, head_dim]`, token `t` at position `t`, `tokens` within the
     /// table): `x_rot * cos + rotate_half(x_rot) * sin` (transformers' `rotate_half`
-    /// layout, with `cat((freqs, freqs))`), the rest passed through.
+    /// layout, with `cat((freqs, freqs))`), the rest passed through. Pieces of tokens
+    /// run in parallel.
     pub(crate) fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, rotary_dim: usize) {
         let half = rotary_dim / 2;
         if half == 0 {
             return;
         }
         assert_eq!(half, self.half, "rotary table of another rotary dimension");
-        for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        crate::small_matmul::par_rows(x, heads * head_dim, |first, tokens| {
+            self.apply_from(tokens, first, heads, head_dim)
+        });
+    }
+
+    /// [`RopeTable::apply`] on the calling thread to tokens at positions `first ..`.
+    fn apply_from(&self, x: &mut [f32], first: usize, heads: usize, head_dim: usize) {
+        let half = self.half;
+        for (i, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+            let t = first + i;
             let cos = &self.cos[t * half..(t + 1) * half];
             let sin = &self.sin[t * half..(t + 1) * half];
             for head in token.chunks_exact_mut(head_dim) {

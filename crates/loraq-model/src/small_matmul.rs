@@ -72,31 +72,57 @@ macro_rules! dispatch_simd {
 pub(crate) use dispatch_simd;
 
 /// Runs `head(h, out)` for every head `h < heads` in parallel on rayon's pool, each
-/// filling its own `[tokens, dim]` block (head-major, so every task owns a contiguous
-/// slice), and returns the blocks interleaved token-major, `[tokens, heads, dim]`, the
-/// layout the linear after a token mixer reads. The scaffold of tiled attention and of
-/// the chunked delta rule.
-pub(crate) fn per_head_parallel<F>(tokens: usize, heads: usize, dim: usize, head: F) -> Vec<f32>
-where
+/// filling its own `[tokens, dim]` block of `scratch` (head-major, so every task owns a
+/// contiguous slice; zeroed by the task before `head` runs), and writes the blocks
+/// interleaved token-major into `out` (`[tokens, heads, dim]`, the layout the linear
+/// after a token mixer reads), that copy too in parallel pieces of whole tokens. The
+/// scaffold of tiled attention and of the chunked delta rule. `scratch` is grown to
+/// `heads * tokens * dim` and reused, so repeated calls fault in no fresh pages.
+pub(crate) fn per_head_parallel_into<F>(
+    tokens: usize,
+    heads: usize,
+    dim: usize,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+    head: F,
+) where
     F: Fn(usize, &mut [f32]) + Sync,
 {
     use rayon::prelude::*;
     let block = tokens * dim;
-    let mut head_major = vec![0f32; heads * block];
+    let width = heads * dim;
+    assert_eq!(
+        out.len(),
+        tokens * width,
+        "per-head output of another shape"
+    );
     if block == 0 {
-        return head_major;
+        return;
     }
+    if scratch.len() < heads * block {
+        scratch.resize(heads * block, 0.0);
+    }
+    let head_major = &mut scratch[..heads * block];
     head_major
         .par_chunks_mut(block)
         .enumerate()
-        .for_each(|(h, out)| head(h, out));
-    let mut out = vec![0f32; tokens * heads * dim];
-    for (h, head_out) in head_major.chunks_exact(block).enumerate() {
-        for (t, row) in head_out.chunks_exact(dim).enumerate() {
-            out[(t * heads + h) * dim..][..dim].copy_from_slice(row);
-        }
-    }
-    out
+        .for_each(|(h, head_out)| {
+            head_out.fill(0.0);
+            head(h, head_out)
+        });
+    let head_major = &*head_major;
+    let piece_tokens = ELEMENTWISE_PIECE.div_ceil(width).max(1);
+    out.par_chunks_mut(piece_tokens * width)
+        .enumerate()
+        .for_each(|(piece, rows)| {
+            let t0 = piece * piece_tokens;
+            for (i, row) in rows.chunks_exact_mut(width).enumerate() {
+                let t = t0 + i;
+                for (h, dst) in row.chunks_exact_mut(dim).enumerate() {
+                    dst.copy_from_slice(&head_major[h * block + t * dim..][..dim]);
+                }
+            }
+        });
 }
 
 /// `a * b + c`, fused when the instruction set has FMA (`FUSED`), else two roundings
@@ -420,7 +446,7 @@ fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
 
 dispatch_simd!(
     /// [`rms_norm_rows`] on the calling thread.
-    fn rms_norm_rows_serial(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
+    pub(crate) fn rms_norm_rows_serial(x: &mut [f32], scale: &[f32], eps: f32) = rms_norm_body
 );
 
 /// `x <- x / sqrt(mean(x^2) + eps) * scale` for every row of `x` (`scale.len()`
@@ -434,6 +460,70 @@ pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
     } else {
         x.par_chunks_mut(piece)
             .for_each(|rows| rms_norm_rows_serial(rows, scale, eps));
+    }
+}
+
+/// [`rms_norm_rows`] of `src` into `out` (same length): the copy and the norm of each
+/// piece of rows on one thread, in parallel pieces (the residual stream stays as is).
+pub(crate) fn rms_norm_rows_into(src: &[f32], out: &mut [f32], scale: &[f32], eps: f32) {
+    use rayon::prelude::*;
+    assert_eq!(
+        src.len(),
+        out.len(),
+        "RMSNorm into a buffer of another length"
+    );
+    let width = scale.len().max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    if out.len() <= piece {
+        out.copy_from_slice(src);
+        rms_norm_rows_serial(out, scale, eps);
+    } else {
+        out.par_chunks_mut(piece)
+            .zip(src.par_chunks(piece))
+            .for_each(|(rows, from)| {
+                rows.copy_from_slice(from);
+                rms_norm_rows_serial(rows, scale, eps)
+            });
+    }
+}
+
+/// [`par_rows`] over two matrices of the same row count, `x` `width` wide and `y`
+/// `y.len() / rows` wide: `f(first_row, x_rows, y_rows)` on matching pieces.
+pub(crate) fn par_rows_pair<F>(x: &mut [f32], y: &mut [f32], width: usize, f: F)
+where
+    F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
+{
+    use rayon::prelude::*;
+    let width = width.max(1);
+    let rows = x.len() / width;
+    let y_width = if rows == 0 { 0 } else { y.len() / rows };
+    let piece_rows = ELEMENTWISE_PIECE.div_ceil(width).max(1);
+    if rows <= piece_rows || y_width == 0 {
+        f(0, x, y);
+    } else {
+        x.par_chunks_mut(piece_rows * width)
+            .zip(y.par_chunks_mut(piece_rows * y_width))
+            .enumerate()
+            .for_each(|(i, (xs, ys))| f(i * piece_rows, xs, ys));
+    }
+}
+
+/// Runs `f(first_row, rows)` on pieces of whole rows of `x` (`width` values each) in
+/// parallel on rayon's pool, or once on the whole when it fits in one piece: for
+/// per-token work that is not one of the helpers above (rope, gates, splits).
+pub(crate) fn par_rows<F>(x: &mut [f32], width: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    use rayon::prelude::*;
+    let width = width.max(1);
+    let piece_rows = ELEMENTWISE_PIECE.div_ceil(width).max(1);
+    if x.len() <= piece_rows * width {
+        f(0, x);
+    } else {
+        x.par_chunks_mut(piece_rows * width)
+            .enumerate()
+            .for_each(|(i, rows)| f(i * piece_rows, rows));
     }
 }
 
