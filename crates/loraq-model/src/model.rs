@@ -41,6 +41,10 @@ pub struct Model {
     /// Input statistics of every linear, in load order; `None` unless
     /// [`LoadOptions::collect_input_stats`].
     input_stats: Option<InputStatsRegistry>,
+    /// The forward pass's activation buffers, kept from one batch to the next so a
+    /// batch faults in no fresh pages (a pass that finds them in use by another
+    /// thread's pass allocates its own).
+    scratch: Mutex<Activations>,
 }
 
 /// The shared sums of every statistics-collecting linear, and what they were
@@ -767,6 +771,7 @@ impl Model {
             adapted,
             linears_by_backend: std::mem::take(&mut loader.linears_by_backend),
             input_stats: loader.input_stats.take(),
+            scratch: Mutex::new(Activations::default()),
         })
     }
 
@@ -916,47 +921,50 @@ impl Model {
             "embedding",
         )?;
         let rope = self.rope_table(&segments);
-        // One set of activation buffers for the whole pass, reused by every layer.
-        let mut arena = Activations::default();
-        let mut normed = vec![0f32; rows * h];
-        let mut mixed = vec![0f32; rows * h];
+        // One set of activation buffers for the whole pass, reused by every layer (and
+        // by the next batch).
+        let mut pooled = self.scratch.try_lock().ok();
+        let mut fresh = Activations::default();
+        let arena: &mut Activations = match pooled.as_deref_mut() {
+            Some(kept) => kept,
+            None => &mut fresh,
+        };
+        let mut normed_buffer = std::mem::take(&mut arena.normed);
+        let mut mixed_buffer = std::mem::take(&mut arena.mixed);
+        let normed = sized(&mut normed_buffer, rows * h);
+        let mixed = sized(&mut mixed_buffer, rows * h);
         for layer in &self.layers {
-            crate::small_matmul::rms_norm_rows_into(
-                &x,
-                &mut normed,
-                &layer.input_norm,
-                c.rms_norm_eps,
-            );
+            crate::small_matmul::rms_norm_rows_into(&x, normed, &layer.input_norm, c.rms_norm_eps);
             match &layer.mixer {
-                Mixer::Linear(net) => {
-                    self.gated_delta_net(net, &normed, &segments, &mut arena, &mut mixed)?
-                }
+                Mixer::Linear(net) => self.gated_delta_net(net, normed, &segments, arena, mixed)?,
                 Mixer::Full(attn) => {
-                    self.attention(attn, &normed, &rope, &segments, &mut arena, &mut mixed)?
+                    self.attention(attn, normed, &rope, &segments, arena, mixed)?
                 }
             }
-            crate::small_matmul::add_assign(&mut x, &mixed);
+            crate::small_matmul::add_assign(&mut x, mixed);
             crate::small_matmul::rms_norm_rows_into(
                 &x,
-                &mut normed,
+                normed,
                 &layer.post_attention_norm,
                 c.rms_norm_eps,
             );
             let mlp = &layer.mlp;
             let width = mlp.gate_proj.out_features();
             let gate = sized(&mut arena.gate, rows * width);
-            mlp.gate_proj.forward(&normed, rows, gate)?;
+            mlp.gate_proj.forward(normed, rows, gate)?;
             let up = sized(&mut arena.up, rows * width);
-            mlp.up_proj.forward(&normed, rows, up)?;
+            mlp.up_proj.forward(normed, rows, up)?;
             crate::small_matmul::silu_mul(gate, up);
-            mlp.down_proj.forward(gate, rows, &mut mixed)?;
-            crate::small_matmul::add_assign(&mut x, &mixed);
+            mlp.down_proj.forward(gate, rows, mixed)?;
+            crate::small_matmul::add_assign(&mut x, mixed);
             if let Some(out) = per_layer.as_deref_mut() {
                 for (seg, dst) in segments.iter().zip(out.iter_mut()) {
                     dst.push(x[seg.last() * h..(seg.last() + 1) * h].to_vec());
                 }
             }
         }
+        arena.normed = normed_buffer;
+        arena.mixed = mixed_buffer;
         segments
             .iter()
             .map(|seg| {
@@ -1010,18 +1018,24 @@ impl Model {
         if c.attn_output_gate {
             // The split, then q_norm, per piece of tokens, the pieces in parallel.
             let width = heads * hd;
-            crate::small_matmul::par_rows_pair(query, gate, width, |t0, q_rows, g_rows| {
-                let full_rows = &q_full[t0 * 2 * width..][..q_rows.len() * 2];
-                for ((q_row, gate_row), full) in q_rows
-                    .chunks_exact_mut(hd)
-                    .zip(g_rows.chunks_exact_mut(hd))
-                    .zip(full_rows.chunks_exact(2 * hd))
-                {
-                    q_row.copy_from_slice(&full[..hd]);
-                    gate_row.copy_from_slice(&full[hd..]);
-                }
-                crate::small_matmul::rms_norm_rows_serial(q_rows, &attn.q_norm, c.rms_norm_eps);
-            });
+            crate::small_matmul::par_rows_pair(
+                query,
+                gate,
+                width,
+                crate::small_matmul::ELEMENTWISE_PIECE,
+                |t0, q_rows, g_rows| {
+                    let full_rows = &q_full[t0 * 2 * width..][..q_rows.len() * 2];
+                    for ((q_row, gate_row), full) in q_rows
+                        .chunks_exact_mut(hd)
+                        .zip(g_rows.chunks_exact_mut(hd))
+                        .zip(full_rows.chunks_exact(2 * hd))
+                    {
+                        q_row.copy_from_slice(&full[..hd]);
+                        gate_row.copy_from_slice(&full[hd..]);
+                    }
+                    crate::small_matmul::rms_norm_rows_serial(q_rows, &attn.q_norm, c.rms_norm_eps);
+                },
+            );
         } else {
             crate::small_matmul::rms_norm_rows_into(q_full, query, &attn.q_norm, c.rms_norm_eps);
         }
@@ -1090,7 +1104,8 @@ impl Model {
         net.in_proj_b.forward(x, t, beta)?;
         let decay = sized(&mut arena.decay, t * nv);
         net.in_proj_a.forward(x, t, decay)?;
-        crate::small_matmul::par_rows_pair(beta, decay, nv, |_, beta, decay| {
+        // A sigmoid, an exp and a log1p per element: pieces of 2,048 elements.
+        crate::small_matmul::par_rows_pair(beta, decay, nv, 2048, |_, beta, decay| {
             for v in beta.iter_mut() {
                 *v = ops::sigmoid(*v);
             }
@@ -1145,7 +1160,7 @@ impl Model {
 
 /// The forward pass's scratch buffers, grown to the largest use and reused by every
 /// layer (so a layer's activations never page-fault in fresh memory).
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Activations {
     /// A mixer's first projection (`q_proj`, `in_proj_qkv`).
     projected: Vec<f32>,
@@ -1161,6 +1176,10 @@ struct Activations {
     core: Vec<f32>,
     beta: Vec<f32>,
     decay: Vec<f32>,
+    /// A decoder layer's normed input.
+    normed: Vec<f32>,
+    /// A mixer's or the MLP's output, before it is added to the residual stream.
+    mixed: Vec<f32>,
     /// The token mixers' per-head output blocks (head-major) before they are
     /// interleaved token-major.
     per_head: Vec<f32>,

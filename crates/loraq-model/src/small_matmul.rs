@@ -488,8 +488,9 @@ pub(crate) fn rms_norm_rows_into(src: &[f32], out: &mut [f32], scale: &[f32], ep
 }
 
 /// [`par_rows`] over two matrices of the same row count, `x` `width` wide and `y`
-/// `y.len() / rows` wide: `f(first_row, x_rows, y_rows)` on matching pieces.
-pub(crate) fn par_rows_pair<F>(x: &mut [f32], y: &mut [f32], width: usize, f: F)
+/// `y.len() / rows` wide: `f(first_row, x_rows, y_rows)` on matching pieces of about
+/// `piece` elements of `x` (smaller than the default for costly per-element work).
+pub(crate) fn par_rows_pair<F>(x: &mut [f32], y: &mut [f32], width: usize, piece: usize, f: F)
 where
     F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
 {
@@ -497,7 +498,7 @@ where
     let width = width.max(1);
     let rows = x.len() / width;
     let y_width = if rows == 0 { 0 } else { y.len() / rows };
-    let piece_rows = ELEMENTWISE_PIECE.div_ceil(width).max(1);
+    let piece_rows = piece.div_ceil(width).max(1);
     if rows <= piece_rows || y_width == 0 {
         f(0, x, y);
     } else {
@@ -530,7 +531,7 @@ where
 /// Elements per parallel piece of the elementwise helpers: large enough that a piece
 /// outweighs handing it to another thread, small enough that a batch's activations
 /// (hundreds of thousands of values) split among the threads.
-const ELEMENTWISE_PIECE: usize = 1 << 15;
+pub(crate) const ELEMENTWISE_PIECE: usize = 1 << 15;
 
 /// Runs `f` on matching pieces of `x` and `y` (`piece` long, the last shorter) in
 /// parallel, or once on the whole when they fit in one piece.
