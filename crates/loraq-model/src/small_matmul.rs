@@ -362,7 +362,9 @@ pub(crate) fn exp_nonpositive<const FUSED: bool>(x: f32) -> f32 {
     // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let clamped = x.clamp(-87.3, 0.0);
-    let n = madd::<FUSED>(clamped, LOG2E, ROUND) - ROUND;
+    // `biased` is 1.5 * 2^23 + n exactly (ulp 1 in [2^23, 2^24)), n = round(x log2 e).
+    let biased = madd::<FUSED>(clamped, LOG2E, ROUND);
+    let n = biased - ROUND;
     let r = madd::<FUSED>(n, -LN2_LO, madd::<FUSED>(n, -LN2_HI, clamped));
     let mut p = 1.0 / 720.0;
     p = madd::<FUSED>(p, r, 1.0 / 120.0);
@@ -371,8 +373,17 @@ pub(crate) fn exp_nonpositive<const FUSED: bool>(x: f32) -> f32 {
     p = madd::<FUSED>(p, r, 0.5);
     p = madd::<FUSED>(p, r, 1.0);
     p = madd::<FUSED>(p, r, 1.0);
-    // n is an integer in [-126, 0]: 2^n is a normal f32.
-    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // n is an integer in [-126, 0]: 2^n is a normal f32, its exponent field n + 127
+    // read from `biased`'s low bits with integer arithmetic (a float-to-int `as`
+    // saturates and maps NaN to 0, which the compiler cannot vectorize: every exp of a
+    // loop ran as scalar code).
+    let two_n = f32::from_bits(
+        biased
+            .to_bits()
+            .wrapping_sub(ROUND.to_bits())
+            .wrapping_add(127)
+            << 23,
+    );
     if x < -87.3 { 0.0 } else { p * two_n }
 }
 
