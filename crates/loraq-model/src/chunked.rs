@@ -161,10 +161,10 @@ fn chunked_from_rows(
     let (q, k) = rayon::join(|| head_major(query, true), || head_major(key, false));
     per_head_parallel_into(tokens, value_heads, dv, scratch, out, |h, out| {
         let kh = h / group;
-        let v: Vec<f32> = (0..tokens)
-            .flat_map(|t| &value[t * value_stride + h * dv..][..dv])
-            .copied()
-            .collect();
+        let mut v = Vec::with_capacity(tokens * dv);
+        for t in 0..tokens {
+            v.extend_from_slice(&value[t * value_stride + h * dv..][..dv]);
+        }
         let g: Vec<f32> = (0..tokens).map(|t| decay[t * value_heads + h]).collect();
         let b: Vec<f32> = (0..tokens).map(|t| beta[t * value_heads + h]).collect();
         let input = HeadInput {
