@@ -185,6 +185,10 @@ fn chunked_from_rows(
 /// Rows of the forward substitution solved one by one between block products.
 const SOLVE_BLOCK: usize = 16;
 
+/// Rows per block of the triangular products (`K K^T`, `Q K^T`, `P V'`): the rows of
+/// one register tile, so each block stops at its own diagonal.
+const TRIANGLE_ROWS: usize = 8;
+
 /// One value head's inputs, head-major.
 struct HeadInput<'a> {
     /// `[tokens, dk]`, normalized and scaled.
@@ -258,18 +262,27 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>, out: &mut [f32
         let gram_qk = &mut gram_qk[..len * len];
         gram_kk.fill(0.0);
         gram_qk.fill(0.0);
+        // Only the lower triangle is used: each block of TRIANGLE_ROWS rows is
+        // multiplied up to its diagonal, rounded up to the 32 columns of a register
+        // tile (the blocks of whole 64-token chunks keep whole 8 x 32 tiles, and every
+        // element computed is the same sum as the full product's). The rest stays zero.
         for (a, gram_out) in [(kc, &mut *gram_kk), (qc, &mut *gram_qk)] {
-            let product = Product {
-                m: len,
-                k: dk,
-                n: len,
-                a,
-                lda: dk,
-                b: k_t,
-                ldb: len,
-                alpha: 1.0,
-            };
-            matmul_acc::<FUSED>(&product, gram_out, len);
+            let mut i0 = 0;
+            while i0 < len {
+                let rows = TRIANGLE_ROWS.min(len - i0);
+                let product = Product {
+                    m: rows,
+                    k: dk,
+                    n: len.min((i0 + rows).next_multiple_of(32)),
+                    a: &a[i0 * dk..],
+                    lda: dk,
+                    b: k_t,
+                    ldb: len,
+                    alpha: 1.0,
+                };
+                matmul_acc::<FUSED>(&product, &mut gram_out[i0 * len..], len);
+                i0 += rows;
+            }
         }
         // M[i, j] = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, in place of K K^T;
         // P[i, j] = exp(G_i - G_j) (q_i . k_j) for j <= i, zero above, in place of Q K^T.
@@ -391,20 +404,27 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>, out: &mut [f32
             oc,
             dv,
         );
-        matmul_acc::<FUSED>(
-            &Product {
-                m: len,
-                k: len,
-                n: dv,
-                a: gram_qk,
-                lda: len,
-                b: u,
-                ldb: dv,
-                alpha: 1.0,
-            },
-            oc,
-            dv,
-        );
+        // P is lower triangular: row block i0 .. i0 + rows reads V' rows 0 .. i0 + rows
+        // only (the terms left out are exact zeros).
+        let mut i0 = 0;
+        while i0 < len {
+            let rows = TRIANGLE_ROWS.min(len - i0);
+            matmul_acc::<FUSED>(
+                &Product {
+                    m: rows,
+                    k: i0 + rows,
+                    n: dv,
+                    a: &gram_qk[i0 * len..],
+                    lda: len,
+                    b: u,
+                    ldb: dv,
+                    alpha: 1.0,
+                },
+                &mut oc[i0 * dv..],
+                dv,
+            );
+            i0 += rows;
+        }
         // S <- e^{G_last} S + (K * e^{G_last - G})^T V'.
         let last = cum[len - 1];
         let e_last = last.exp();
