@@ -508,7 +508,7 @@ where
     use rayon::prelude::*;
     let width = width.max(1);
     let rows = x.len() / width;
-    let y_width = if rows == 0 { 0 } else { y.len() / rows };
+    let y_width = y.len().checked_div(rows).unwrap_or(0);
     let piece_rows = piece.div_ceil(width).max(1);
     if rows <= piece_rows || y_width == 0 {
         f(0, x, y);
