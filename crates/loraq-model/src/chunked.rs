@@ -161,16 +161,13 @@ fn chunked_from_rows(
     let (q, k) = rayon::join(|| head_major(query, true), || head_major(key, false));
     per_head_parallel_into(tokens, value_heads, dv, scratch, out, |h, out| {
         let kh = h / group;
-        let mut v = Vec::with_capacity(tokens * dv);
-        for t in 0..tokens {
-            v.extend_from_slice(&value[t * value_stride + h * dv..][..dv]);
-        }
         let g: Vec<f32> = (0..tokens).map(|t| decay[t * value_heads + h]).collect();
         let b: Vec<f32> = (0..tokens).map(|t| beta[t * value_heads + h]).collect();
         let input = HeadInput {
             q: &q[kh],
             k: &k[kh],
-            v: &v,
+            v: &value[(h * dv).min(value.len())..],
+            v_stride: value_stride,
             g: &g,
             beta: &b,
             tokens,
@@ -195,8 +192,9 @@ struct HeadInput<'a> {
     q: &'a [f32],
     /// `[tokens, dk]`, normalized.
     k: &'a [f32],
-    /// `[tokens, dv]`.
+    /// This head's values in place: token `t`'s at `v[t * v_stride..][..dv]`.
     v: &'a [f32],
+    v_stride: usize,
     /// `[tokens]` log decays.
     g: &'a [f32],
     /// `[tokens]`.
@@ -219,6 +217,7 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>, out: &mut [f32
         q,
         k,
         v,
+        v_stride,
         g,
         beta,
         tokens,
@@ -242,7 +241,6 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>, out: &mut [f32
         let len = chunk.min(tokens - c0);
         let qc = &q[c0 * dk..(c0 + len) * dk];
         let kc = &k[c0 * dk..(c0 + len) * dk];
-        let vc = &v[c0 * dv..(c0 + len) * dv];
         let bc = &beta[c0..c0 + len];
         let mut acc = 0f32;
         for (cu, &gv) in cum.iter_mut().zip(&g[c0..c0 + len]) {
@@ -317,7 +315,7 @@ fn delta_rule_head_body<const FUSED: bool>(input: &HeadInput<'_>, out: &mut [f32
             for i in i0..i1 {
                 for (x, &vv) in u[i * dv..(i + 1) * dv]
                     .iter_mut()
-                    .zip(&vc[i * dv..(i + 1) * dv])
+                    .zip(&v[(c0 + i) * v_stride..][..dv])
                 {
                     *x = bc[i] * vv;
                 }
