@@ -103,7 +103,7 @@ fn doc_comment_math_reaches_katex_intact() {
             let text = std::fs::read_to_string(&file).unwrap();
             for (line, paragraph) in doc_paragraphs(&text) {
                 let pieces: Vec<&str> = paragraph.split('$').collect();
-                if pieces.len() % 2 == 0 {
+                if pieces.len().is_multiple_of(2) {
                     problems.push(format!("{}:{line}: an odd number of `$`", file.display()));
                     continue;
                 }

@@ -412,10 +412,10 @@ impl LineBlock {
             if content.len() > MAX_JSON_LINE_BYTES {
                 return Some(line_too_long(path, line));
             }
-            if !text.iter().all(u8::is_ascii_whitespace) {
-                if let Err(error) = columns.push_line(text, path, line) {
-                    return Some(error);
-                }
+            if !text.iter().all(u8::is_ascii_whitespace)
+                && let Err(error) = columns.push_line(text, path, line)
+            {
+                return Some(error);
             }
         }
         None

@@ -213,10 +213,10 @@ impl OptionLists {
     /// The id of a list already stored.
     fn find(&self, options: &[Cow<'_, str>]) -> Option<u32> {
         // Most files repeat one list on every line: check the last one first.
-        if let Some(last) = self.lists.last() {
-            if same_options(last, options) {
-                return Some((self.lists.len() - 1) as u32);
-            }
+        if let Some(last) = self.lists.last()
+            && same_options(last, options)
+        {
+            return Some((self.lists.len() - 1) as u32);
         }
         self.by_hash
             .get(&Self::hash(options))?
@@ -706,10 +706,10 @@ impl Interner {
     /// The id of a name already stored.
     fn find(&self, name: &str) -> Option<u32> {
         // Files often list a group's questions together: try the last one first.
-        if let Some(last) = self.names.last() {
-            if last == name {
-                return Some((self.names.len() - 1) as u32);
-            }
+        if let Some(last) = self.names.last()
+            && last == name
+        {
+            return Some((self.names.len() - 1) as u32);
         }
         // A few names are compared in place; hashing costs more.
         if self.names.len() <= 8 {

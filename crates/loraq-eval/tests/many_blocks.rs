@@ -33,7 +33,7 @@ impl Lcg {
 fn id(i: usize) -> String {
     // Every fifth id is longer than the 23 bytes a table slot holds, and they share
     // their first 23 bytes.
-    if i % 5 == 0 {
+    if i.is_multiple_of(5) {
         format!("a-question-with-a-long-identifier-{i}")
     } else {
         format!("q{i}")

@@ -178,7 +178,7 @@ impl PairBytes {
         merged_path: PathBuf,
         base_path: PathBuf,
     ) -> Result<PairBytes> {
-        if merged.len() != base.len() || merged.len() % dtype.size_bytes() != 0 {
+        if merged.len() != base.len() || !merged.len().is_multiple_of(dtype.size_bytes()) {
             return Err(ExtractError::BadShape {
                 module: tensor.to_string(),
                 what: format!(

@@ -156,13 +156,13 @@ impl ExtractionPlan {
 }
 
 fn validate_rank(rank: RankChoice) -> Result<()> {
-    if let RankChoice::Fixed(r) = rank {
-        if !VLLM_MAX_LORA_RANKS.contains(&r) {
-            return Err(ExtractError::InvalidParameter {
-                name: "--rank",
-                detail: format!("{r} is not a rank vLLM serves ({VLLM_MAX_LORA_RANKS:?}) or auto"),
-            });
-        }
+    if let RankChoice::Fixed(r) = rank
+        && !VLLM_MAX_LORA_RANKS.contains(&r)
+    {
+        return Err(ExtractError::InvalidParameter {
+            name: "--rank",
+            detail: format!("{r} is not a rank vLLM serves ({VLLM_MAX_LORA_RANKS:?}) or auto"),
+        });
     }
     Ok(())
 }

@@ -219,7 +219,7 @@ pub struct GgufCheckpoint {
 /// whole blocks of `block` elements, or `None` when it moves elements within a block
 /// or splits one.
 fn block_gather(gather: &[usize], block: usize) -> Option<Vec<usize>> {
-    if block == 0 || gather.len() % block != 0 {
+    if block == 0 || !gather.len().is_multiple_of(block) {
         return None;
     }
     gather
@@ -493,7 +493,7 @@ fn reorder(
     t: &GgufTensorInfo,
 ) -> Result<()> {
     let rows = bytes.len() / row_bytes.max(1);
-    if start + gather.len() != rows || row_bytes % element != 0 {
+    if start + gather.len() != rows || !row_bytes.is_multiple_of(element) {
         return Err(tensor_error(
             model,
             t,

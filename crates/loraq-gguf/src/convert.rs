@@ -255,7 +255,7 @@ fn is_quant_type_part(part: &str) -> bool {
             let tail: String = chars.collect();
             // (_\w)*: pairs of '_' and one word character
             let bytes = tail.as_bytes();
-            if bytes.len() % 2 == 0
+            if bytes.len().is_multiple_of(2)
                 && bytes
                     .chunks(2)
                     .all(|p| p[0] == b'_' && (p[1].is_ascii_alphanumeric() || p[1] == b'_'))

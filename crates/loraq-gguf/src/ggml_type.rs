@@ -128,7 +128,7 @@ impl GgmlType {
     pub fn row_bytes(self, elements: u64) -> Option<u64> {
         let block = self.block();
         let (block_elements, block_bytes) = (block.elements as u64, block.bytes as u64);
-        if elements % block_elements != 0 {
+        if !elements.is_multiple_of(block_elements) {
             return None;
         }
         (elements / block_elements).checked_mul(block_bytes)

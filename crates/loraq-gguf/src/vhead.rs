@@ -56,7 +56,7 @@ impl VHeadLayout {
         self.num_k_heads > 0
             && self.num_v_heads > 0
             && self.num_k_heads != self.num_v_heads
-            && self.num_v_heads % self.num_k_heads == 0
+            && self.num_v_heads.is_multiple_of(self.num_k_heads)
     }
 
     /// The axis of a linear-attention module's weight that is permuted, or `None`

@@ -118,7 +118,7 @@ impl TextConfig {
         };
         // transformers: int(head_dim * partial_rotary_factor).
         let rotary_dim = (head_dim as f64 * partial) as usize;
-        if rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(bad(format!(
                 "rotary dimension {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {partial}) must be even and at most head_dim"
             )));

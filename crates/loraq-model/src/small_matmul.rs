@@ -316,10 +316,8 @@ struct Tile8x32 {
 /// to the latter.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-// The AVX-512 intrinsics are stable from Rust 1.89, which loraq-kernels' AVX-512
-// kernels (`_mm512_*` in cpu/gemm.rs) need already. Written as plain arrays instead, the
-// loop stored its sixteen accumulators to the stack at every step of k.
-#[allow(clippy::incompatible_msrv)]
+// Intrinsics rather than plain arrays: written as arrays, the loop stored its sixteen
+// accumulators to the stack at every step of k.
 unsafe fn tile_8x32_avx512(t: &Tile8x32) {
     use std::arch::x86_64::*;
     let zero = _mm512_setzero_ps();

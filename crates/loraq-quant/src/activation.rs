@@ -186,7 +186,7 @@ pub const PER_GROUP_EPS: f32 = 1e-10;
 pub const ACT_GROUP: usize = 128;
 
 fn check_width(name: &str, values: &[f32], hidden: usize) -> Result<()> {
-    if hidden == 0 || values.len() % hidden != 0 {
+    if hidden == 0 || !values.len().is_multiple_of(hidden) {
         return Err(QuantError::ShapeMismatch {
             tensor: name.to_string(),
             out_features: values.len().checked_div(hidden).unwrap_or(0),
@@ -256,7 +256,7 @@ pub fn fp8_static(name: &str, values: &mut [f32], scale: f32) -> Result<()> {
 /// `hidden` must be a multiple of 16.
 pub fn nvfp4_dynamic(name: &str, values: &mut [f32], hidden: usize, global: f32) -> Result<()> {
     check_width(name, values, hidden)?;
-    if hidden % NVFP4_BLOCK != 0 {
+    if !hidden.is_multiple_of(NVFP4_BLOCK) {
         return Err(QuantError::InputDimNotDivisible {
             tensor: name.to_string(),
             scheme: "nvfp4",
@@ -307,7 +307,7 @@ pub fn nvfp4_static_vllm(
     input_scale: Nvfp4GlobalScale,
 ) -> Result<()> {
     check_width(name, values, hidden)?;
-    if hidden % NVFP4_BLOCK != 0 {
+    if !hidden.is_multiple_of(NVFP4_BLOCK) {
         return Err(QuantError::InputDimNotDivisible {
             tensor: name.to_string(),
             scheme: "nvfp4",
@@ -407,7 +407,7 @@ pub fn ggml_q8_k(name: &str, values: &mut [f32], hidden: usize) -> Result<()> {
 
 fn check_ggml_width(name: &str, values: &[f32], hidden: usize, block: usize) -> Result<()> {
     check_width(name, values, hidden)?;
-    if hidden % block != 0 {
+    if !hidden.is_multiple_of(block) {
         return Err(QuantError::InputDimNotDivisible {
             tensor: name.to_string(),
             scheme: if block == 32 {

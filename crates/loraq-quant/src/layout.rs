@@ -575,7 +575,7 @@ fn matrix(info: &TensorInfo) -> Result<(usize, usize)> {
 }
 
 fn require_block_multiple(info: &TensorInfo, in_features: usize) -> Result<()> {
-    if in_features % NVFP4_BLOCK != 0 {
+    if !in_features.is_multiple_of(NVFP4_BLOCK) {
         return Err(QuantError::InputDimNotDivisible {
             tensor: info.name.clone(),
             scheme: "nvfp4",

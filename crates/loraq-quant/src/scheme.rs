@@ -224,7 +224,7 @@ impl<'a> WeightView<'a> {
 
     fn require_multiple(&self, scheme: Scheme) -> Result<()> {
         let multiple = scheme.input_multiple();
-        if self.in_features % multiple != 0 {
+        if !self.in_features.is_multiple_of(multiple) {
             return Err(QuantError::InputDimNotDivisible {
                 tensor: self.name.to_string(),
                 scheme: scheme.name(),

@@ -102,7 +102,7 @@ pub fn decode_rows(ggml_type: GgmlType, data: &[u8], in_features: usize, out: &m
     );
     let row_bytes = in_features / block.elements * block.bytes;
     assert!(
-        out.len() % in_features == 0 && data.len() == out.len() / in_features * row_bytes,
+        out.len().is_multiple_of(in_features) && data.len() == out.len() / in_features * row_bytes,
         "decode_rows: length mismatch"
     );
     out.par_chunks_mut(in_features)

@@ -397,7 +397,7 @@ fn choose(
 // tensor_type_fallback
 fn fallback(target: GgmlType, in_features: usize) -> GgmlType {
     let block = target.block().elements;
-    if in_features % block == 0 {
+    if in_features.is_multiple_of(block) {
         return target;
     }
     let demoted = match target {
@@ -408,7 +408,7 @@ fn fallback(target: GgmlType, in_features: usize) -> GgmlType {
         GgmlType::Q6_K => GgmlType::Q8_0,
         other => other,
     };
-    if in_features % demoted.block().elements == 0 {
+    if in_features.is_multiple_of(demoted.block().elements) {
         demoted
     } else {
         GgmlType::F16

@@ -95,7 +95,7 @@ pub fn f16_scale_offsets(ggml_type: GgmlType) -> &'static [usize] {
 /// weight in the error).
 pub fn row_bytes(ggml_type: GgmlType, tensor: &str, in_features: usize) -> Result<usize> {
     let block = ggml_type.block();
-    if in_features % block.elements != 0 {
+    if !in_features.is_multiple_of(block.elements) {
         return Err(QuantError::InputDimNotDivisible {
             tensor: tensor.to_string(),
             scheme: ggml_type.name(),
