@@ -109,7 +109,7 @@ impl PackedBf16 {
         let offset = raw.as_ptr().align_offset(64);
         let tiles = &mut raw[offset..offset + column_tiles * k_steps * TILE_VALUES];
         // One column tile (16 rows of W, all its k-steps) per rayon task, a tile at a
-        // time: value d of k-step s of row l goes to pair row d / 2, column l, half d % 2.
+        // time ([`pair_index`]).
         tiles
             .par_chunks_mut(k_steps * TILE_VALUES)
             .enumerate()
@@ -120,8 +120,7 @@ impl PackedBf16 {
                     for l in 0..rows {
                         let row = c * TILE_COLUMNS + l;
                         for d in 0..depth {
-                            tile[(d / 2) * 2 * TILE_COLUMNS + 2 * l + d % 2] =
-                                value(row, s * TILE_DEPTH + d);
+                            tile[pair_index(l, d)] = value(row, s * TILE_DEPTH + d);
                         }
                     }
                 }
@@ -177,9 +176,15 @@ impl PackedBf16 {
         let (c, l) = (row / TILE_COLUMNS, row % TILE_COLUMNS);
         let (s, d) = (k / TILE_DEPTH, k % TILE_DEPTH);
         let tile = self.offset + (c * self.k_steps + s) * TILE_VALUES;
-        let bits = self.raw[tile + (d / 2) * 2 * TILE_COLUMNS + 2 * l + d % 2];
+        let bits = self.raw[tile + pair_index(l, d)];
         f32::from_bits(u32::from(bits) << 16)
     }
+}
+
+/// Where value `d` (of a k-step's 32) of output feature `l` (of a column tile's 16) lies
+/// in its tile: VNNI pair row `d / 2`, column `l`, half `d % 2`.
+fn pair_index(l: usize, d: usize) -> usize {
+    (d / 2) * 2 * TILE_COLUMNS + 2 * l + d % 2
 }
 
 /// An error unless `len` is `out_features * in_features`.

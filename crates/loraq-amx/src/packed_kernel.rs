@@ -135,6 +135,10 @@ pub(crate) unsafe fn matmul_packed(
                 let left = &mut left.as_mut_slice()[..needed];
                 // SAFETY: AMX is usable (this function's contract).
                 let scope = unsafe { TileScope::enter(&config) };
+                // The edge blocks' accumulators (what lies outside an edge block's
+                // valid part is never copied out, so it need not be cleared between
+                // blocks).
+                let mut scratch = [Line([0.0; 16]); 4 * TILE];
                 let mut step0 = 0;
                 while step0 < k_steps {
                     let steps = KBLOCK_STEPS.min(k_steps - step0);
@@ -160,30 +164,28 @@ pub(crate) unsafe fn matmul_packed(
                             // (consecutive in the packed weight); the output block is
                             // either a whole 32x32 block of the row-major output, which
                             // only this task writes, or the scratch block.
+                            // A whole 32x32 block of a row-major output is accumulated
+                            // in place; an edge block (or an output with strided
+                            // columns) in a 32x32 scratch block, its valid part copied
+                            // in and out.
+                            let whole = direct && valid_rows == 2 * TILE && valid_cols == 2 * TILE;
+                            let at = |i: usize, j: usize| {
+                                (row + i) * out_row_stride + (col + j) * out_col_stride
+                            };
+                            // SAFETY: tiles configured above; `x_tiles` address this
+                            // k-block's `steps` k-steps of two packed row tiles (all
+                            // planes), `w_tiles` the same k-steps of two column tiles
+                            // (consecutive in the packed weight); the output block is
+                            // either a whole 32x32 block of the row-major output, which
+                            // only this task writes, or the scratch block; `at(i, j)`
+                            // for the block's valid part lies in the output.
                             unsafe {
-                                if direct && valid_rows == 2 * TILE && valid_cols == 2 * TILE {
-                                    let c = shared.ptr().add(row * out_row_stride + col);
-                                    block_dyn(
-                                        p,
-                                        1,
-                                        p,
-                                        x_tiles,
-                                        w_tiles,
-                                        p * tile_bytes,
-                                        tile_bytes,
-                                        steps,
-                                        c.cast::<u8>(),
+                                let (block, block_stride) = if whole {
+                                    (
+                                        shared.ptr().add(row * out_row_stride + col).cast::<u8>(),
                                         out_row_stride * 4,
-                                        fresh,
-                                    );
+                                    )
                                 } else {
-                                    // An edge block (or an output with strided columns):
-                                    // accumulated in a 32x32 scratch block, its valid
-                                    // part copied in and out.
-                                    let mut scratch = [Line([0.0; 16]); 4 * TILE];
-                                    let at = |i: usize, j: usize| {
-                                        (row + i) * out_row_stride + (col + j) * out_col_stride
-                                    };
                                     if !fresh {
                                         for i in 0..valid_rows {
                                             for j in 0..valid_cols {
@@ -192,19 +194,22 @@ pub(crate) unsafe fn matmul_packed(
                                             }
                                         }
                                     }
-                                    block_dyn(
-                                        p,
-                                        1,
-                                        p,
-                                        x_tiles,
-                                        w_tiles,
-                                        p * tile_bytes,
-                                        tile_bytes,
-                                        steps,
-                                        scratch.as_mut_ptr().cast::<u8>(),
-                                        2 * size_of::<Line>(),
-                                        fresh,
-                                    );
+                                    (scratch.as_mut_ptr().cast::<u8>(), 2 * size_of::<Line>())
+                                };
+                                block_dyn(
+                                    p,
+                                    1,
+                                    p,
+                                    x_tiles,
+                                    w_tiles,
+                                    p * tile_bytes,
+                                    tile_bytes,
+                                    steps,
+                                    block,
+                                    block_stride,
+                                    fresh,
+                                );
+                                if !whole {
                                     for i in 0..valid_rows {
                                         for j in 0..valid_cols {
                                             *shared.ptr().add(at(i, j)) =
