@@ -34,12 +34,18 @@ fn ranges(count: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// The ranges' sums added in range order.
-fn add_in_order<T: faer::traits::ComplexField + Copy + std::ops::AddAssign>(
-    parts: Vec<Mat<T>>,
-    k_rows: usize,
-    k_cols: usize,
-) -> Mat<T> {
+/// The sum over the row ranges of a `count`-row operand of `part(start, len)` (a
+/// `k_rows x k_cols` matrix each), the ranges in parallel and their sums added in
+/// range order.
+fn sum_over_ranges<T, F>(count: usize, k_rows: usize, k_cols: usize, part: F) -> Mat<T>
+where
+    T: faer::traits::ComplexField + Copy + std::ops::AddAssign,
+    F: Fn(usize, usize) -> Mat<T> + Sync,
+{
+    let parts: Vec<Mat<T>> = ranges(count)
+        .into_par_iter()
+        .map(|(start, len)| part(start, len))
+        .collect();
     let mut parts = parts.into_iter();
     let mut out = parts
         .next()
@@ -68,21 +74,17 @@ fn widen_into(mut dst: MatMut<'_, f64>, src: MatRef<'_, f32>) {
 /// mirrored.
 pub(crate) fn tall_gram_f64(x: MatRef<'_, f32>) -> Mat<f64> {
     let k = x.ncols();
-    let parts: Vec<Mat<f64>> = ranges(x.nrows())
-        .into_par_iter()
-        .map(|(start, len)| {
-            let mut sum = Mat::<f64>::zeros(k, k);
-            let mut block = Mat::<f64>::zeros(BLOCK_ROWS.min(len), k);
-            for first in (0..len).step_by(BLOCK_ROWS) {
-                let rows = BLOCK_ROWS.min(len - first);
-                let mut view = block.as_mut().subrows_mut(0, rows);
-                widen_into(view.as_mut(), x.subrows(start + first, rows));
-                lower_gram_add(sum.as_mut(), view.as_ref().transpose(), Par::Seq);
-            }
-            sum
-        })
-        .collect();
-    let mut out = add_in_order(parts, k, k);
+    let mut out = sum_over_ranges(x.nrows(), k, k, |start, len| {
+        let mut sum = Mat::<f64>::zeros(k, k);
+        let mut block = Mat::<f64>::zeros(BLOCK_ROWS.min(len), k);
+        for first in (0..len).step_by(BLOCK_ROWS) {
+            let rows = BLOCK_ROWS.min(len - first);
+            let mut view = block.as_mut().subrows_mut(0, rows);
+            widen_into(view.as_mut(), x.subrows(start + first, rows));
+            lower_gram_add(sum.as_mut(), view.as_ref().transpose(), Par::Seq);
+        }
+        sum
+    });
     mirror_lower(out.as_mut());
     out
 }
@@ -91,67 +93,55 @@ pub(crate) fn tall_gram_f64(x: MatRef<'_, f32>) -> Mat<f64> {
 /// [`tall_gram_f64`] forms it.
 pub(crate) fn tall_cross_f64(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f64> {
     let (kx, ky) = (x.ncols(), y.ncols());
-    let parts: Vec<Mat<f64>> = ranges(x.nrows())
-        .into_par_iter()
-        .map(|(start, len)| {
-            let mut sum = Mat::<f64>::zeros(kx, ky);
-            let mut xb = Mat::<f64>::zeros(BLOCK_ROWS.min(len), kx);
-            let mut yb = Mat::<f64>::zeros(BLOCK_ROWS.min(len), ky);
-            for first in (0..len).step_by(BLOCK_ROWS) {
-                let rows = BLOCK_ROWS.min(len - first);
-                let mut xv = xb.as_mut().subrows_mut(0, rows);
-                let mut yv = yb.as_mut().subrows_mut(0, rows);
-                widen_into(xv.as_mut(), x.subrows(start + first, rows));
-                widen_into(yv.as_mut(), y.subrows(start + first, rows));
-                matmul(
-                    sum.as_mut(),
-                    Accum::Add,
-                    xv.as_ref().transpose(),
-                    yv.as_ref(),
-                    1.0,
-                    Par::Seq,
-                );
-            }
-            sum
-        })
-        .collect();
-    add_in_order(parts, kx, ky)
+    sum_over_ranges(x.nrows(), kx, ky, |start, len| {
+        let mut sum = Mat::<f64>::zeros(kx, ky);
+        let mut xb = Mat::<f64>::zeros(BLOCK_ROWS.min(len), kx);
+        let mut yb = Mat::<f64>::zeros(BLOCK_ROWS.min(len), ky);
+        for first in (0..len).step_by(BLOCK_ROWS) {
+            let rows = BLOCK_ROWS.min(len - first);
+            let mut xv = xb.as_mut().subrows_mut(0, rows);
+            let mut yv = yb.as_mut().subrows_mut(0, rows);
+            widen_into(xv.as_mut(), x.subrows(start + first, rows));
+            widen_into(yv.as_mut(), y.subrows(start + first, rows));
+            matmul(
+                sum.as_mut(),
+                Accum::Add,
+                xv.as_ref().transpose(),
+                yv.as_ref(),
+                1.0,
+                Par::Seq,
+            );
+        }
+        sum
+    })
 }
 
 /// The lower triangle of $X^\top X$ in f32 of a tall f32 matrix `x` (`count x k`); the
 /// upper triangle is zero.
 pub(crate) fn tall_lower_gram_f32(x: MatRef<'_, f32>) -> Mat<f32> {
     let k = x.ncols();
-    let parts: Vec<Mat<f32>> = ranges(x.nrows())
-        .into_par_iter()
-        .map(|(start, len)| {
-            let mut sum = Mat::<f32>::zeros(k, k);
-            lower_gram_add(sum.as_mut(), x.subrows(start, len).transpose(), Par::Seq);
-            sum
-        })
-        .collect();
-    add_in_order(parts, k, k)
+    sum_over_ranges(x.nrows(), k, k, |start, len| {
+        let mut sum = Mat::<f32>::zeros(k, k);
+        lower_gram_add(sum.as_mut(), x.subrows(start, len).transpose(), Par::Seq);
+        sum
+    })
 }
 
 /// $X^\top Y$ in f32 of tall f32 matrices `x` (`count x kx`) and `y` (`count x ky`).
 pub(crate) fn tall_cross_f32(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f32> {
     let (kx, ky) = (x.ncols(), y.ncols());
-    let parts: Vec<Mat<f32>> = ranges(x.nrows())
-        .into_par_iter()
-        .map(|(start, len)| {
-            let mut sum = Mat::<f32>::zeros(kx, ky);
-            matmul(
-                sum.as_mut(),
-                Accum::Replace,
-                x.subrows(start, len).transpose(),
-                y.subrows(start, len),
-                1.0,
-                Par::Seq,
-            );
-            sum
-        })
-        .collect();
-    add_in_order(parts, kx, ky)
+    sum_over_ranges(x.nrows(), kx, ky, |start, len| {
+        let mut sum = Mat::<f32>::zeros(kx, ky);
+        matmul(
+            sum.as_mut(),
+            Accum::Replace,
+            x.subrows(start, len).transpose(),
+            y.subrows(start, len),
+            1.0,
+            Par::Seq,
+        );
+        sum
+    })
 }
 
 #[cfg(test)]
