@@ -47,6 +47,34 @@ pub(crate) trait RowDecode: Sync {
     /// 8 consecutive elements of `row` from `k`, dequantized (AVX2/FMA).
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256;
+    /// Elements per unit of [`RowDecode::decode_span512`] and
+    /// [`RowDecode::decode_span256`]: a run whose scales those decoders unpack once (a
+    /// ggml block, or the groups of a K-quant super-block that share their code bytes),
+    /// a multiple of 16. 0, the default, where a format has no span decoder: its 16- and
+    /// 8-lane loads look up one stored scale each, no more than a span decoder would.
+    #[cfg(target_arch = "x86_64")]
+    const SPAN: usize = 0;
+    /// Elements `k .. k + len` of `row`, dequantized into `out` (AVX-512F/BW), each with
+    /// the bits of [`RowDecode::get`]; the scales of each span are unpacked once, where
+    /// every [`RowDecode::load16`] unpacks its own.
+    ///
+    /// # Safety
+    /// `Self::SPAN > 0`; the CPU has AVX-512F/BW; `row < rows()`, `k` and `len` are
+    /// multiples of `Self::SPAN`, `k + len <= cols()`; `out .. out + len` is writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode_span512(&self, row: usize, k: usize, len: usize, out: *mut f32) {
+        let _ = (row, k, len, out);
+        unreachable!("decode_span512 of a format without span decoders (SPAN == 0)")
+    }
+    /// [`RowDecode::decode_span512`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// As [`RowDecode::decode_span512`], with AVX2 and FMA instead of AVX-512.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode_span256(&self, row: usize, k: usize, len: usize, out: *mut f32) {
+        let _ = (row, k, len, out);
+        unreachable!("decode_span256 of a format without span decoders (SPAN == 0)")
+    }
     /// Address of the stored codes of element `(row, k)` (a software-prefetch target;
     /// may point past the end, it is never dereferenced). Only the x86-64 loops prefetch.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]

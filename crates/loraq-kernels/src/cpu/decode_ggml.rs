@@ -130,6 +130,75 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     /// `scales` are its [`SimdBlock::scales256`] and `step < ELEMENTS / STEP`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn step256(block: *const u8, scales: &Self::Scales256, step: usize) -> Self::Step256;
+    /// Elements `e0 .. e0 + n` of the block (whole steps), dequantized into `out` in
+    /// input order by [`SimdBlock::step256`], the block's scales unpacked once: the
+    /// prefill's panel decode (`RowDecode::decode_span256`).
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available, `block` points at `Self::BYTES` readable bytes, `e0`
+    /// and `n` are multiples of `Self::STEP`, `e0 + n <= Self::ELEMENTS`, and `out ..
+    /// out + n` is writable.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode_steps256(block: *const u8, e0: usize, n: usize, out: *mut f32) {
+        // SAFETY: forwarded contract; step < ELEMENTS / STEP.
+        unsafe {
+            let scales = Self::scales256(block);
+            for step in e0 / Self::STEP..(e0 + n) / Self::STEP {
+                let o = out.add(step * Self::STEP - e0);
+                for (v, w) in Self::step256(block, &scales, step)
+                    .as_ref()
+                    .iter()
+                    .enumerate()
+                {
+                    _mm256_storeu_ps(o.add(8 * v), *w);
+                }
+            }
+        }
+    }
+    /// [`SimdBlock::decode_steps256`] with AVX-512: the 8-lane steps unless a type has
+    /// 16-lane ones (Q4_K, Q5_K, Q6_K, a Q4_K_M base's types).
+    ///
+    /// # Safety
+    /// As [`SimdBlock::decode_steps256`], with AVX-512F/BW (which imply AVX2 and FMA).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode_steps512(block: *const u8, e0: usize, n: usize, out: *mut f32) {
+        // SAFETY: forwarded contract.
+        unsafe { Self::decode_steps256(block, e0, n, out) }
+    }
+    /// The AVX2 factored loop's code values of `step` before their scales (`q`, `q -
+    /// 8`, `q - 32`, an IQ4 table value: exact small integers), 8 per vector in input
+    /// order, the vectors of [`SimdBlock::step256`] unscaled (and, for Q4_K / Q5_K,
+    /// without the minimum).
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available, `block` points at `Self::BYTES` readable bytes and
+    /// `step < ELEMENTS / STEP`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn codes256(block: *const u8, step: usize) -> Self::Step256;
+    /// Consecutive vectors of a [`SimdBlock::codes256`] step that share one scale: 4 (a
+    /// group of 32) or 2 (Q6_K's groups of 16).
+    #[cfg(target_arch = "x86_64")]
+    const SCALE_VECTORS256: usize = 4;
+    /// The scale of vectors `SCALE_VECTORS256 g ..` of `step`, from the block's
+    /// [`SimdBlock::scales256`].
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(scales: &Self::Scales256, step: usize, g: usize) -> f32;
+    /// With [`SimdBlock::HAS_MINS`]: the block's eight group minimums `dmin m` in
+    /// input order, from its [`SimdBlock::scales256`] (other types: never called).
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn mins256(scales: &Self::Scales256) -> __m256 {
+        let _ = scales;
+        _mm256_setzero_ps()
+    }
     /// The block's `Self::ELEMENTS` values through [`SimdBlock::step256`], stored at
     /// `out` (the tests' view of the steps).
     ///
@@ -138,18 +207,7 @@ pub(crate) trait SimdBlock: Sync + Copy + Default {
     #[cfg(all(test, target_arch = "x86_64"))]
     unsafe fn decode256(block: *const u8, out: *mut f32) {
         // SAFETY: forwarded contract.
-        unsafe {
-            let scales = Self::scales256(block);
-            for step in 0..Self::ELEMENTS / Self::STEP {
-                for (v, w) in Self::step256(block, &scales, step)
-                    .as_ref()
-                    .iter()
-                    .enumerate()
-                {
-                    _mm256_storeu_ps(out.add(step * Self::STEP + 8 * v), *w);
-                }
-            }
-        }
+        unsafe { Self::decode_steps256(block, 0, Self::ELEMENTS, out) }
     }
 }
 
@@ -815,6 +873,23 @@ impl SimdBlock for Q8_0Block {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn codes256(block: *const u8, _: usize) -> [__m256; 4] {
+        // SAFETY: 34 readable bytes at `block` (caller).
+        unsafe {
+            [0, 8, 16, 24].map(|e| {
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    block.add(2 + e).cast(),
+                )))
+            })
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(d: &f32, _: usize, _: usize) -> f32 {
+        *d
+    }
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
         // SAFETY: the block's 34 bytes are readable and e + 8 <= 32 (caller); AVX2
@@ -908,6 +983,28 @@ impl SimdBlock for Q4_0Block {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn codes256(block: *const u8, _: usize) -> [__m256; 4] {
+        // SAFETY: 18 readable bytes at `block` (caller).
+        unsafe {
+            let eight = _mm256_set1_epi32(8);
+            let [first, second] = [0, 8].map(|l| bytes8_u(block.add(2 + l)));
+            let low = |w| _mm256_and_si256(w, _mm256_set1_epi32(0xF));
+            [
+                low(first),
+                low(second),
+                _mm256_srli_epi32::<4>(first),
+                _mm256_srli_epi32::<4>(second),
+            ]
+            .map(|q| _mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(d: &f32, _: usize, _: usize) -> f32 {
+        *d
+    }
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
         // SAFETY: as Q8_0Block::load8 (18-byte block, e + 8 <= 32).
@@ -915,6 +1012,60 @@ impl SimdBlock for Q4_0Block {
             let d = f16_at(block, 0);
             let q = nibbles8(block.add(2 + e % 16), e >= 16);
             scaled(_mm256_sub_epi32(q, _mm256_set1_epi32(8)), d)
+        }
+    }
+}
+
+/// Elements `e0 .. e0 + n` (whole 64-element steps) of a Q4_K / Q5_K super-block into
+/// `out`, in input order: its scales and minimums unpacked once ([`k4_scales512`]), then
+/// per step `j` the 32 code bytes at `codes + 32 j` give group `2 j` (low nibbles) and
+/// `2 j + 1` (high), 16 elements per vector, with Q5_K's fifth bit (bit `g` of `qh`
+/// byte `l` for element `l` of group `g`) where `qh` is given. Each value is one fused
+/// multiply-subtract `q (d sc) - dmin m`, the bits of `load16` and of `block_element`
+/// (the scale and minimum are the same exact products).
+///
+/// # Safety
+/// AVX-512F/BW; the block's 16 scale bytes, `codes .. codes + 128` and `qh .. qh + 32`
+/// readable; `e0`, `n` multiples of 64 with `e0 + n <= 256`; `out .. out + n` writable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn k4_decode_steps512(
+    block: *const u8,
+    codes: *const u8,
+    qh: Option<*const u8>,
+    e0: usize,
+    n: usize,
+    out: *mut f32,
+) {
+    // SAFETY: the bytes read and the values written are in range (caller).
+    unsafe {
+        let factors = k4_scales512(block);
+        let nibble = _mm512_set1_epi32(0xF);
+        for j in e0 / 64..(e0 + n) / 64 {
+            let o = out.add(64 * j - e0);
+            let group = |h: usize| (2 * j + h) as i32;
+            let scale = |h: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(group(h)), factors);
+            let min = |h: usize| _mm512_permutexvar_ps(_mm512_set1_epi32(8 + group(h)), factors);
+            let (d, m) = ([scale(0), scale(1)], [min(0), min(1)]);
+            for half in 0..2 {
+                let raw = bytes16_u(codes.add(32 * j + 16 * half));
+                let fifth = qh.map(|qh| bytes16_u(qh.add(16 * half)));
+                for h in 0..2 {
+                    let mut q = if h == 0 {
+                        _mm512_and_si512(raw, nibble)
+                    } else {
+                        _mm512_srli_epi32::<4>(raw)
+                    };
+                    if let Some(bits) = fifth {
+                        let bit = _mm512_srl_epi32(bits, _mm_cvtsi32_si128(group(h)));
+                        let bit = _mm512_and_si512(bit, _mm512_set1_epi32(1));
+                        q = _mm512_or_si512(q, _mm512_slli_epi32::<4>(bit));
+                    }
+                    let values = _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), d[h], m[h]);
+                    _mm512_storeu_ps(o.add(32 * h + 16 * half), values);
+                }
+            }
         }
     }
 }
@@ -1047,6 +1198,40 @@ impl SimdBlock for Q4KBlock {
             }
             out
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn codes256(block: *const u8, j: usize) -> [__m256; 8] {
+        // SAFETY: 144 readable bytes at `block`, j < 4 (caller).
+        unsafe {
+            let mut out = [_mm256_setzero_ps(); 8];
+            for l in 0..4 {
+                let w = bytes8_u(block.add(16 + 32 * j + 8 * l));
+                out[l] = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xF)));
+                out[4 + l] = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(w));
+            }
+            out
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(scales: &[f32; 16], j: usize, g: usize) -> f32 {
+        scales[2 * j + g]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn mins256(scales: &[f32; 16]) -> __m256 {
+        // SAFETY: lanes 8..16 of the 16.
+        unsafe { _mm256_loadu_ps(scales.as_ptr().add(8)) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode_steps512(block: *const u8, e0: usize, n: usize, out: *mut f32) {
+        // SAFETY: 144 readable bytes at `block`, whole steps j < 4 within the block,
+        // `out` holds n values (caller).
+        unsafe { k4_decode_steps512(block, block.add(16), None, e0, n, out) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -1210,6 +1395,55 @@ impl SimdBlock for Q5KBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn codes256(block: *const u8, j: usize) -> [__m256; 8] {
+        // As step256, the codes left unscaled.
+        // SAFETY: 176 readable bytes at `block`, j < 4 (caller).
+        unsafe {
+            let (shift_low, shift_high) = (
+                _mm_cvtsi32_si128(2 * j as i32),
+                _mm_cvtsi32_si128(2 * j as i32 + 1),
+            );
+            let (nibble, fifth) = (_mm256_set1_epi32(0xF), _mm256_set1_epi32(16));
+            let mut out = [_mm256_setzero_ps(); 8];
+            for l in 0..4 {
+                let w = bytes8_u(block.add(48 + 32 * j + 8 * l));
+                let qh = _mm256_slli_epi32::<4>(bytes8_u(block.add(16 + 8 * l)));
+                let low = _mm256_or_si256(
+                    _mm256_and_si256(w, nibble),
+                    _mm256_and_si256(_mm256_srl_epi32(qh, shift_low), fifth),
+                );
+                let high = _mm256_or_si256(
+                    _mm256_srli_epi32::<4>(w),
+                    _mm256_and_si256(_mm256_srl_epi32(qh, shift_high), fifth),
+                );
+                out[l] = _mm256_cvtepi32_ps(low);
+                out[4 + l] = _mm256_cvtepi32_ps(high);
+            }
+            out
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(scales: &[f32; 16], j: usize, g: usize) -> f32 {
+        scales[2 * j + g]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn mins256(scales: &[f32; 16]) -> __m256 {
+        // SAFETY: lanes 8..16 of the 16.
+        unsafe { _mm256_loadu_ps(scales.as_ptr().add(8)) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode_steps512(block: *const u8, e0: usize, n: usize, out: *mut f32) {
+        // SAFETY: 176 readable bytes at `block` (the fifth bits at 16..48, the codes at
+        // 48..176), whole steps j < 4 within the block, `out` holds n values (caller).
+        unsafe { k4_decode_steps512(block, block.add(48), Some(block.add(16)), e0, n, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
         let (j, upper, l) = (e / 64, (e % 64) / 32, e % 32);
@@ -1361,6 +1595,79 @@ impl SimdBlock for Q6KBlock {
         out
     }
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn codes256(block: *const u8, step: usize) -> [__m256; 8] {
+        // As step256, the codes `q - 32` left unscaled.
+        let (n, part) = (step / 2, step % 2);
+        let mut out = [_mm256_setzero_ps(); 8];
+        // SAFETY: 210 readable bytes at `block`, step < 4 (caller).
+        unsafe {
+            let qh = _mm256_loadu_si256(block.add(128 + 32 * n).cast());
+            let nibble = _mm256_set1_epi8(0x0F);
+            for i in 0..2 {
+                let quarter = 2 * part + i;
+                let ql = _mm256_loadu_si256(block.add(64 * n + 32 * i).cast());
+                let low = if part == 0 {
+                    _mm256_and_si256(ql, nibble)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql), nibble)
+                };
+                let high = match quarter {
+                    0 => _mm256_slli_epi16::<4>(qh),
+                    1 => _mm256_slli_epi16::<2>(qh),
+                    2 => qh,
+                    _ => _mm256_srli_epi16::<2>(qh),
+                };
+                let high = _mm256_and_si256(high, _mm256_set1_epi8(0x30));
+                let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                for (h, half) in halves.into_iter().enumerate() {
+                    for (e, bytes) in [half, _mm_srli_si128::<8>(half)].into_iter().enumerate() {
+                        out[4 * i + 2 * h + e] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                    }
+                }
+            }
+        }
+        out
+    }
+    #[cfg(target_arch = "x86_64")]
+    const SCALE_VECTORS256: usize = 2;
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(scales: &[f32; 16], step: usize, g: usize) -> f32 {
+        // Vectors 2g, 2g + 1 of step s: elements 64 s + 16 g .. + 16, scale 4 s + g.
+        scales[4 * step + g]
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode_steps512(block: *const u8, e0: usize, n: usize, out: *mut f32) {
+        // Step s's 64 codes `q - 32`, in input order (q6_k_step_codes), times the
+        // scale of each 16 (lane e / 16 of the block's scales), as load16 multiplies:
+        // `d sc` is the same exact product.
+        // SAFETY: 210 readable bytes at `block`, whole steps s < 4 within the block,
+        // `out` holds n values (caller).
+        unsafe {
+            let scales = q6_k_scales512(block);
+            for step in e0 / 64..(e0 + n) / 64 {
+                let o = out.add(64 * step - e0);
+                let q = q6_k_step_codes(block, step);
+                let lanes = [
+                    _mm512_castsi512_si128(q),
+                    _mm512_extracti32x4_epi32::<1>(q),
+                    _mm512_extracti32x4_epi32::<2>(q),
+                    _mm512_extracti32x4_epi32::<3>(q),
+                ];
+                for (v, bytes) in lanes.into_iter().enumerate() {
+                    let scale =
+                        _mm512_permutexvar_ps(_mm512_set1_epi32((4 * step + v) as i32), scales);
+                    let values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+                    _mm512_storeu_ps(o.add(16 * v), _mm512_mul_ps(values, scale));
+                }
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
         let (n, quarter, l) = (e / 128, (e % 128) / 32, e % 32);
@@ -1495,6 +1802,31 @@ impl SimdBlock for Iq4XsBlock {
         }
     }
     #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn codes256(block: *const u8, ib: usize) -> [__m256; 4] {
+        // As step256, the table values left unscaled.
+        // SAFETY: 136 readable bytes at `block`, ib < 8 (caller).
+        unsafe {
+            let table = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
+            let mask = _mm_set1_epi8(0xF);
+            let raw = _mm_loadu_si128(block.add(8 + 16 * ib).cast());
+            let low = _mm_shuffle_epi8(table, _mm_and_si128(raw, mask));
+            let high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(raw), mask));
+            [
+                low,
+                _mm_srli_si128::<8>(low),
+                high,
+                _mm_srli_si128::<8>(high),
+            ]
+            .map(|bytes| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn step_scale256(scales: &[f32; 8], ib: usize, _: usize) -> f32 {
+        scales[ib]
+    }
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(block: *const u8, e: usize) -> __m256 {
         let (ib, j) = (e / 32, e % 32);
@@ -1558,6 +1890,29 @@ pub(crate) trait BlockFormat: Sync {
     /// elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(&self, row: &[u8], k: usize) -> __m512;
+    /// `RowDecode::SPAN` of the type's rows: a [`SimdBlock`]'s `STEP`, 0 for the
+    /// others (no span decoders).
+    #[cfg(target_arch = "x86_64")]
+    const SPAN: usize = 0;
+    /// Elements `k .. k + len` of `row` (whole spans) into `out`, AVX-512.
+    ///
+    /// # Safety
+    /// `Self::SPAN > 0`, AVX-512F/BW, `k` and `len` multiples of `Self::SPAN` with `k +
+    /// len` at most the row's elements, `out .. out + len` writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode_span512(&self, row: &[u8], k: usize, len: usize, out: *mut f32) {
+        let _ = (row, k, len, out);
+        unreachable!("decode_span512 of a type without span decoders")
+    }
+    /// [`BlockFormat::decode_span512`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// As [`BlockFormat::decode_span512`], with AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode_span256(&self, row: &[u8], k: usize, len: usize, out: *mut f32) {
+        let _ = (row, k, len, out);
+        unreachable!("decode_span256 of a type without span decoders")
+    }
 }
 
 impl<B: SimdBlock> BlockFormat for B {
@@ -1586,6 +1941,45 @@ impl<B: SimdBlock> BlockFormat for B {
                 k % B::ELEMENTS,
             )
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    const SPAN: usize = B::STEP;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode_span512(&self, row: &[u8], k: usize, len: usize, out: *mut f32) {
+        // SAFETY: whole steps of whole blocks of the row (caller; a block holds whole
+        // steps).
+        unsafe {
+            for_blocks::<B>(k, len, |b, e0, n, o| {
+                B::decode_steps512(row.as_ptr().add(b * B::BYTES), e0, n, out.add(o))
+            })
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode_span256(&self, row: &[u8], k: usize, len: usize, out: *mut f32) {
+        // SAFETY: as decode_span512.
+        unsafe {
+            for_blocks::<B>(k, len, |b, e0, n, o| {
+                B::decode_steps256(row.as_ptr().add(b * B::BYTES), e0, n, out.add(o))
+            })
+        }
+    }
+}
+
+/// Splits elements `k .. k + len` of a row of `B` blocks by block: `f(block, e0, n,
+/// offset)` for elements `e0 .. e0 + n` of block `block`, the run's values `offset ..`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn for_blocks<B: SimdBlock>(k: usize, len: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+    let (mut e, end) = (k, k + len);
+    while e < end {
+        let e0 = e % B::ELEMENTS;
+        let n = (B::ELEMENTS - e0).min(end - e);
+        f(e / B::ELEMENTS, e0, n, e - k);
+        e += n;
     }
 }
 
@@ -1705,6 +2099,28 @@ impl<F: BlockFormat> RowDecode for BlockRows<'_, F> {
         // SAFETY: row < rows and k + 8 <= cols with k % 8 == 0 (trait contract).
         unsafe { self.format.load8(self.row_unchecked(row), k) }
     }
+    #[cfg(target_arch = "x86_64")]
+    const SPAN: usize = F::SPAN;
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn decode_span512(&self, row: usize, k: usize, len: usize, out: *mut f32) {
+        // SAFETY: row < rows, whole spans within the row (trait contract).
+        unsafe {
+            self.format
+                .decode_span512(self.row_unchecked(row), k, len, out)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn decode_span256(&self, row: usize, k: usize, len: usize, out: *mut f32) {
+        // SAFETY: as decode_span512.
+        unsafe {
+            self.format
+                .decode_span256(self.row_unchecked(row), k, len, out)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1781,6 +2197,17 @@ mod tests {
                             g.to_bits(),
                             w.to_bits(),
                             "{} {isa:?}: row {row} element {k}: {g:e}, gguf-py {w:e}",
+                            B::TYPE
+                        );
+                    }
+                    // The prefill's row decode (span decoders over whole spans).
+                    let mut segment = vec![0f32; in_features];
+                    crate::cpu::gemm::decode_segment(isa, &d, row, 0, &mut segment);
+                    for (k, (g, w)) in segment.iter().zip(want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{} {isa:?} span decode: row {row} element {k}: {g:e}, gguf-py {w:e}",
                             B::TYPE
                         );
                     }
@@ -1885,6 +2312,46 @@ mod tests {
         out
     }
 
+    /// The AVX2 factored steps of one block, recombined per element: vector `v` of
+    /// step `s` holds elements `STEP s + 8 v ..` (input order), each the code times the
+    /// scale of the vector's group (`step_scale256`), less the group's minimum
+    /// (`mins256` lane `e / 32`) for types with minimums.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available and `block` holds `B::BYTES` bytes.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn factored256_elements<B: SimdBlock>(block: &[u8]) -> Vec<f32> {
+        let mut out = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+        let lanes = |v: __m256| {
+            let mut a = [0f32; 8];
+            // SAFETY: 8 f32.
+            unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+            a
+        };
+        // SAFETY: AVX2 (caller); a whole block; step < ELEMENTS / STEP.
+        unsafe {
+            let scales = B::scales256(block.as_ptr());
+            let mins = lanes(B::mins256(&scales));
+            for step in 0..B::ELEMENTS / B::STEP {
+                let codes = B::codes256(block.as_ptr(), step);
+                assert_eq!(codes.as_ref().len() * 8, B::STEP);
+                for (v, w) in codes.as_ref().iter().enumerate() {
+                    let scale = B::step_scale256(&scales, step, v / B::SCALE_VECTORS256);
+                    for (i, code) in lanes(*w).into_iter().enumerate() {
+                        let e = step * B::STEP + 8 * v + i;
+                        out[e] = if B::HAS_MINS {
+                            code * scale - mins[e / 32]
+                        } else {
+                            code * scale
+                        };
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// The whole-block decoders of every available ISA give the bits of
     /// `block_element` on every element of every block (NaN: any NaN): the AVX2
     /// steps, the loads, and the AVX-512 factored steps recombined (each code times
@@ -1923,7 +2390,36 @@ mod tests {
                         }
                     }
                 }
-                for (what, values) in [("block decode", &got), ("load", &loaded)] {
+                // The span decoders of the prefill's panels: the whole block, then each
+                // step alone (the offsets into the block and into `out`).
+                let mut spans = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+                let mut steps = vec![f32::from_bits(0xDEAD_BEEF); B::ELEMENTS];
+                // SAFETY: the ISA was detected; whole steps of a whole block; as many f32
+                // out.
+                unsafe {
+                    let decode = |e0: usize, n: usize, out: *mut f32| match isa {
+                        Isa::Avx512 => B::decode_steps512(block.as_ptr(), e0, n, out),
+                        _ => B::decode_steps256(block.as_ptr(), e0, n, out),
+                    };
+                    decode(0, B::ELEMENTS, spans.as_mut_ptr());
+                    for e0 in (0..B::ELEMENTS).step_by(B::STEP) {
+                        decode(e0, B::STEP, steps.as_mut_ptr().add(e0));
+                    }
+                }
+                // AVX2: its factored steps too (each code times its scale exact, as the
+                // AVX-512 ones).
+                let factored = match isa {
+                    // SAFETY: the ISA was detected; a whole block in.
+                    Isa::Avx2 => unsafe { factored256_elements::<B>(block) },
+                    _ => want.clone(),
+                };
+                for (what, values) in [
+                    ("block decode", &got),
+                    ("load", &loaded),
+                    ("span decode", &spans),
+                    ("step decode", &steps),
+                    ("factored 8-lane steps", &factored),
+                ] {
                     for (e, (g, w)) in values.iter().zip(&want).enumerate() {
                         assert!(
                             g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
@@ -1982,6 +2478,102 @@ mod tests {
         check_decoders::<Q5KBlock>(4);
         check_decoders::<Q6KBlock>(5);
         check_decoders::<Iq4XsBlock>(6);
+    }
+
+    /// The prefill product (`gemm_rows`) on a GGUF weight, whose panels the span
+    /// decoders pack, is bit for bit the product on the weight dequantized by
+    /// `block_element` (an `F32Rows`, packed by plain loads): the panels hold the same
+    /// values and the micro-kernels are the same. 70 rows (two whole 32-row blocks and
+    /// an edge of 6, decoded row by row), 20 tokens, reduction slices of 128 (and a
+    /// shorter last one for the 32-element types), every ISA.
+    #[test]
+    fn prefill_panels_are_the_dequantized_weight() {
+        use crate::cpu::Parallelism;
+        use crate::cpu::decode::F32Rows;
+        use crate::cpu::gemm::{Segment, gemm_rows, tile_shape};
+        use rand::{Rng, SeedableRng};
+        fn run<B: SimdBlock>(seed: u64) {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let (rows, tokens): (usize, usize) = (70, 20);
+            let cols = if B::ELEMENTS == 256 { 512 } else { 13 * 32 };
+            let mut data = vec![0u8; rows * cols / B::ELEMENTS * B::BYTES];
+            rng.fill(data.as_mut_slice());
+            for chunk in data.chunks_exact_mut(B::BYTES) {
+                for &offset in loraq_quant::ggml::f16_scale_offsets(B::TYPE) {
+                    let scale: f32 = rng.random_range(-4e-2..4e-2);
+                    let bits = loraq_quant::ggml::fp32_to_fp16(scale);
+                    chunk[offset..offset + 2].copy_from_slice(&bits.to_le_bytes());
+                }
+            }
+            let weight = GgmlWeight::new("prefill", B::TYPE, rows, cols, data).unwrap();
+            let d = BlockRows::new(&weight, B::default());
+            let dense: Vec<f32> = (0..rows * cols)
+                .map(|i| d.get(i / cols, i % cols))
+                .collect();
+            let dense_rows = F32Rows {
+                data: &dense,
+                rows,
+                cols,
+            };
+            for isa in Isa::available() {
+                let (mr, _) = tile_shape(isa);
+                let n_padded = tokens.div_ceil(mr) * mr;
+                let mut x: Vec<f32> = (0..tokens * cols)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                x.resize(n_padded * cols, 0.0);
+                let product = |y: &mut [f32], quantized: bool| {
+                    if quantized {
+                        let first = Segment {
+                            weight: &d,
+                            x: &x,
+                            x_stride: cols,
+                        };
+                        gemm_rows::<_, F32Rows<'_>>(
+                            isa,
+                            Parallelism::Sequential,
+                            n_padded,
+                            &first,
+                            None,
+                            y,
+                        );
+                    } else {
+                        let first = Segment {
+                            weight: &dense_rows,
+                            x: &x,
+                            x_stride: cols,
+                        };
+                        gemm_rows::<_, F32Rows<'_>>(
+                            isa,
+                            Parallelism::Sequential,
+                            n_padded,
+                            &first,
+                            None,
+                            y,
+                        );
+                    }
+                };
+                let (mut got, mut want) = (vec![0f32; tokens * rows], vec![0f32; tokens * rows]);
+                product(&mut got, true);
+                product(&mut want, false);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{} {isa:?}: y[{}, {}] = {g:e}, dequantized weight's {w:e}",
+                        B::TYPE,
+                        i / rows,
+                        i % rows
+                    );
+                }
+            }
+        }
+        run::<Q8_0Block>(21);
+        run::<Q4_0Block>(22);
+        run::<Q4KBlock>(23);
+        run::<Q5KBlock>(24);
+        run::<Q6KBlock>(25);
+        run::<Iq4XsBlock>(26);
     }
 
     /// The types without a SIMD load decode through `ScalarBlock`'s 8-lane load as

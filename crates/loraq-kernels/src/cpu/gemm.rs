@@ -73,6 +73,17 @@ pub(crate) fn decode_segment<D: RowDecode>(
 unsafe fn decode_avx512<D: RowDecode>(d: &D, row: usize, k0: usize, out: &mut [f32]) -> usize {
     let end = k0 + out.len();
     let mut k = k0;
+    if D::SPAN > 0 && k0.is_multiple_of(D::SPAN) {
+        // Whole spans first, their scales unpacked once per span (a multiple of 16, so
+        // the 16-lane steps below stay aligned).
+        let len = out.len() / D::SPAN * D::SPAN;
+        if len > 0 {
+            // SAFETY: SPAN > 0, k0 and len multiples of it, k0 + len <= cols (caller);
+            // out holds len values.
+            unsafe { d.decode_span512(row, k0, len, out.as_mut_ptr()) };
+            k += len;
+        }
+    }
     while k + 16 <= end {
         // SAFETY: k % 16 == 0 and k + 16 <= cols (caller).
         unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(k - k0), d.load16(row, k)) };
@@ -90,6 +101,14 @@ unsafe fn decode_avx512<D: RowDecode>(d: &D, row: usize, k0: usize, out: &mut [f
 unsafe fn decode_avx2<D: RowDecode>(d: &D, row: usize, k0: usize, out: &mut [f32]) -> usize {
     let end = k0 + out.len();
     let mut k = k0;
+    if D::SPAN > 0 && k0.is_multiple_of(D::SPAN) {
+        let len = out.len() / D::SPAN * D::SPAN;
+        if len > 0 {
+            // SAFETY: as in decode_avx512.
+            unsafe { d.decode_span256(row, k0, len, out.as_mut_ptr()) };
+            k += len;
+        }
+    }
     while k + 8 <= end {
         // SAFETY: k % 8 == 0 and k + 8 <= cols (caller).
         unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(k - k0), d.load8(row, k)) };
@@ -416,9 +435,13 @@ unsafe fn pack_panel_avx512<D: RowDecode>(
     panel: &mut [f32],
 ) -> usize {
     const NR: usize = 32;
-    let whole = kc / 16 * 16;
     debug_assert!(panel.len() >= kc * NR);
     let pp = panel.as_mut_ptr();
+    if D::SPAN > 0 && k0.is_multiple_of(D::SPAN) && kc >= D::SPAN {
+        // SAFETY: forwarded contract.
+        return unsafe { pack_spans_avx512(d, o0, k0, kc / D::SPAN * D::SPAN, pp) };
+    }
+    let whole = kc / 16 * 16;
     for group in 0..NR / 16 {
         let mut kk0 = 0;
         while kk0 < whole {
@@ -435,6 +458,52 @@ unsafe fn pack_panel_avx512<D: RowDecode>(
         }
     }
     whole
+}
+
+/// [`pack_panel_avx512`] of a format with span decoders, for inputs `k0 .. k0 + len`
+/// (whole spans): 16 rows at a time decoded by [`RowDecode::decode_span512`] into a
+/// row-major scratch block (8 KiB, in L1), each span's scales unpacked once, then
+/// transposed 16 x 16 from there. The 16-lane loads would unpack a K-quant group's
+/// scale and minimum again for every 16 inputs (in Q4_K's case, a scalar unpacking of
+/// the packed 6-bit fields that cost more than the decode itself). Returns `len`.
+///
+/// # Safety
+/// As [`pack_panel_avx512`]; `D::SPAN > 0`, `k0` and `len` are multiples of it and
+/// `len <= kc`; `pp` points at the panel.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_spans_avx512<D: RowDecode>(
+    d: &D,
+    o0: usize,
+    k0: usize,
+    len: usize,
+    pp: *mut f32,
+) -> usize {
+    const NR: usize = 32;
+    debug_assert!(len <= KC && len.is_multiple_of(16));
+    let mut rows = std::mem::MaybeUninit::<[f32; 16 * KC]>::uninit();
+    let buf = rows.as_mut_ptr().cast::<f32>();
+    for group in 0..NR / 16 {
+        // SAFETY: rows o0 .. o0 + 32 and inputs k0 .. k0 + len exist, spans aligned
+        // (caller); row r of the scratch block is buf[r * KC .. r * KC + len], written
+        // before the loads below read it; stores within the panel's kc * 32.
+        unsafe {
+            for r in 0..16 {
+                d.decode_span512(o0 + 16 * group + r, k0, len, buf.add(r * KC));
+            }
+            let mut kk0 = 0;
+            while kk0 < len {
+                let v: [__m512; 16] =
+                    std::array::from_fn(|r| _mm512_loadu_ps(buf.add(r * KC + kk0)));
+                let t = transpose16(v);
+                for (c, col) in t.iter().enumerate() {
+                    _mm512_storeu_ps(pp.add((kk0 + c) * NR + 16 * group), *col);
+                }
+                kk0 += 16;
+            }
+        }
+    }
+    len
 }
 
 /// The transpose of a 16 x 16 f32 matrix held as 16 row vectors.
@@ -493,9 +562,13 @@ unsafe fn pack_panel_avx2<D: RowDecode>(
     panel: &mut [f32],
 ) -> usize {
     const NR: usize = 16;
-    let whole = kc / 8 * 8;
     debug_assert!(panel.len() >= kc * NR);
     let pp = panel.as_mut_ptr();
+    if D::SPAN > 0 && k0.is_multiple_of(D::SPAN) && kc >= D::SPAN {
+        // SAFETY: forwarded contract.
+        return unsafe { pack_spans_avx2(d, o0, k0, kc / D::SPAN * D::SPAN, pp) };
+    }
+    let whole = kc / 8 * 8;
     for group in 0..NR / 8 {
         let mut kk0 = 0;
         while kk0 < whole {
@@ -511,6 +584,46 @@ unsafe fn pack_panel_avx2<D: RowDecode>(
         }
     }
     whole
+}
+
+/// [`pack_spans_avx512`] for the 16-row AVX2 blocks: 8 rows at a time by
+/// [`RowDecode::decode_span256`], transposed 8 x 8.
+///
+/// # Safety
+/// As [`pack_panel_avx2`]; `D::SPAN > 0`, `k0` and `len` are multiples of it and
+/// `len <= kc`; `pp` points at the panel.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_spans_avx2<D: RowDecode>(
+    d: &D,
+    o0: usize,
+    k0: usize,
+    len: usize,
+    pp: *mut f32,
+) -> usize {
+    const NR: usize = 16;
+    debug_assert!(len <= KC && len.is_multiple_of(8));
+    let mut rows = std::mem::MaybeUninit::<[f32; 8 * KC]>::uninit();
+    let buf = rows.as_mut_ptr().cast::<f32>();
+    for group in 0..NR / 8 {
+        // SAFETY: as in pack_spans_avx512, 8 rows of the scratch block per group.
+        unsafe {
+            for r in 0..8 {
+                d.decode_span256(o0 + 8 * group + r, k0, len, buf.add(r * KC));
+            }
+            let mut kk0 = 0;
+            while kk0 < len {
+                let v: [__m256; 8] =
+                    std::array::from_fn(|r| _mm256_loadu_ps(buf.add(r * KC + kk0)));
+                let t = transpose8(v);
+                for (c, col) in t.iter().enumerate() {
+                    _mm256_storeu_ps(pp.add((kk0 + c) * NR + 8 * group), *col);
+                }
+                kk0 += 8;
+            }
+        }
+    }
+    len
 }
 
 /// The transpose of an 8 x 8 f32 matrix held as 8 row vectors.

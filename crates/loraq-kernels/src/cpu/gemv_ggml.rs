@@ -20,10 +20,16 @@
 //! the dequantized weight by the summation order and the factored scales only (within
 //! rounding of the f64 reference: `tests/fast_vs_reference.rs`).
 //!
-//! AVX2: per block each row's scales are unpacked once ([`SimdBlock::scales256`]); then
-//! step by step each row's codes are dequantized in registers ([`SimdBlock::step256`],
-//! the bits of `loraq_quant::ggml::block_element`) and multiplied into every token's
-//! accumulator in input order, 8 inputs per vector.
+//! AVX2: the same factoring, in input order. Per block each row's scales are unpacked
+//! once ([`SimdBlock::scales256`]); then step by step each row's code values before
+//! their scale ([`SimdBlock::codes256`], 8 per vector) are multiplied by the activation
+//! and summed per lane over the vectors that share a scale (a group of 32, Q6_K's of
+//! 16), and that sum is multiplied by the group's scale into the token's accumulator
+//! ([`SimdBlock::step_scale256`]): one multiply-add per 8 inputs and token plus one per
+//! group, where dequantizing first took a multiply (Q4_K / Q5_K: a multiply-subtract)
+//! per 8 inputs more. Q4_K / Q5_K's minimums add `-(dmin m) sum x` once per block
+//! ([`SimdBlock::mins256`] against the same group sums). The codes are in input order,
+//! so the activation is read in place.
 //!
 //! Both loops let the rows of a pass take turns step by step, so the `R x T`
 //! accumulators' dependency chains overlap. GGUF rows are whole blocks (32 or 256
@@ -40,9 +46,10 @@ use std::mem::MaybeUninit;
 /// Inputs per prefetch span (one K-quant super-block, eight 32-element blocks).
 const SPAN: usize = 256;
 
-/// The activations in the AVX-512 loop's order, and their group sums.
+/// The activations in the AVX-512 loop's order, and their group sums (both loops).
 pub(crate) struct FactoredActivations {
-    /// `[T, in_features]`: each block's inputs in [`SimdBlock::source512`]'s order.
+    /// `[T, in_features]`: each block's inputs in [`SimdBlock::source512`]'s order
+    /// (AVX-512; empty for the AVX2 loop, which reads them in input order).
     reordered: Vec<f32>,
     /// `[T, blocks, 16]` with [`SimdBlock::HAS_MINS`] (else empty): lane `8 + g` of
     /// each block holds minus the sum of the block's group `g` of 32 inputs, lanes 0..8
@@ -52,10 +59,17 @@ pub(crate) struct FactoredActivations {
 }
 
 impl FactoredActivations {
-    /// `x` (`T` rows of `in_features`, `x_stride` apart) for `B`'s AVX-512 loop.
-    fn new<B: SimdBlock>(x: &[f32], tokens: usize, in_features: usize, x_stride: usize) -> Self {
+    /// `x` (`T` rows of `in_features`, `x_stride` apart) for `B`'s factored loops,
+    /// reordered for the AVX-512 one when `reorder`.
+    fn new<B: SimdBlock>(
+        x: &[f32],
+        tokens: usize,
+        in_features: usize,
+        x_stride: usize,
+        reorder: bool,
+    ) -> Self {
         let blocks = in_features / B::ELEMENTS;
-        let mut reordered = vec![0f32; tokens * in_features];
+        let mut reordered = vec![0f32; if reorder { tokens * in_features } else { 0 }];
         let mut negated_group_sums = if B::HAS_MINS {
             vec![0f32; tokens * blocks * 16]
         } else {
@@ -63,14 +77,12 @@ impl FactoredActivations {
         };
         for t in 0..tokens {
             let src = &x[t * x_stride..t * x_stride + in_features];
-            let dst = &mut reordered[t * in_features..(t + 1) * in_features];
-            for (b, (d, s)) in dst
-                .chunks_exact_mut(B::ELEMENTS)
-                .zip(src.chunks_exact(B::ELEMENTS))
-                .enumerate()
-            {
-                for (p, v) in d.iter_mut().enumerate() {
-                    *v = s[B::source512(p)];
+            for (b, s) in src.chunks_exact(B::ELEMENTS).enumerate() {
+                if reorder {
+                    let d = &mut reordered[t * in_features + b * B::ELEMENTS..][..B::ELEMENTS];
+                    for (p, v) in d.iter_mut().enumerate() {
+                        *v = s[B::source512(p)];
+                    }
                 }
                 if B::HAS_MINS {
                     let sums = &mut negated_group_sums[(t * blocks + b) * 16..][..16];
@@ -95,8 +107,8 @@ pub(crate) struct GgmlKernel<'a, B: SimdBlock> {
     /// Activations, `[T, in_features]`, rows `x_stride` apart (the AVX2 loop's).
     pub x: &'a [f32],
     pub x_stride: usize,
-    /// With [`Isa::Avx512`]: `x` in the factored loop's order.
-    pub factored: Option<FactoredActivations>,
+    /// The group sums, and with [`Isa::Avx512`] `x` in the factored loop's order.
+    pub factored: FactoredActivations,
 }
 
 impl<'a, B: SimdBlock> GgmlKernel<'a, B> {
@@ -109,8 +121,8 @@ impl<'a, B: SimdBlock> GgmlKernel<'a, B> {
         x_stride: usize,
     ) -> Self {
         use super::decode::RowDecode;
-        let factored = (isa == Isa::Avx512)
-            .then(|| FactoredActivations::new::<B>(x, tokens, weight.cols(), x_stride));
+        let factored =
+            FactoredActivations::new::<B>(x, tokens, weight.cols(), x_stride, isa == Isa::Avx512);
         Self {
             isa,
             weight,
@@ -206,10 +218,9 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         assert!(out.len() >= nrows * T);
         let cols = self.weight.cols();
         assert!(T == 0 || (T - 1) * self.x_stride + cols <= self.x.len());
-        if let Some(f) = &self.factored {
-            assert!(f.reordered.len() >= T * cols);
-            assert!(!B::HAS_MINS || f.negated_group_sums.len() >= T * cols / B::ELEMENTS * 16);
-        }
+        let f = &self.factored;
+        assert!(self.isa != Isa::Avx512 || f.reordered.len() >= T * cols);
+        assert!(!B::HAS_MINS || f.negated_group_sums.len() >= T * cols / B::ELEMENTS * 16);
         let mut r = 0;
         if T <= 2 {
             while r + 4 <= nrows {
@@ -236,14 +247,14 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
     ///
     /// # Safety
     /// `self.isa` was detected; rows `row0 .. row0 + R` exist; `out` holds `R * T`
-    /// values; `x` holds `T` rows of `cols` inputs, `x_stride` apart, and with
-    /// AVX-512 `self.factored` holds them reordered.
+    /// values; `x` holds `T` rows of `cols` inputs, `x_stride` apart, `self.factored`
+    /// their group sums and, with AVX-512, the inputs reordered.
     unsafe fn rows_simd<const R: usize, const T: usize>(&self, row0: usize, out: &mut [f32]) {
         // SAFETY: forwarded from the caller.
         unsafe {
-            match (self.isa, &self.factored) {
-                (Isa::Avx512, Some(f)) => self.rows_avx512::<R, T>(row0, f, out),
-                (Isa::Avx2, _) => self.rows_avx2::<R, T>(row0, out),
+            match self.isa {
+                Isa::Avx512 => self.rows_avx512::<R, T>(row0, &self.factored, out),
+                Isa::Avx2 => self.rows_avx2::<R, T>(row0, &self.factored, out),
                 _ => unreachable!("the GGUF loop needs AVX2 or AVX-512"),
             }
         }
@@ -345,24 +356,35 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
         }
     }
 
-    /// The AVX2 loop: per block, every row's scales, then step by step every row's
-    /// dequantized vectors into its `T` accumulators.
+    /// The AVX2 factored loop: per block, every row's scales; step by step every row's
+    /// code values times the activation, summed per lane over the vectors of a scale
+    /// group and scaled once per group into its `T` accumulators; then, for types with
+    /// minimums, `-(dmin m) sum x` of the block's eight groups by one multiply-add per
+    /// row and token.
     ///
     /// # Safety
     /// As [`Self::rows_simd`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_avx2<const R: usize, const T: usize>(&self, row0: usize, out: &mut [f32]) {
+    unsafe fn rows_avx2<const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        f: &FactoredActivations,
+        out: &mut [f32],
+    ) {
         use super::decode::RowDecode;
         let cols = self.weight.cols();
         let blocks = cols / B::ELEMENTS;
+        let group_vectors = B::SCALE_VECTORS256;
         let xp = self.x.as_ptr();
+        let sums = f.negated_group_sums.as_ptr();
         // SAFETY: rows row0 .. row0 + R exist (caller).
         let rows = unsafe { self.row_starts::<R>(row0) };
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         let mut scales = [const { MaybeUninit::<B::Scales256>::uninit() }; R];
         for b in 0..blocks {
             // SAFETY: block b of each row lies in the row (b < blocks); token t's
-            // inputs b * ELEMENTS .. + ELEMENTS lie in its row of x (caller).
+            // inputs b * ELEMENTS .. + ELEMENTS lie in its row of x, and its block sums
+            // in `negated_group_sums` (caller, `dot_rows`' assertions).
             unsafe {
                 Self::prefetch_span::<R>(&rows, b, blocks);
                 for (s, row) in scales.iter_mut().zip(rows) {
@@ -371,14 +393,33 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
                 let x_block = xp.add(b * B::ELEMENTS);
                 for step in 0..B::ELEMENTS / B::STEP {
                     for r in 0..R {
-                        let block = rows[r].add(b * B::BYTES);
-                        let w = B::step256(block, scales[r].assume_init_ref(), step);
-                        for (v, &w_v) in w.as_ref().iter().enumerate() {
-                            let x = x_block.add(step * B::STEP + v * 8);
+                        let w = B::codes256(rows[r].add(b * B::BYTES), step);
+                        let w = w.as_ref();
+                        let s_r = scales[r].assume_init_ref();
+                        for g in 0..w.len() / group_vectors {
+                            let scale = _mm256_set1_ps(B::step_scale256(s_r, step, g));
+                            let v0 = g * group_vectors;
                             for (t, a) in acc[r].iter_mut().enumerate() {
-                                let xv = _mm256_loadu_ps(x.add(t * self.x_stride));
-                                *a = _mm256_fmadd_ps(w_v, xv, *a);
+                                let x = x_block.add(t * self.x_stride + step * B::STEP + 8 * v0);
+                                let mut p = _mm256_mul_ps(w[v0], _mm256_loadu_ps(x));
+                                for v in 1..group_vectors {
+                                    p = _mm256_fmadd_ps(
+                                        w[v0 + v],
+                                        _mm256_loadu_ps(x.add(8 * v)),
+                                        p,
+                                    );
+                                }
+                                *a = _mm256_fmadd_ps(p, scale, *a);
                             }
+                        }
+                    }
+                }
+                if B::HAS_MINS {
+                    for r in 0..R {
+                        let mins = B::mins256(scales[r].assume_init_ref());
+                        for (t, a) in acc[r].iter_mut().enumerate() {
+                            let s = _mm256_loadu_ps(sums.add((t * blocks + b) * 16 + 8));
+                            *a = _mm256_fmadd_ps(mins, s, *a);
                         }
                     }
                 }
