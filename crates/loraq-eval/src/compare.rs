@@ -342,8 +342,14 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
         };
         (near_ties, flip_margins)
     };
-    let ((kl_summary, (near_ties, flip_margins)), (reference, candidate)) = rayon::join(
-        || rayon::join(kl_summary, near_ties),
+    // The groups' pass too (a sequential pass over every pair once the rest was done).
+    let (((kl_summary, (near_ties, flip_margins)), groups), (reference, candidate)) = rayon::join(
+        || {
+            rayon::join(
+                || rayon::join(kl_summary, near_ties),
+                || group_summaries(paired),
+            )
+        },
         || {
             rayon::join(
                 || side_calibration(|p| (p.reference_confidence, p.gold.expect("gold").0)),
@@ -354,7 +360,6 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
     let (reference_calibration, reference_table) = reference;
     let (candidate_calibration, candidate_table) = candidate;
 
-    let groups = group_summaries(paired);
     let group_deltas: Vec<f64> = groups.values().filter_map(|g| g.accuracy_delta).collect();
 
     let report = Report {

@@ -16,7 +16,7 @@ use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock, ParsedPiece};
 use crate::error::{EvalError, FieldMismatch, Result};
-use crate::id_table::{FastHasher, IdKey, IdTable, advise_huge_pages, prefetch};
+use crate::id_table::{FastHasher, IdKey, IdTable, advise_huge_pages, prefault_spare, prefetch};
 
 /// Pieces each block of lines is split into per thread, so that a piece of long
 /// lines does not leave the other threads idle.
@@ -76,6 +76,7 @@ pub struct PairedAnswers {
 /// A reference answer waiting for its candidate. Its probabilities live in one
 /// shared vector and its id in one shared string (a million small allocations cost
 /// more than the parsing).
+#[derive(Clone, Copy)]
 struct ReferenceEntry {
     line: u64,
     options: u32,
@@ -124,12 +125,25 @@ impl ReferenceStore {
         }
     }
 
-    /// Makes room for `lines` more answers of four options.
+    /// Makes room for `lines` more answers of four options, the memory faulted in by
+    /// every thread (`push` then appends, in file order, to pages already there).
     fn reserve(&mut self, lines: usize) {
         self.entries.reserve(lines);
         self.values.reserve(lines.saturating_mul(8));
         advise_huge_pages(&self.entries);
         advise_huge_pages(&self.values);
+        let blank = ReferenceEntry {
+            line: 0,
+            options: 0,
+            group: None,
+            gold: None,
+            start: 0,
+            id_start: 0,
+        };
+        rayon::join(
+            || prefault_spare(&mut self.entries, blank),
+            || prefault_spare(&mut self.values, 0.0),
+        );
         self.index.reserve(lines);
     }
 
