@@ -332,4 +332,44 @@ mod tests {
             assert_eq!(table.find(&IdKey::of(id), same), Some(i as u32));
         }
     }
+
+    /// Tables of at least `PARALLEL_FILL_SLOTS` slots are filled by every thread,
+    /// both when reserved and when grown: every id is found, none twice, and an
+    /// absent one is not.
+    #[test]
+    fn tables_filled_in_parallel_find_every_id() {
+        let ids: Vec<String> = (0..120_000).map(|i| format!("q{i}")).collect();
+        for reserved in [0, ids.len()] {
+            let mut table = IdTable::default();
+            table.reserve(reserved);
+            for (i, id) in ids.iter().enumerate() {
+                let same = |entry: u32| ids[entry as usize] == *id;
+                assert_eq!(table.insert(&IdKey::of(id), i as u32, same), Ok(()));
+            }
+            assert!(table.slots.len() >= PARALLEL_FILL_SLOTS);
+            assert_eq!(
+                table.slots.iter().filter(|s| s.entry != EMPTY).count(),
+                ids.len()
+            );
+            for (i, id) in ids.iter().enumerate() {
+                let same = |entry: u32| ids[entry as usize] == *id;
+                assert_eq!(table.find(&IdKey::of(id), same), Some(i as u32));
+            }
+            assert_eq!(table.find(&IdKey::of("q120000"), |_| false), None);
+        }
+    }
+
+    /// Faulting the spare capacity in leaves the vector's length and contents, and
+    /// what is appended afterwards is what is read back.
+    #[test]
+    fn prefault_keeps_the_vector() {
+        let mut values: Vec<f64> = (0..10).map(f64::from).collect();
+        values.reserve(3 << 20);
+        let capacity = values.capacity();
+        prefault_spare(&mut values, -1.0);
+        assert_eq!(values.capacity(), capacity);
+        assert_eq!(values, (0..10).map(f64::from).collect::<Vec<_>>());
+        values.extend((10..3 << 20).map(f64::from));
+        assert!(values.iter().enumerate().all(|(i, &v)| v == i as f64));
+    }
 }
