@@ -104,6 +104,20 @@ WHOLE="$(echo "$BENCH_OUT" | awk '/time:/ { gsub(/\[/, ""); print $(NF - 3), $(N
 row "extract one projection, whole run (delta, floor, factors, cast; criterion mean)" \
     "${WHOLE:-?}" "torch.svd_lowrank alone (row above): $THEIRS_MIN s" "-" "<= 0.5x torch"
 
+# The issue's row "residual after the bf16 cast, same projection": factor_file's bf16
+# factors of the bench delta (balanced split, cast-aware) against torch.svd_lowrank's f32
+# factors of the same delta, both residuals exact in f64 (scripts/bench_svd_reference.py
+# --cast; the factors go to a scratch directory, not $INPUTS).
+log "residual after the bf16 cast of the bench delta against torch.svd_lowrank's f32 factors"
+DELTA_CAST="$("$PY" scripts/bench_svd_reference.py --dir "$INPUTS" --skip-full --repeat 1 --cast "$FACTOR_FILE" 2>&1)"
+echo "$DELTA_CAST" | grep '^loraq bf16 factors' >&2 || true
+read -r DELTA_CAST_RATIO DELTA_CAST_SHARE < <(echo "$DELTA_CAST" | awk '/^loraq bf16 factors/ {
+    share = $0; sub(/.*cast error /, "", share); sub(/% of.*/, "", share)
+    print $NF, share }')
+row "residual after the bf16 cast, same projection (the bench delta, 17408x5120 rank 256): the stored bf16 factors' exact residual" \
+    "${DELTA_CAST_RATIO:-?}x torch's f32-factor residual (cast error ${DELTA_CAST_SHARE:-?}% of the delta's norm)" \
+    "torch.svd_lowrank(q=272, niter=2), f32 factors" "${DELTA_CAST_RATIO:-?}" "<= 1.003x"
+
 # --- 27b-slice extraction, and the residual after the cast against torch -------------
 log "27b-slice extraction (loraq extract), $REPEATS run(s)"
 EXTRACT_TIMES=()

@@ -95,11 +95,13 @@ def main() -> None:
           f"(ratio {summary['randomized_seconds'] / best:.3f})", flush=True)
 
     if args.cast:
-        factors = stem + ".factors.bf16"
-        out = subprocess.run([args.cast, stem + ".f32", str(args.rows), str(args.cols), repr(floor),
-                              str(RANK), factors], check=True, capture_output=True, text=True).stdout
+        # The factors go to a scratch directory, not --dir: the inputs may be read-only.
+        with tempfile.TemporaryDirectory() as scratch:
+            factors = os.path.join(scratch, "factors.bf16")
+            out = subprocess.run([args.cast, stem + ".f32", str(args.rows), str(args.cols), repr(floor),
+                                  str(RANK), factors], check=True, capture_output=True, text=True).stdout
+            raw = np.fromfile(factors, dtype="<u2").astype(np.uint32) << 16
         line = json.loads(out)
-        raw = np.fromfile(factors, dtype="<u2").astype(np.uint32) << 16
         values = torch.from_numpy(raw.view(np.float32).copy())
         b = values[:args.rows * RANK].reshape(args.rows, RANK).double()
         a = values[args.rows * RANK:].reshape(RANK, args.cols).double()
