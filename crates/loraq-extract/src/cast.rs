@@ -16,7 +16,8 @@
 //!    $H = B^\top B$. The entries are rounded in order and each rounding error is
 //!    carried into the entries not yet rounded through the Cholesky factor of $H^{-1}$
 //!    (the GPTQ / LDLQ rule, optimal among sequential roundings), then single-ulp moves
-//!    that lower $e_j^\top H e_j$ are taken while any does (a few sweeps). Both run on
+//!    that lower $e_j^\top H e_j$ are taken while any does (a few sweeps; how many
+//!    depends on the round: `POLISH_SWEEPS_FIRST`, `POLISH_SWEEPS_ALTERNATION`). Both run on
 //!    blocks of 256 columns at once, 32 entries at a
 //!    time: the errors of a block of entries reach the entries after it (and, in the
 //!    sweeps, the gradient $H e_j$ of every entry) as one f32 matrix product, which
@@ -47,7 +48,20 @@ use rayon::prelude::*;
 /// Seed of the mixing rotation (the factors are deterministic for a given rank).
 const ROTATION_SEED: u64 = 0x6c6f_7261_7163_6173;
 
-/// Sweeps of single-ulp moves after the sequential rounding.
+/// Sweeps of single-ulp moves after the sequential rounding, by rounding of the cast:
+/// the first A, the first B, then each alternation's A and B. The first pair only sets
+/// up the refits after it, so its polish matters little; the last A's matters most (its
+/// errors are the ones the last B refit must absorb). On the bench delta (17408 x 5120,
+/// rank 256, two threads) 1 / 0 / 5 / 3 gives a cast error of 2.31427e-2 against
+/// 2.32085e-2 for 3 / 3 / 3 / 3, with about two thirds of the rounding's products (a B
+/// sweep costs 3.4 A sweeps there: 17408 vectors against 5120); docs/extraction.md,
+/// "Cost of the cast".
+const POLISH_SWEEPS_FIRST: (usize, usize) = (1, 0);
+/// [`POLISH_SWEEPS_FIRST`] for the rounds of each alternation (A, then B).
+const POLISH_SWEEPS_ALTERNATION: (usize, usize) = (5, 3);
+
+/// Sweeps of the one-by-one reference rule in the tests.
+#[cfg(test)]
 const POLISH_SWEEPS: usize = 3;
 
 /// Refit-and-round rounds after the first one.
@@ -258,11 +272,17 @@ enum Vectors {
 
 /// Rounds every vector of `x` (`k` entries each, laid out as `layout` says) to bf16 so
 /// that $e H e^\top$ is small for each vector's error $e$: sequential rounding with
-/// error feedback through the upper Cholesky factor of $H^{-1}$, then sweeps of
-/// single-ulp moves that lower the loss. Without feedback (plain round-to-nearest)
+/// error feedback through the upper Cholesky factor of $H^{-1}$, then `sweeps` sweeps
+/// of single-ulp moves that lower the loss. Without feedback (plain round-to-nearest)
 /// when $H$ is not positive definite to f64 precision. Tasks of [`VECTORS_PER_TASK`]
 /// vectors run in parallel.
-fn round_vectors(x: &[f32], k: usize, layout: Vectors, h: MatRef<'_, f64>) -> Vec<bf16> {
+fn round_vectors(
+    x: &[f32],
+    k: usize,
+    layout: Vectors,
+    h: MatRef<'_, f64>,
+    sweeps: usize,
+) -> Vec<bf16> {
     let count = x.len() / k.max(1);
     // Upper Cholesky factor of H^-1: H^-1 = U^T U, U = L^T with L L^T = H^-1.
     let feedback: Option<Mat<f32>> = (|| {
@@ -299,6 +319,7 @@ fn round_vectors(x: &[f32], k: usize, layout: Vectors, h: MatRef<'_, f64>) -> Ve
                 len,
                 feedback.as_ref().map(Mat::as_ref),
                 h32.as_ref(),
+                sweeps,
             );
             (start, rounded)
         })
@@ -347,13 +368,14 @@ fn round_block(
     len: usize,
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
+    sweeps: usize,
 ) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has the feature the function is compiled for.
-        return unsafe { round_block_avx512(x, k, len, feedback, h) };
+        return unsafe { round_block_avx512(x, k, len, feedback, h, sweeps) };
     }
-    round_block_body(x, k, len, feedback, h)
+    round_block_body(x, k, len, feedback, h, sweeps)
 }
 
 /// [`round_block_body`] compiled for AVX-512.
@@ -365,8 +387,9 @@ unsafe fn round_block_avx512(
     len: usize,
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
+    sweeps: usize,
 ) -> Vec<f32> {
-    round_block_body(x, k, len, feedback, h)
+    round_block_body(x, k, len, feedback, h, sweeps)
 }
 
 /// The work of [`round_block`].
@@ -377,6 +400,7 @@ fn round_block_body(
     len: usize,
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
+    sweeps: usize,
 ) -> Vec<f32> {
     let round = round_to_bf16_f32;
     let mut work = x.to_vec();
@@ -419,8 +443,8 @@ fn round_block_body(
             );
         }
     }
-    if q.iter().any(|v| !v.is_finite()) {
-        // Refused by the caller's finite check.
+    if sweeps == 0 || q.iter().any(|v| !v.is_finite()) {
+        // Nothing to polish, or refused by the caller's finite check.
         return q;
     }
     // Gradients g = H e for every vector's error e = q - x, as one product.
@@ -432,10 +456,10 @@ fn round_block_body(
     // the block as one product.
     let moves = &mut scratch;
     let mut local = vec![0f32; FEEDBACK_BLOCK * len];
-    for sweep in 0..POLISH_SWEEPS {
+    for sweep in 0..sweeps {
         let mut moved = false;
         // The last sweep reads only the gradients of the entries after each block.
-        let last = sweep + 1 == POLISH_SWEEPS;
+        let last = sweep + 1 == sweeps;
         for first in (0..k).step_by(FEEDBACK_BLOCK) {
             let end = (first + FEEDBACK_BLOCK).min(k);
             let width = end - first;
@@ -566,10 +590,12 @@ pub(crate) fn cast_aware(
     const WHAT_A: &str = "factor A after the bf16 cast";
     // First round: A with H = B0^T B0.
     let b0tb0 = tall_cross_f64(&b0, None, k);
-    let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref());
+    let (first_a, first_b) = POLISH_SWEEPS_FIRST;
+    let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a);
     finite(WHAT_A, &aq)?;
-    let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par);
+    let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par, first_b);
     finite(WHAT_B, &bq)?;
+    let (alternation_a, alternation_b) = POLISH_SWEEPS_ALTERNATION;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
         let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k);
@@ -581,11 +607,11 @@ pub(crate) fn cast_aware(
             MatRef::from_row_major_slice(&a0, k, in_features),
             par,
         );
-        let aq1 = round_vectors(&a1, k, Vectors::Columns, btb.as_ref());
+        let aq1 = round_vectors(&a1, k, Vectors::Columns, btb.as_ref(), alternation_a);
         if finite(WHAT_A, &aq1).is_err() {
             break;
         }
-        let bq1 = refit_and_round_b(&b0, &a0, &aq1, k, weights, par);
+        let bq1 = refit_and_round_b(&b0, &a0, &aq1, k, weights, par, alternation_b);
         if finite(WHAT_B, &bq1).is_err() {
             break;
         }
@@ -658,6 +684,7 @@ fn refit_and_round_b(
     k: usize,
     weights: Option<&[f32]>,
     par: Par,
+    sweeps: usize,
 ) -> Vec<bf16> {
     let aqf = widen(aq);
     let gram = wide_cross_f64(&aqf, None, k, weights, par);
@@ -673,7 +700,7 @@ fn refit_and_round_b(
         )
     });
     let target = refit.as_deref().unwrap_or(b0);
-    round_vectors(target, k, Vectors::Rows, gram.as_ref())
+    round_vectors(target, k, Vectors::Rows, gram.as_ref(), sweeps)
 }
 
 #[cfg(test)]
@@ -915,11 +942,11 @@ mod tests {
                 round_one_by_one(&row.iter().map(|&v| v as f64).collect::<Vec<_>>(), &h)
             })
             .collect();
-        let by_rows = round_vectors(&b, k, Vectors::Rows, h.as_ref());
+        let by_rows = round_vectors(&b, k, Vectors::Rows, h.as_ref(), POLISH_SWEEPS);
         let columns: Vec<f32> = (0..k * count)
             .map(|i| b[(i % count) * k + i / count])
             .collect();
-        let by_columns = round_vectors(&columns, k, Vectors::Columns, h.as_ref());
+        let by_columns = round_vectors(&columns, k, Vectors::Columns, h.as_ref(), POLISH_SWEEPS);
         let mut differ = 0;
         for i in 0..count {
             for l in 0..k {
