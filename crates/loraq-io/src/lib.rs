@@ -43,4 +43,6 @@ pub use error::{IoError, Result};
 pub use module_name::{AdapterNaming, Block, ModuleKind, ModuleName, ModulePathMap};
 pub use peft::{AdapterConfig, LoraAdapter, LoraFactors, LoraModuleInfo, write_adapter};
 pub use sha256sums::{verify_sha256sums, write_sha256sums};
-pub use writer::{CheckpointWriter, SafetensorsWriter, TensorSpec, write_safetensors_file};
+pub use writer::{
+    CheckpointWriter, SafetensorsWriter, TensorSpec, WriteCaching, write_safetensors_file,
+};

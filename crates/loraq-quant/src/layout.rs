@@ -31,7 +31,9 @@ use crate::scheme::{Bf16WeightView, Scheme, WeightView};
 use crate::weight::{
     Bf16Weight, Fp8Weight, Nvfp4Weight, QuantizedWeight, dequantize_fp8_into, dequantize_nvfp4_into,
 };
-use loraq_io::{Checkpoint, CheckpointWriter, DType, QuantizationConfig, TensorInfo, TensorSpec};
+use loraq_io::{
+    Checkpoint, CheckpointWriter, DType, QuantizationConfig, TensorInfo, TensorSpec, WriteCaching,
+};
 use regex::Regex;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -1177,8 +1179,15 @@ pub fn write_quantized(
 ) -> Result<()> {
     let mut metadata = BTreeMap::new();
     metadata.insert("format".to_string(), "pt".to_string());
-    let mut writer =
-        CheckpointWriter::new(dir, plan.specs.clone(), options.max_shard_bytes, metadata)?;
+    // Direct I/O: the output (gigabytes) goes to the disk from one reused buffer
+    // instead of into newly allocated page cache; the input stays cached.
+    let mut writer = CheckpointWriter::new_with(
+        dir,
+        plan.specs.clone(),
+        options.max_shard_bytes,
+        metadata,
+        WriteCaching::Direct,
+    )?;
     std::thread::scope(|scope| -> Result<()> {
         let (sender, receiver) =
             std::sync::mpsc::sync_channel::<(String, TensorBytes<'_>)>(WRITE_QUEUE);
@@ -1242,18 +1251,25 @@ fn quantize_tensor<'a>(
     let (quantized, weight_amax) = if bf16 && options.layout != Layout::Bf16Emulated {
         let bytes = input.bytes(name)?;
         let view = Bf16WeightView::new(name, out_features, in_features, bytes)?;
-        // Refused by file and tensor before the scheme sees a NaN.
-        if let Some((index, value)) = view.first_non_finite() {
-            return Err(input.non_finite_error(name, index, value).into());
-        }
         // compressed-tensors' divisor is computed from the amax itself, as
         // generate_gparam does, not from the rounded multiplier.
-        let weight_amax = if options.layout == Layout::Nvfp4CompressedTensors {
-            view.finite_abs_max()?
+        let quantized = if options.layout == Layout::Nvfp4CompressedTensors {
+            view.finite_abs_max()
         } else {
-            0.0
-        };
-        (options.scheme.quantize_bf16(view)?, weight_amax)
+            Ok(0.0)
+        }
+        .and_then(|amax| Ok((options.scheme.quantize_bf16(view)?, amax)));
+        match quantized {
+            // The scheme found a NaN or an infinity (in the pass it makes anyway, not
+            // one of its own before): refused by file and tensor.
+            Err(QuantError::NonFinite { .. }) => {
+                let (index, value) = view
+                    .first_non_finite()
+                    .expect("the scheme found a non-finite entry");
+                return Err(input.non_finite_error(name, index, value).into());
+            }
+            other => other?,
+        }
     } else {
         // Refused by file and tensor before the scheme sees a NaN.
         let values = input.read_f32_finite(name)?;

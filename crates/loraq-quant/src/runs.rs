@@ -6,7 +6,7 @@
 
 use crate::element::{E2M1_TABLE, E4M3_TABLE, E8M0_TABLE, e2m1_encode, e4m3_encode};
 use crate::format::{
-    MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale, mxfp4_scale_code, nvfp4_block_scale_code,
+    MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale, fp8_scale, mxfp4_scale_code, nvfp4_block_scale_code,
 };
 use crate::multiversion::multiversion;
 
@@ -34,6 +34,52 @@ multiversion! {
         for (c, &x) in codes.iter_mut().zip(values) {
             *c = e4m3_encode(x / scale);
         }
+    }
+}
+
+/// The f32 value of the little-endian bf16 `b` (exact).
+#[inline(always)]
+fn bf16_value(b: &[u8]) -> f32 {
+    f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
+}
+
+/// Largest `|x|` of little-endian bf16 values as the bits of the f32 it converts to
+/// (see [`bf16_abs_max_bits`]), inlined into the kernels that call it.
+#[inline(always)]
+fn bf16_block_abs_max_bits(bytes: &[u8]) -> u32 {
+    let max = bytes.chunks_exact(2).fold(0u16, |max, b| {
+        max.max(u16::from_le_bytes([b[0], b[1]]) & 0x7FFF)
+    });
+    u32::from(max) << 16
+}
+
+multiversion! {
+    /// FP8 codes and scales of one band of rows of little-endian bf16 values (`band`:
+    /// whole rows of `in_features` values) whose columns fall into blocks of `block`
+    /// (the last one may be shorter), one scale per block over all the band's rows:
+    /// `scales[j] = a_j / 448` of the block's largest magnitude `a_j` (1 if zero),
+    /// `codes[i] = e4m3(x_i / scale)`. Reads the bf16 values in place (no f32 copy of
+    /// the band): the same codes and scales as the f32 path on the converted values,
+    /// bit for bit. Returns the band's largest magnitude as bits; at or above
+    /// `0x7F80_0000` the band holds a NaN or an infinity, and the codes mean nothing.
+    pub fn fp8_bf16_band(band: &[u8], in_features: usize, block: usize, scales: &mut [f32], codes: &mut [u8]) -> u32 {
+        let mut max_bits = vec![0u32; scales.len()];
+        for row in band.chunks_exact(2 * in_features) {
+            for (m, run) in max_bits.iter_mut().zip(row.chunks(2 * block)) {
+                *m = (*m).max(bf16_block_abs_max_bits(run));
+            }
+        }
+        for (s, &m) in scales.iter_mut().zip(&max_bits) {
+            *s = fp8_scale(f32::from_bits(m));
+        }
+        for (code_row, row) in codes.chunks_exact_mut(in_features).zip(band.chunks_exact(2 * in_features)) {
+            for ((code_run, run), &scale) in code_row.chunks_mut(block).zip(row.chunks(2 * block)).zip(scales.iter()) {
+                for (c, b) in code_run.iter_mut().zip(run.chunks_exact(2)) {
+                    *c = e4m3_encode(bf16_value(b) / scale);
+                }
+            }
+        }
+        max_bits.into_iter().max().unwrap_or(0)
     }
 }
 
@@ -188,10 +234,7 @@ multiversion! {
     /// to: the bf16 bits shifted into place, so the same integer order and the same
     /// non-finite flag as [`abs_max_bits`] on the converted values.
     pub fn bf16_abs_max_bits(bytes: &[u8]) -> u32 {
-        let max = bytes
-            .chunks_exact(2)
-            .fold(0u16, |max, b| max.max(u16::from_le_bytes([b[0], b[1]]) & 0x7FFF));
-        u32::from(max) << 16
+        bf16_block_abs_max_bits(bytes)
     }
 }
 
@@ -199,7 +242,7 @@ multiversion! {
     /// `out[i]` = the little-endian bf16 value `i` of `bytes` as f32 (exact).
     pub fn bf16_to_f32_run(bytes: &[u8], out: &mut [f32]) {
         for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            *o = bf16_value(b);
         }
     }
 }

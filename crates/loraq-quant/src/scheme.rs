@@ -476,6 +476,7 @@ impl Scheme {
         let values = Bf16Values(weight.bytes);
         let (out_features, in_features) = (weight.out_features, weight.in_features);
         match self.format() {
+            WeightFormat::Fp8(Fp8Granularity::Block128) => quantize_fp8_bf16_block128(weight),
             WeightFormat::Fp8(granularity) => {
                 let amax = weight.finite_abs_max()?;
                 Ok(QuantizedWeight::Fp8(quantize_fp8_values(
@@ -515,6 +516,37 @@ impl Scheme {
             }
         }
     }
+}
+
+/// FP8 with 128x128 tile scales of bf16 values read in place, one fused pass per band
+/// of 128 rows (tile scales, then codes) on every core and no pass over the whole
+/// matrix before it: a NaN or an infinity shows in its tile's largest magnitude, and
+/// is then reported as [`WeightView::finite_abs_max`] reports it.
+fn quantize_fp8_bf16_block128(weight: Bf16WeightView<'_>) -> Result<QuantizedWeight> {
+    let (out_features, in_features) = (weight.out_features, weight.in_features);
+    let granularity = Fp8Granularity::Block128;
+    let mut codes = vec![0u8; out_features * in_features];
+    let [scale_rows, scale_cols] = fp8_scale_shape(granularity, out_features, in_features);
+    let mut scales = vec![1.0f32; scale_rows * scale_cols];
+    if in_features > 0 && out_features > 0 {
+        let max_bits = codes
+            .par_chunks_mut(FP8_BLOCK * in_features)
+            .zip(scales.par_chunks_mut(scale_cols))
+            .zip(weight.bytes.par_chunks(2 * FP8_BLOCK * in_features))
+            .map(|((c, s), band)| runs::fp8_bf16_band(band, in_features, FP8_BLOCK, s, c))
+            .max()
+            .unwrap_or(0);
+        if max_bits >= 0x7F80_0000 {
+            weight.finite_abs_max()?;
+        }
+    }
+    Ok(QuantizedWeight::Fp8(Fp8Weight {
+        out_features,
+        in_features,
+        granularity,
+        codes,
+        scales,
+    }))
 }
 
 /// Fused FP8 fake-quant: the scales of [`quantize_fp8`], then
