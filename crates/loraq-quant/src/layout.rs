@@ -1262,11 +1262,13 @@ fn quantize_tensor<'a>(
         match quantized {
             // The scheme found a NaN or an infinity (in the pass it makes anyway, not
             // one of its own before): refused by file and tensor.
-            Err(QuantError::NonFinite { .. }) => {
-                let (index, value) = view
-                    .first_non_finite()
-                    .expect("the scheme found a non-finite entry");
-                return Err(input.non_finite_error(name, index, value).into());
+            // (Should the scheme ever report one the input does not hold, its own
+            // error goes out rather than a panic.)
+            Err(error @ QuantError::NonFinite { .. }) => {
+                return Err(match view.first_non_finite() {
+                    Some((index, value)) => input.non_finite_error(name, index, value).into(),
+                    None => error.into(),
+                });
             }
             other => other?,
         }
