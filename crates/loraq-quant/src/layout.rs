@@ -1267,7 +1267,7 @@ fn quantize_tensor<'a>(
             Err(error @ QuantError::NonFinite { .. }) => {
                 return Err(match view.first_non_finite() {
                     Some((index, value)) => input.non_finite_error(name, index, value).into(),
-                    None => error.into(),
+                    None => error,
                 });
             }
             other => other?,
