@@ -2496,16 +2496,8 @@ mod tests {
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
             let (rows, tokens): (usize, usize) = (70, 20);
             let cols = if B::ELEMENTS == 256 { 512 } else { 13 * 32 };
-            let mut data = vec![0u8; rows * cols / B::ELEMENTS * B::BYTES];
-            rng.fill(data.as_mut_slice());
-            for chunk in data.chunks_exact_mut(B::BYTES) {
-                for &offset in loraq_quant::ggml::f16_scale_offsets(B::TYPE) {
-                    let scale: f32 = rng.random_range(-4e-2..4e-2);
-                    let bits = loraq_quant::ggml::fp32_to_fp16(scale);
-                    chunk[offset..offset + 2].copy_from_slice(&bits.to_le_bytes());
-                }
-            }
-            let weight = GgmlWeight::new("prefill", B::TYPE, rows, cols, data).unwrap();
+            let weight =
+                crate::cpu::gemv_ggml::tests::random_weight::<B>(rows, cols / B::ELEMENTS, seed);
             let d = BlockRows::new(&weight, B::default());
             let dense: Vec<f32> = (0..rows * cols)
                 .map(|i| d.get(i / cols, i % cols))

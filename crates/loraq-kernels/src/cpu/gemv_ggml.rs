@@ -434,7 +434,7 @@ impl<B: SimdBlock> GgmlKernel<'_, B> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cpu::decode::RowDecode;
     use crate::cpu::decode_ggml::{Iq4XsBlock, Q4_0Block, Q4KBlock, Q5KBlock, Q6KBlock, Q8_0Block};
@@ -443,7 +443,7 @@ mod tests {
 
     /// A `[rows, blocks * B::ELEMENTS]` weight of random blocks whose f16 scales are
     /// finite, of either sign and of varied magnitude.
-    fn random_weight<B: SimdBlock>(rows: usize, blocks: usize, seed: u64) -> GgmlWeight {
+    pub(crate) fn random_weight<B: SimdBlock>(rows: usize, blocks: usize, seed: u64) -> GgmlWeight {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut data = vec![0u8; rows * blocks * B::BYTES];
         rng.fill(data.as_mut_slice());
