@@ -8,7 +8,8 @@
 //! `T x T` matrix, and the (head, query tile) tasks run in parallel on rayon's pool.
 
 use crate::small_matmul::{
-    Product, dispatch_simd, exp_nonpositive, madd, matmul_acc, per_head_parallel_into,
+    Product, RowProduct, dispatch_simd, exp_nonpositive, madd, matmul_acc, matmul_acc_row,
+    per_head_parallel_into,
 };
 use rayon::prelude::*;
 
@@ -63,29 +64,9 @@ pub fn causal_attention_into(
         head_dim: hd,
     } = dims;
     let group = heads / kv_heads;
-    // K^T per kv head in key tiles: tile `kt` is a contiguous `[head_dim, KEY_TILE]`
-    // block (the last one zero-padded), so a score tile is a product with row stride
-    // KEY_TILE. A `[head_dim, tokens]` K^T instead puts the rows a product reads
-    // `tokens * 4` bytes apart: a multiple of 4 KiB for prompts of 1,024, 2,048, 4,096
-    // tokens, so all of them fall in one L1 set and evict each other. The key tiles
-    // are built in parallel, one task per (kv head, key tile).
     let key_tiles = tokens.div_ceil(KEY_TILE);
     let tile_len = hd * KEY_TILE;
-    let mut key_t = vec![0f32; kv_heads * key_tiles * tile_len];
-    key_t
-        .par_chunks_mut(tile_len)
-        .enumerate()
-        .for_each(|(index, block)| {
-            let (j, tile) = (index / key_tiles, index % key_tiles);
-            let t0 = tile * KEY_TILE;
-            for t in t0..tokens.min(t0 + KEY_TILE) {
-                let column = t - t0;
-                for (d, &x) in key[(t * kv_heads + j) * hd..][..hd].iter().enumerate() {
-                    block[d * KEY_TILE + column] = x;
-                }
-            }
-        });
-    let key_t = &key_t;
+    let key_t = &key_in_tiles(key, dims);
     // Within a head, the query tiles run in parallel too.
     per_head_parallel_into(tokens, heads, hd, scratch, out, |h, head_out| {
         let kv = h / group;
@@ -105,6 +86,187 @@ pub fn causal_attention_into(
                 attend_tile(&tile_input, out);
             });
     });
+}
+
+/// K^T per kv head in key tiles (`[kv_heads, key tiles, head_dim, KEY_TILE]`): tile `kt`
+/// is a contiguous `[head_dim, KEY_TILE]` block (the last one zero-padded), so a score
+/// tile is a product with row stride KEY_TILE. A `[head_dim, tokens]` K^T instead puts
+/// the rows a product reads `tokens * 4` bytes apart: a multiple of 4 KiB for prompts
+/// of 1,024, 2,048, 4,096 tokens, so all of them fall in one L1 set and evict each
+/// other. The key tiles are built in parallel, one task per (kv head, key tile).
+fn key_in_tiles(key: &[f32], dims: AttentionDims) -> Vec<f32> {
+    let AttentionDims {
+        tokens,
+        kv_heads,
+        head_dim: hd,
+        ..
+    } = dims;
+    let key_tiles = tokens.div_ceil(KEY_TILE);
+    let tile_len = hd * KEY_TILE;
+    let mut key_t = vec![0f32; kv_heads * key_tiles * tile_len];
+    key_t
+        .par_chunks_mut(tile_len)
+        .enumerate()
+        .for_each(|(index, block)| {
+            let (j, tile) = (index / key_tiles, index % key_tiles);
+            let t0 = tile * KEY_TILE;
+            for t in t0..tokens.min(t0 + KEY_TILE) {
+                let column = t - t0;
+                for (d, &x) in key[(t * kv_heads + j) * hd..][..hd].iter().enumerate() {
+                    block[d * KEY_TILE + column] = x;
+                }
+            }
+        });
+    key_t
+}
+
+/// The output of [`causal_attention`] at the prompt's last position alone
+/// (`[heads, head_dim]` into `out`): `last_query` is that position's query (`[heads,
+/// head_dim]`), `key` and `value` the whole prompt's (`[tokens, kv_heads, head_dim]`).
+/// The same operations as the last query tile of the whole computation, in the same
+/// order (its score and value products through [`matmul_acc_row`], which follows the
+/// row's path through the tile's products), so the result is bit-identical to that
+/// row of [`causal_attention`]; the work is one query's instead of `tokens`. The heads
+/// run in parallel.
+pub fn last_query_attention(
+    last_query: &[f32],
+    key: &[f32],
+    value: &[f32],
+    dims: AttentionDims,
+    out: &mut [f32],
+) {
+    let AttentionDims {
+        tokens,
+        heads,
+        kv_heads,
+        head_dim: hd,
+    } = dims;
+    assert_eq!(last_query.len(), heads * hd, "one query row per head");
+    assert_eq!(out.len(), heads * hd, "one output row per head");
+    if tokens == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let group = heads / kv_heads;
+    let key_tiles = tokens.div_ceil(KEY_TILE);
+    let tile_len = hd * KEY_TILE;
+    let key_t = &key_in_tiles(key, dims);
+    out.par_chunks_mut(hd).enumerate().for_each(|(h, out)| {
+        let kv = h / group;
+        let input = LastQueryInput {
+            query: &last_query[h * hd..(h + 1) * hd],
+            key_t: &key_t[kv * key_tiles * tile_len..][..key_tiles * tile_len],
+            value,
+            dims,
+            kv_head: kv,
+        };
+        attend_last_query(&input, out);
+    });
+}
+
+/// One head's operands of [`last_query_attention`].
+struct LastQueryInput<'a> {
+    /// The last position's query of this head, `[head_dim]`.
+    query: &'a [f32],
+    /// As [`TileInput::key_t`].
+    key_t: &'a [f32],
+    value: &'a [f32],
+    dims: AttentionDims,
+    kv_head: usize,
+}
+
+dispatch_simd!(
+    /// The last query of one head on the widest instruction set the CPU has.
+    fn attend_last_query(input: &LastQueryInput<'_>, out: &mut [f32]) = attend_last_query_body
+);
+
+/// [`attend_tile_body`]'s row of the last query, alone: the same key tiles, the same
+/// products (as row `i` of `rows`), the same softmax steps.
+#[inline(always)]
+fn attend_last_query_body<const FUSED: bool>(input: &LastQueryInput<'_>, out: &mut [f32]) {
+    let LastQueryInput {
+        query,
+        key_t,
+        value,
+        dims,
+        kv_head,
+    } = *input;
+    let AttentionDims {
+        tokens,
+        kv_heads,
+        head_dim: hd,
+        ..
+    } = dims;
+    // The last query tile starts at q0 and holds `rows` queries; the last query is its
+    // row `i`.
+    let q0 = (tokens - 1) / QUERY_TILE * QUERY_TILE;
+    let rows = tokens - q0;
+    let i = rows - 1;
+    let scale = (hd as f32).powf(-0.5);
+    let mut scores = [0f32; KEY_TILE];
+    let mut max = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    out.fill(0.0);
+    let mut k0 = 0;
+    while k0 < tokens {
+        let cols = KEY_TILE.min(tokens - k0);
+        let row = &mut scores[..cols];
+        row.fill(0.0);
+        matmul_acc_row::<FUSED>(
+            &RowProduct {
+                m: rows,
+                i,
+                k: hd,
+                n: cols,
+                a_row: query,
+                b: &key_t[k0 * hd..],
+                ldb: KEY_TILE,
+                alpha: scale,
+            },
+            row,
+        );
+        // The last query sees every key: nothing is masked.
+        let new_max = max.max(row_max(row));
+        let rescale = exp_nonpositive::<FUSED>(max - new_max);
+        let mut lanes = [0f32; 16];
+        let mut chunks = row.chunks_exact_mut(16);
+        for c in &mut chunks {
+            for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
+                *x = exp_nonpositive::<FUSED>(*x - new_max);
+                *l += *x;
+            }
+        }
+        let mut row_sum: f32 = lanes.iter().sum();
+        for x in chunks.into_remainder() {
+            *x = exp_nonpositive::<FUSED>(*x - new_max);
+            row_sum += *x;
+        }
+        sum = madd::<FUSED>(sum, rescale, row_sum);
+        max = new_max;
+        if rescale != 1.0 {
+            for o in out.iter_mut() {
+                *o *= rescale;
+            }
+        }
+        matmul_acc_row::<FUSED>(
+            &RowProduct {
+                m: rows,
+                i,
+                k: cols,
+                n: hd,
+                a_row: row,
+                b: &value[(k0 * kv_heads + kv_head) * hd..],
+                ldb: kv_heads * hd,
+                alpha: 1.0,
+            },
+            out,
+        );
+        k0 += cols;
+    }
+    let inv = 1.0 / sum;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
 }
 
 /// One (head, query tile) task's operands.
@@ -237,6 +399,59 @@ fn attend_tile_body<const FUSED: bool>(input: &TileInput<'_>, out: &mut [f32]) {
         let inv = 1.0 / l;
         for o in row {
             *o *= inv;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values that round in every product (so another summation order shows).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                let x = x ^ (x >> 13);
+                ((x >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 5.3
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_last_query_alone_is_bit_identical_to_the_whole_pass() {
+        // Prompt lengths inside one query tile, on its edges and over several, with its
+        // last tile whole or not; grouped heads; head_dim 64 (the demo's) and 24.
+        for (tokens, heads, kv_heads, head_dim) in [
+            (1, 2, 1, 64),
+            (5, 4, 2, 24),
+            (20, 8, 2, 64),
+            (63, 2, 2, 64),
+            (64, 4, 1, 64),
+            (65, 4, 2, 64),
+            (150, 6, 2, 24),
+            (512, 8, 2, 64),
+        ] {
+            let dims = AttentionDims {
+                tokens,
+                heads,
+                kv_heads,
+                head_dim,
+            };
+            let q = values(tokens * heads * head_dim, 1);
+            let k = values(tokens * kv_heads * head_dim, 2);
+            let v = values(tokens * kv_heads * head_dim, 3);
+            let whole = causal_attention(&q, &k, &v, dims);
+            let width = heads * head_dim;
+            let last = (tokens - 1) * width;
+            let mut alone = vec![f32::NAN; width];
+            last_query_attention(&q[last..], &k, &v, dims, &mut alone);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&alone),
+                bits(&whole[last..]),
+                "{tokens} tokens, {heads} heads, {kv_heads} kv heads, head_dim {head_dim}"
+            );
         }
     }
 }

@@ -933,33 +933,50 @@ impl Model {
         let mut mixed_buffer = std::mem::take(&mut arena.mixed);
         let normed = sized(&mut normed_buffer, rows * h);
         let mixed = sized(&mut mixed_buffer, rows * h);
-        for layer in &self.layers {
+        // The last layer runs its token mixer's keys and values (or recurrence) over
+        // every position, and the rest only on each prompt's last row, the one the
+        // pass returns. Not when input statistics are collected: they are taken over
+        // every token of every linear.
+        let kept = if self.input_stats.is_none() && !self.layers.is_empty() {
+            KeptRows::new(&segments, rows)
+        } else {
+            None
+        };
+        let last_layer = self.layers.len().saturating_sub(1);
+        for (index, layer) in self.layers.iter().enumerate() {
+            let kept = kept.as_ref().filter(|_| index == last_layer);
             crate::small_matmul::rms_norm_rows_into(&x, normed, &layer.input_norm, c.rms_norm_eps);
+            // The rows every step after the mixer runs on: all of them, or the kept ones.
+            let out_rows = kept.map_or(rows, |k| k.padded);
+            let mixed = &mut mixed[..out_rows * h];
             match &layer.mixer {
-                Mixer::Linear(net) => self.gated_delta_net(net, normed, &segments, arena, mixed)?,
+                Mixer::Linear(net) => {
+                    self.gated_delta_net(net, normed, &segments, kept, arena, mixed)?
+                }
                 Mixer::Full(attn) => {
-                    self.attention(attn, normed, &rope, &segments, arena, mixed)?
+                    self.attention(attn, normed, &rope, &segments, kept, arena, mixed)?
                 }
             }
+            if let Some(kept) = kept {
+                // The residual stream shrinks to the kept rows.
+                let mut shrunk = vec![0f32; out_rows * h];
+                kept.gather(&x, h, &mut shrunk);
+                x = shrunk;
+            }
             crate::small_matmul::add_assign(&mut x, mixed);
+            let normed = &mut normed[..out_rows * h];
             crate::small_matmul::rms_norm_rows_into(
                 &x,
                 normed,
                 &layer.post_attention_norm,
                 c.rms_norm_eps,
             );
-            let mlp = &layer.mlp;
-            let width = mlp.gate_proj.out_features();
-            let gate = sized(&mut arena.gate, rows * width);
-            mlp.gate_proj.forward(normed, rows, gate)?;
-            let up = sized(&mut arena.up, rows * width);
-            mlp.up_proj.forward(normed, rows, up)?;
-            crate::small_matmul::silu_mul(gate, up);
-            mlp.down_proj.forward(gate, rows, mixed)?;
+            self.mlp(&layer.mlp, normed, out_rows, arena, mixed)?;
             crate::small_matmul::add_assign(&mut x, mixed);
             if let Some(out) = per_layer.as_deref_mut() {
-                for (seg, dst) in segments.iter().zip(out.iter_mut()) {
-                    dst.push(x[seg.last() * h..(seg.last() + 1) * h].to_vec());
+                for (p, (seg, dst)) in segments.iter().zip(out.iter_mut()).enumerate() {
+                    let row = if kept.is_some() { p } else { seg.last() };
+                    dst.push(x[row * h..(row + 1) * h].to_vec());
                 }
             }
         }
@@ -967,12 +984,32 @@ impl Model {
         arena.mixed = mixed_buffer;
         segments
             .iter()
-            .map(|seg| {
-                let mut last = x[seg.last() * h..(seg.last() + 1) * h].to_vec();
+            .enumerate()
+            .map(|(p, seg)| {
+                let row = if kept.is_some() { p } else { seg.last() };
+                let mut last = x[row * h..(row + 1) * h].to_vec();
                 crate::small_matmul::rms_norm_rows(&mut last, &self.final_norm, c.rms_norm_eps);
                 Tensor::from_vec(last, h, &self.device).ctx("final norm")
             })
             .collect()
+    }
+
+    /// The MLP of `rows` rows of `normed` into `out`: `down(silu(gate(x)) * up(x))`.
+    fn mlp(
+        &self,
+        mlp: &Mlp,
+        normed: &[f32],
+        rows: usize,
+        arena: &mut Activations,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let width = mlp.gate_proj.out_features();
+        let gate = sized(&mut arena.gate, rows * width);
+        mlp.gate_proj.forward(normed, rows, gate)?;
+        let up = sized(&mut arena.up, rows * width);
+        mlp.up_proj.forward(normed, rows, up)?;
+        crate::small_matmul::silu_mul(gate, up);
+        mlp.down_proj.forward(gate, rows, out)
     }
 
     /// Logits of the given vocabulary rows for a final hidden state: only those rows
@@ -995,25 +1032,39 @@ impl Model {
         RopeTable::new(&self.inv_freq, longest)
     }
 
+    /// The gated attention of a layer: `x` holds every row (`normed`), `out` receives
+    /// every row, or with `kept` the kept rows only (queries, attention and `o_proj` on
+    /// those; keys and values on every row).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         attn: &Attention,
         x: &[f32],
         rope: &RopeTable,
         segments: &[Segment],
+        kept: Option<&KeptRows>,
         arena: &mut Activations,
         out: &mut [f32],
     ) -> Result<()> {
         let c = &self.config;
         let (hd, heads, kv) = (c.head_dim, c.attention_heads, c.kv_heads);
         let t = x.len() / c.hidden;
+        // The rows whose queries run.
+        let (q_input, q_rows): (&[f32], usize) = match kept {
+            None => (x, t),
+            Some(kept) => {
+                let rows = sized(&mut arena.kept_input, kept.padded * c.hidden);
+                kept.gather(x, c.hidden, rows);
+                (&*rows, kept.padded)
+            }
+        };
         let q_width = attn.q_proj.out_features();
-        let q_full = sized(&mut arena.projected, t * q_width);
-        attn.q_proj.forward(x, t, q_full)?;
+        let q_full = sized(&mut arena.projected, q_rows * q_width);
+        attn.q_proj.forward(q_input, q_rows, q_full)?;
         // transformers: view(T, heads, 2 * head_dim) then chunk(2, -1): per head, the
         // query comes first and its gate second.
-        let query = sized(&mut arena.query, t * heads * hd);
-        let gate = sized(&mut arena.gate, t * heads * hd);
+        let query = sized(&mut arena.query, q_rows * heads * hd);
+        let gate = sized(&mut arena.gate, q_rows * heads * hd);
         let q_full = &*q_full;
         if c.attn_output_gate {
             // The split, then q_norm, per piece of tokens, the pieces in parallel.
@@ -1044,10 +1095,24 @@ impl Model {
         crate::small_matmul::rms_norm_rows(key, &attn.k_norm, c.rms_norm_eps);
         let value = sized(&mut arena.value, t * kv * hd);
         attn.v_proj.forward(x, t, value)?;
-        for seg in segments {
+        for (p, seg) in segments.iter().enumerate() {
             let rows = seg.start..seg.start + seg.len;
-            let query_rows = &mut query[rows.start * heads * hd..rows.end * heads * hd];
-            rope.apply(query_rows, heads, hd, c.rotary_dim);
+            match kept {
+                None => rope.apply(
+                    &mut query[rows.start * heads * hd..rows.end * heads * hd],
+                    heads,
+                    hd,
+                    c.rotary_dim,
+                ),
+                // Kept row p is prompt p's last position.
+                Some(_) => rope.apply_at(
+                    &mut query[p * heads * hd..(p + 1) * heads * hd],
+                    seg.len - 1,
+                    heads,
+                    hd,
+                    c.rotary_dim,
+                ),
+            }
             rope.apply(
                 &mut key[rows.start * kv * hd..rows.end * kv * hd],
                 kv,
@@ -1056,33 +1121,51 @@ impl Model {
             );
         }
         // Each prompt attends to itself only.
-        let attended = sized(&mut arena.core, t * heads * hd);
-        for seg in segments {
-            crate::attention::causal_attention_into(
-                seg.rows(query, heads * hd),
-                seg.rows(key, kv * hd),
-                seg.rows(value, kv * hd),
-                crate::attention::AttentionDims {
-                    tokens: seg.len,
-                    heads,
-                    kv_heads: kv,
-                    head_dim: hd,
-                },
-                &mut arena.per_head,
-                &mut attended[seg.start * heads * hd..(seg.start + seg.len) * heads * hd],
-            );
+        let attended = sized(&mut arena.core, q_rows * heads * hd);
+        for (p, seg) in segments.iter().enumerate() {
+            let dims = crate::attention::AttentionDims {
+                tokens: seg.len,
+                heads,
+                kv_heads: kv,
+                head_dim: hd,
+            };
+            match kept {
+                None => crate::attention::causal_attention_into(
+                    seg.rows(query, heads * hd),
+                    seg.rows(key, kv * hd),
+                    seg.rows(value, kv * hd),
+                    dims,
+                    &mut arena.per_head,
+                    &mut attended[seg.start * heads * hd..(seg.start + seg.len) * heads * hd],
+                ),
+                Some(_) => crate::attention::last_query_attention(
+                    &query[p * heads * hd..(p + 1) * heads * hd],
+                    seg.rows(key, kv * hd),
+                    seg.rows(value, kv * hd),
+                    dims,
+                    &mut attended[p * heads * hd..(p + 1) * heads * hd],
+                ),
+            }
+        }
+        if kept.is_some() {
+            // The padding rows after the kept ones: zero, as their inputs.
+            attended[segments.len() * heads * hd..].fill(0.0);
         }
         if c.attn_output_gate {
             crate::small_matmul::sigmoid_mul(attended, gate);
         }
-        attn.o_proj.forward(attended, t, out)
+        attn.o_proj.forward(attended, q_rows, out)
     }
 
+    /// Gated DeltaNet of a layer: `x` holds every row (`normed`), `out` receives every
+    /// row, or with `kept` the kept rows only (the recurrence runs over every row, the
+    /// output path, `z`, the gated norm and `out_proj`, on the kept ones).
     fn gated_delta_net(
         &self,
         net: &GatedDeltaNet,
         x: &[f32],
         segments: &[Segment],
+        kept: Option<&KeptRows>,
         arena: &mut Activations,
         out: &mut [f32],
     ) -> Result<()> {
@@ -1098,8 +1181,6 @@ impl Model {
         let conv_dim = 2 * key_dim + value_dim;
         let qkv = sized(&mut arena.projected, t * conv_dim);
         net.in_proj_qkv.forward(x, t, qkv)?;
-        let z = sized(&mut arena.gate, t * value_dim);
-        net.in_proj_z.forward(x, t, z)?;
         let beta = sized(&mut arena.beta, t * nv);
         net.in_proj_b.forward(x, t, beta)?;
         let decay = sized(&mut arena.decay, t * nv);
@@ -1150,11 +1231,24 @@ impl Model {
                 &mut core[seg.start * value_dim..(seg.start + seg.len) * value_dim],
             );
         }
+        // The output path's rows: all, or the kept ones.
+        let (z_input, core, rows): (&[f32], &mut [f32], usize) = match kept {
+            None => (x, core, t),
+            Some(kept) => {
+                let input = sized(&mut arena.kept_input, kept.padded * c.hidden);
+                kept.gather(x, c.hidden, input);
+                let kept_core = sized(&mut arena.kept_core, kept.padded * value_dim);
+                kept.gather(core, value_dim, kept_core);
+                (&*input, kept_core, kept.padded)
+            }
+        };
+        let z = sized(&mut arena.gate, rows * value_dim);
+        net.in_proj_z.forward(z_input, rows, z)?;
         // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
         crate::small_matmul::rms_norm_rows(core, &net.norm_weight, c.rms_norm_eps);
         // silu(z) * (w * norm(o)), in z's buffer.
         crate::small_matmul::silu_mul(z, core);
-        net.out_proj.forward(z, t, out)
+        net.out_proj.forward(z, rows, out)
     }
 }
 
@@ -1183,6 +1277,10 @@ struct Activations {
     /// The token mixers' per-head output blocks (head-major) before they are
     /// interleaved token-major.
     per_head: Vec<f32>,
+    /// The last layer's kept rows of a mixer's input.
+    kept_input: Vec<f32>,
+    /// The last layer's kept rows of Gated DeltaNet's recurrence output.
+    kept_core: Vec<f32>,
 }
 
 /// `buffer[..len]`, grown (zero-filled) when shorter.
@@ -1234,6 +1332,23 @@ impl RopeTable {
         });
     }
 
+    /// [`RopeTable::apply`] to one token (`[heads, head_dim]`) at `position` (within
+    /// the table).
+    pub(crate) fn apply_at(
+        &self,
+        x: &mut [f32],
+        position: usize,
+        heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+    ) {
+        if rotary_dim / 2 == 0 {
+            return;
+        }
+        assert_eq!(rotary_dim / 2, self.half, "rotary table of another rotary dimension");
+        self.apply_from(&mut x[..heads * head_dim], position, heads, head_dim)
+    }
+
     /// [`RopeTable::apply`] on the calling thread to tokens at positions `first ..`.
     fn apply_from(&self, x: &mut [f32], first: usize, heads: usize, head_dim: usize) {
         let half = self.half;
@@ -1252,6 +1367,50 @@ impl RopeTable {
                 }
             }
         }
+    }
+}
+
+/// Kept rows of the last layer under [`KeptRows::new`]: fewer rows than this are padded
+/// up to it (or to the batch's row count, when smaller), so that every linear of the
+/// last layer takes the same path (loraq-kernels' tiled GEMM, the AMX tiles from
+/// [`crate::AMX_MIN_TOKENS`] rows) as it did for the whole batch, whose results per row
+/// do not depend on the row count; the kernels' decode path
+/// (`loraq_kernels::cpu::GEMV_MAX_BATCH` rows or fewer) sums in another order.
+const KEPT_MIN_ROWS: usize = crate::linear::AMX_MIN_TOKENS;
+const _: () = assert!(KEPT_MIN_ROWS > loraq_kernels::cpu::GEMV_MAX_BATCH);
+
+/// The rows of a batch the last layer runs after its token mixer: each prompt's last,
+/// in prompt order, then zero rows up to `padded` (see [`KEPT_MIN_ROWS`]). llama.cpp
+/// does the same with `inp_out_ids` (its graph builders `ggml_get_rows` the hidden state
+/// down to the output tokens in the last layer).
+#[derive(Debug)]
+struct KeptRows {
+    /// Row of each prompt's last token in the batch.
+    rows: Vec<usize>,
+    /// Rows of the shrunk matrices (`rows.len()` and the padding).
+    padded: usize,
+}
+
+impl KeptRows {
+    /// The kept rows of `segments` (`total` rows in all); `None` when keeping them would
+    /// leave as many rows as the batch has.
+    fn new(segments: &[Segment], total: usize) -> Option<KeptRows> {
+        let padded = segments.len().max(KEPT_MIN_ROWS.min(total));
+        (padded < total).then(|| KeptRows {
+            rows: segments.iter().map(Segment::last).collect(),
+            padded,
+        })
+    }
+
+    /// The kept rows of `src` (`width` wide) into `dst` (`padded` rows; the padding
+    /// zeroed).
+    fn gather(&self, src: &[f32], width: usize, dst: &mut [f32]) {
+        assert_eq!(dst.len(), self.padded * width, "kept rows of another shape");
+        let (kept, padding) = dst.split_at_mut(self.rows.len() * width);
+        for (&row, out) in self.rows.iter().zip(kept.chunks_exact_mut(width)) {
+            out.copy_from_slice(&src[row * width..(row + 1) * width]);
+        }
+        padding.fill(0.0);
     }
 }
 

@@ -172,6 +172,95 @@ pub(crate) fn matmul_acc<const FUSED: bool>(p: &Product<'_>, c: &mut [f32], ldc:
     matmul_acc_narrow::<FUSED>(p, c, ldc, 0..p.m, 0..p.n);
 }
 
+/// Where [`matmul_acc`]'s register tiles end along row `i` of an `m x n` product: its
+/// columns `0 .. end` are summed in a tile (an accumulator from zero over `k`, then
+/// added to `C` times `alpha`), the columns from `end` one `axpy` per step of `k`
+/// (`C += (alpha a_ik) B[k, ..]`). The two round differently, so a row computed alone
+/// has to follow the path its row took in the whole product.
+#[inline(always)]
+fn tiled_columns<const FUSED: bool>(m: usize, n: usize, i: usize) -> usize {
+    let narrow = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>| {
+        // matmul_acc_narrow: 4 x 16 tiles from the block's top left corner.
+        let row_end = rows.start + rows.len() / 4 * 4;
+        if rows.contains(&i) && i < row_end {
+            cols.start + cols.len() / 16 * 16
+        } else {
+            cols.start
+        }
+    };
+    #[cfg(target_arch = "x86_64")]
+    if FUSED && Simd::detect() == Simd::Avx512 {
+        let (row_end, col_end) = (m / 8 * 8, n / 32 * 32);
+        return if i < row_end {
+            // The 8 x 32 tiles, then the narrow strip beside them (rows 0 .. row_end,
+            // a multiple of 4: every row of it is in a 4 x 16 tile).
+            narrow(0..row_end, col_end..n)
+        } else {
+            narrow(row_end..m, 0..n)
+        };
+    }
+    narrow(0..m, 0..n)
+}
+
+/// One row of a product: row `i` of `C += alpha A B` for an `A` of `m` rows, `a_row`
+/// being that row (`k` values) and `c_row` that row of `C` (`n` values).
+pub(crate) struct RowProduct<'a> {
+    pub m: usize,
+    pub i: usize,
+    pub k: usize,
+    pub n: usize,
+    pub a_row: &'a [f32],
+    pub b: &'a [f32],
+    pub ldb: usize,
+    pub alpha: f32,
+}
+
+/// Row `p.i` of what [`matmul_acc`] adds to `C` for the whole `p.m`-row product, with
+/// the same roundings in the same order (bit-identical), computing that row alone: the
+/// last layer's attention runs one query a prompt where the whole pass ran them all.
+#[inline(always)]
+pub(crate) fn matmul_acc_row<const FUSED: bool>(p: &RowProduct<'_>, c_row: &mut [f32]) {
+    let RowProduct {
+        m,
+        i,
+        k,
+        n,
+        a_row,
+        b,
+        ldb,
+        alpha,
+    } = *p;
+    let end = tiled_columns::<FUSED>(m, n, i);
+    // The tiled columns, in blocks of an accumulator array (the tile's accumulator of
+    // each column is its own chain over k, so the blocking changes no rounding).
+    const BLOCK: usize = 64;
+    let mut j0 = 0;
+    while j0 < end {
+        let width = BLOCK.min(end - j0);
+        let mut acc = [0f32; BLOCK];
+        let acc = &mut acc[..width];
+        for (kk, &av) in a_row[..k].iter().enumerate() {
+            let brow = &b[kk * ldb + j0..][..width];
+            for (x, &bv) in acc.iter_mut().zip(brow) {
+                *x = madd::<FUSED>(av, bv, *x);
+            }
+        }
+        for (cv, &x) in c_row[j0..j0 + width].iter_mut().zip(acc.iter()) {
+            *cv = madd::<FUSED>(alpha, x, *cv);
+        }
+        j0 += width;
+    }
+    if end < n {
+        for (kk, &a) in a_row[..k].iter().enumerate() {
+            axpy::<FUSED>(
+                alpha * a,
+                &b[kk * ldb + end..kk * ldb + n],
+                &mut c_row[end..n],
+            );
+        }
+    }
+}
+
 /// The `rows x cols` block of `C += alpha A B` in 4 x 16 tiles, the rest row by row.
 #[inline(always)]
 fn matmul_acc_narrow<const FUSED: bool>(
@@ -655,6 +744,68 @@ mod tests {
         // and columns beside and below them; alpha -2.
         for (m, k, n) in [(7, 5, 37), (21, 5, 83)] {
             check_product(m, k, n);
+        }
+    }
+
+    fn row_body<const FUSED: bool>(p: &RowProduct<'_>, c: &mut [f32]) {
+        matmul_acc_row::<FUSED>(p, c)
+    }
+    dispatch_simd!(fn run_row(p: &RowProduct<'_>, c: &mut [f32]) = row_body);
+
+    #[test]
+    fn one_row_alone_equals_its_row_of_the_whole_product() {
+        // Values whose products and sums round, so a row summed in another order or
+        // with alpha applied elsewhere differs in its last bits. Shapes around the
+        // tiles: rows in 8 x 32 tiles, in 4 x 16 ones beside and below them, and left
+        // over; columns likewise (attention's key tiles of 1 .. 64, head dims 64, 256).
+        let value = |i: usize, seed: usize| {
+            let x = (i.wrapping_mul(2_654_435_761).wrapping_add(seed * 97)) % 10_007;
+            x as f32 / 3_001.7 - 1.6
+        };
+        for (m, k, n) in [
+            (1, 5, 3),
+            (3, 17, 20),
+            (7, 64, 37),
+            (20, 64, 20),
+            (21, 9, 83),
+            (64, 64, 64),
+            (37, 40, 256),
+            (12, 64, 48),
+        ] {
+            let a: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| value(i, 2)).collect();
+            let c0: Vec<f32> = (0..m * n).map(|i| value(i, 3)).collect();
+            let mut whole = c0.clone();
+            let p = Product {
+                m,
+                k,
+                n,
+                a: &a,
+                lda: k,
+                b: &b,
+                ldb: n,
+                alpha: 0.37,
+            };
+            run_product(&p, &mut whole, n);
+            for i in 0..m {
+                let mut row = c0[i * n..(i + 1) * n].to_vec();
+                run_row(
+                    &RowProduct {
+                        m,
+                        i,
+                        k,
+                        n,
+                        a_row: &a[i * k..(i + 1) * k],
+                        b: &b,
+                        ldb: n,
+                        alpha: 0.37,
+                    },
+                    &mut row,
+                );
+                let want: Vec<u32> = whole[i * n..(i + 1) * n].iter().map(|x| x.to_bits()).collect();
+                let got: Vec<u32> = row.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "{m} x {k} x {n}, row {i}");
+            }
         }
     }
 
