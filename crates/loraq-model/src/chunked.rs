@@ -22,7 +22,7 @@
 //! exact arithmetic: every `exp` argument is `<= 0`, so nothing overflows, and the
 //! summation order differs from the recurrence's by f32 rounding only.
 
-use crate::ops::{DeltaRuleDims, l2_normalize};
+use crate::ops::{DeltaRuleDims, inverse_l2_norm};
 use crate::small_matmul::{
     Product, axpy, dispatch_simd, exp_nonpositive, matmul_acc, per_head_parallel_into,
 };
@@ -144,14 +144,14 @@ fn chunked_from_rows(
             .map(|kh| {
                 let mut out = Vec::with_capacity(tokens * dk);
                 for t in 0..tokens {
-                    let start = out.len();
-                    out.extend_from_slice(&x[t * query_stride + kh * dk..][..dk]);
-                    let row = &mut out[start..];
-                    l2_normalize(row, 1e-6);
+                    // l2_normalize (then the query scale) read from the row in place
+                    // and written once: the same products as on a copy.
+                    let row = &x[t * query_stride + kh * dk..][..dk];
+                    let inv = inverse_l2_norm(row, 1e-6);
                     if query {
-                        for v in row.iter_mut() {
-                            *v *= scale;
-                        }
+                        out.extend(row.iter().map(|&v| v * inv * scale));
+                    } else {
+                        out.extend(row.iter().map(|&v| v * inv));
                     }
                 }
                 out

@@ -1345,7 +1345,11 @@ impl RopeTable {
         if rotary_dim / 2 == 0 {
             return;
         }
-        assert_eq!(rotary_dim / 2, self.half, "rotary table of another rotary dimension");
+        assert_eq!(
+            rotary_dim / 2,
+            self.half,
+            "rotary table of another rotary dimension"
+        );
         self.apply_from(&mut x[..heads * head_dim], position, heads, head_dim)
     }
 

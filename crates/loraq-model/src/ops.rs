@@ -51,11 +51,16 @@ pub fn causal_conv1d_silu_into(
 
 /// `x / sqrt(sum x^2 + eps)` in place (FLA's l2norm with eps inside the root).
 pub fn l2_normalize(x: &mut [f32], eps: f32) {
-    let sum: f32 = x.iter().map(|v| v * v).sum();
-    let inv = 1.0 / (sum + eps).sqrt();
+    let inv = inverse_l2_norm(x, eps);
     for v in x {
         *v *= inv;
     }
+}
+
+/// `1 / sqrt(sum x^2 + eps)`, the factor [`l2_normalize`] multiplies by.
+pub fn inverse_l2_norm(x: &[f32], eps: f32) -> f32 {
+    let sum: f32 = x.iter().map(|v| v * v).sum();
+    1.0 / (sum + eps).sqrt()
 }
 
 /// Dimensions of one gated delta rule call.

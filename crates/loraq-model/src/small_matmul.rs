@@ -519,28 +519,52 @@ pub(crate) fn sigmoid_mul(x: &mut [f32], gate: &[f32]) {
     par_pieces(x, gate, ELEMENTWISE_PIECE, sigmoid_mul_serial);
 }
 
+/// `1 / sqrt(mean(row^2) + eps)`, the sum in sixteen partial lanes so the loop
+/// vectorizes.
+#[inline(always)]
+fn inverse_rms<const FUSED: bool>(row: &[f32], eps: f32) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = madd::<FUSED>(v, v, *l);
+        }
+    }
+    let mut sum: f32 = lanes.iter().sum();
+    for &v in chunks.remainder() {
+        sum = madd::<FUSED>(v, v, sum);
+    }
+    1.0 / (sum / row.len() as f32 + eps).sqrt()
+}
+
 #[inline(always)]
 fn rms_norm_body<const FUSED: bool>(x: &mut [f32], scale: &[f32], eps: f32) {
     let width = scale.len();
     for row in x.chunks_exact_mut(width) {
-        // Sixteen partial sums so the loop vectorizes.
-        let mut lanes = [0f32; 16];
-        let mut chunks = row.chunks_exact(16);
-        for c in &mut chunks {
-            for (l, &v) in lanes.iter_mut().zip(c) {
-                *l = madd::<FUSED>(v, v, *l);
-            }
-        }
-        let mut sum: f32 = lanes.iter().sum();
-        for &v in chunks.remainder() {
-            sum = madd::<FUSED>(v, v, sum);
-        }
-        let inv = 1.0 / (sum / width as f32 + eps).sqrt();
+        let inv = inverse_rms::<FUSED>(row, eps);
         for (v, &w) in row.iter_mut().zip(scale) {
             *v = *v * inv * w;
         }
     }
 }
+
+/// [`rms_norm_body`] of `src`'s rows written to `out` (the same operations, so the same
+/// bits as copying first and normalizing in place, without the copy).
+#[inline(always)]
+fn rms_norm_into_body<const FUSED: bool>(src: &[f32], out: &mut [f32], scale: &[f32], eps: f32) {
+    let width = scale.len();
+    for (row, dst) in src.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let inv = inverse_rms::<FUSED>(row, eps);
+        for ((d, &v), &w) in dst.iter_mut().zip(row).zip(scale) {
+            *d = v * inv * w;
+        }
+    }
+}
+
+dispatch_simd!(
+    /// [`rms_norm_rows_into`] on the calling thread.
+    fn rms_norm_rows_into_serial(src: &[f32], out: &mut [f32], scale: &[f32], eps: f32) = rms_norm_into_body
+);
 
 dispatch_simd!(
     /// [`rms_norm_rows`] on the calling thread.
@@ -561,8 +585,9 @@ pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
     }
 }
 
-/// [`rms_norm_rows`] of `src` into `out` (same length): the copy and the norm of each
-/// piece of rows on one thread, in parallel pieces (the residual stream stays as is).
+/// [`rms_norm_rows`] of `src` into `out` (same length), read from `src` and written to
+/// `out` in one pass (no copy first), in parallel pieces (the residual stream stays as
+/// is).
 pub(crate) fn rms_norm_rows_into(src: &[f32], out: &mut [f32], scale: &[f32], eps: f32) {
     use rayon::prelude::*;
     assert_eq!(
@@ -573,15 +598,11 @@ pub(crate) fn rms_norm_rows_into(src: &[f32], out: &mut [f32], scale: &[f32], ep
     let width = scale.len().max(1);
     let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
     if out.len() <= piece {
-        out.copy_from_slice(src);
-        rms_norm_rows_serial(out, scale, eps);
+        rms_norm_rows_into_serial(src, out, scale, eps);
     } else {
         out.par_chunks_mut(piece)
             .zip(src.par_chunks(piece))
-            .for_each(|(rows, from)| {
-                rows.copy_from_slice(from);
-                rms_norm_rows_serial(rows, scale, eps)
-            });
+            .for_each(|(rows, from)| rms_norm_rows_into_serial(from, rows, scale, eps));
     }
 }
 
@@ -802,7 +823,10 @@ mod tests {
                     },
                     &mut row,
                 );
-                let want: Vec<u32> = whole[i * n..(i + 1) * n].iter().map(|x| x.to_bits()).collect();
+                let want: Vec<u32> = whole[i * n..(i + 1) * n]
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
                 let got: Vec<u32> = row.iter().map(|x| x.to_bits()).collect();
                 assert_eq!(got, want, "{m} x {k} x {n}, row {i}");
             }
