@@ -268,14 +268,6 @@ fn same_options(list: &[String], options: &[Cow<'_, str>]) -> bool {
 
 type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
 
-/// A candidate slot of each reference entry: the candidate's line (0 while none came)
-/// and the pair's figures.
-#[derive(Clone, Copy)]
-struct Slot {
-    candidate_line: u64,
-    stats: PairStats,
-}
-
 /// What the parallel pass finds for one reference answer: its id's key, and its
 /// option list's and group's ids when they were interned before its block.
 struct ReferenceKeys {
@@ -292,6 +284,18 @@ fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 /// A write lock, whether or not another thread panicked holding it.
 fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What the parallel pass finds for the candidate answers of one piece of a block,
+/// kept from block to block so that its memory is reused.
+#[derive(Default)]
+struct CandidateScratch {
+    /// Each answer's id key.
+    keys: Vec<IdKey>,
+    /// The reference entry with each answer's id.
+    indices: Vec<Option<u32>>,
+    /// Each answer's outcome.
+    outcomes: Vec<CandidateOutcome>,
 }
 
 /// What the parallel pass found for one candidate answer.
@@ -339,20 +343,21 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     for_each_block(
         &mut reference,
         pieces,
-        |parsed| -> Vec<Vec<ReferenceKeys>> {
+        |parsed, keys: &mut Vec<Vec<ReferenceKeys>>| {
             let (option_lists, groups) = (read(&option_lists), read(&groups));
-            parsed
-                .par_iter()
-                .map(|piece| {
+            keys.resize_with(parsed.len(), Vec::new);
+            keys.par_iter_mut()
+                .zip(parsed)
+                .for_each(|(piece_keys, piece)| {
                     let columns = &piece.columns;
                     let keys = |row: &AnswerRow<'_>| ReferenceKeys {
                         key: IdKey::of(&row.id),
                         options: option_lists.find(columns.options_of(row)),
                         group: row.group.as_ref().and_then(|g| groups.find(g)),
                     };
-                    columns.rows.iter().map(keys).collect()
-                })
-                .collect()
+                    piece_keys.clear();
+                    piece_keys.extend(columns.rows.iter().map(keys));
+                });
         },
         |parsed, keys, block_bytes| {
             if store.entries.is_empty() {
@@ -361,9 +366,9 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
             }
             // The next block's extras read the lists meanwhile: a lock is taken only
             // for a list or group not seen before.
-            for (piece, piece_keys) in parsed.into_iter().zip(keys) {
+            for (piece, piece_keys) in parsed.iter_mut().zip(keys.iter()) {
                 let columns = &piece.columns;
-                for (n, (row, keys)) in columns.rows.iter().zip(&piece_keys).enumerate() {
+                for (n, (row, keys)) in columns.rows.iter().zip(piece_keys).enumerate() {
                     // Each insert misses the cache once (the table is larger than
                     // it): the slot is requested some rows ahead.
                     if let Some(ahead) = piece_keys.get(n + PREFETCH_AHEAD) {
@@ -386,7 +391,7 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                         });
                     }
                 }
-                if let Some(error) = piece.error {
+                if let Some(error) = piece.error.take() {
                     return Err(error);
                 }
             }
@@ -399,52 +404,62 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     let store = store;
     let entries = &store.entries;
 
-    let empty = Slot {
-        candidate_line: 0,
-        stats: PairStats {
-            kl: 0.0,
-            flip: false,
-            reference_confidence: 0.0,
-            candidate_confidence: 0.0,
-            reference_margin: 0.0,
-            group: 0,
-            gold: None,
-        },
+    let empty = PairStats {
+        kl: 0.0,
+        flip: false,
+        reference_confidence: 0.0,
+        candidate_confidence: 0.0,
+        reference_margin: 0.0,
+        group: 0,
+        gold: None,
     };
-    let mut slots: Vec<Slot> = Vec::with_capacity(entries.len());
-    advise_huge_pages(&slots);
+    // Each reference entry's pair figures, and its candidate's line (0 while none
+    // came). The figures become the result in place once the unpaired entries are
+    // taken out: a copy of them was another 96 MB of fresh memory on a million
+    // questions, written by one thread.
+    let mut stats: Vec<PairStats> = Vec::with_capacity(entries.len());
+    let mut candidate_lines: Vec<u64> = Vec::with_capacity(entries.len());
+    advise_huge_pages(&stats);
+    advise_huge_pages(&candidate_lines);
     // Filled by every thread: the first write of each page is a fault and a clear.
-    slots.par_extend(rayon::iter::repeat_n(empty, entries.len()));
+    stats.par_extend(rayon::iter::repeat_n(empty, entries.len()));
+    candidate_lines.par_extend(rayon::iter::repeat_n(0, entries.len()));
     let mut candidate_only_ids: FastMap<String, u64> = FastMap::default();
     // Candidates are looked up and reduced in parallel, then placed in file order
     // while the next block is parsed, looked up and reduced.
     for_each_block(
         &mut candidate,
         pieces,
-        |parsed| -> Vec<Vec<CandidateOutcome>> {
+        |parsed, scratch: &mut Vec<CandidateScratch>| {
             let groups = read(&groups);
-            parsed
-                .par_iter()
-                .map(|piece| {
+            scratch.resize_with(parsed.len(), CandidateScratch::default);
+            scratch
+                .par_iter_mut()
+                .zip(parsed)
+                .for_each(|(scratch, piece)| {
+                    let CandidateScratch {
+                        keys,
+                        indices,
+                        outcomes,
+                    } = scratch;
                     let columns = &piece.columns;
                     let rows = &columns.rows;
                     // Every lookup misses the cache (the shuffled candidate visits the
                     // table at random), and so does reading the entry and its values:
                     // each is requested some rows ahead (software pipelining), the
                     // slots first, then the entries, then their values.
-                    let keys: Vec<IdKey> = rows.iter().map(|row| IdKey::of(&row.id)).collect();
-                    let indices: Vec<Option<u32>> = (0..rows.len())
-                        .map(|n| {
-                            if let Some(ahead) = keys.get(n + PREFETCH_AHEAD) {
-                                store.index.prefetch(ahead);
-                            }
-                            store.find(&keys[n], &rows[n].id)
-                        })
-                        .collect();
-                    rows.iter()
-                        .zip(&indices)
-                        .enumerate()
-                        .map(|(n, (row, &index))| {
+                    keys.clear();
+                    keys.extend(rows.iter().map(|row| IdKey::of(&row.id)));
+                    indices.clear();
+                    indices.extend((0..rows.len()).map(|n| {
+                        if let Some(ahead) = keys.get(n + PREFETCH_AHEAD) {
+                            store.index.prefetch(ahead);
+                        }
+                        store.find(&keys[n], &rows[n].id)
+                    }));
+                    outcomes.clear();
+                    outcomes.extend(rows.iter().zip(indices.iter()).enumerate().map(
+                        |(n, (row, &index))| {
                             if let Some(&Some(ahead)) = indices.get(n + 2 * PREFETCH_AHEAD) {
                                 prefetch(std::ptr::from_ref(&entries[ahead as usize]).cast());
                             }
@@ -476,22 +491,24 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                                     .known_group(entry, &answer, &groups)
                                     .map(|group| group.map_err(Box::new)),
                             }
-                        })
-                        .collect()
-                })
-                .collect()
+                        },
+                    ));
+                });
         },
-        |parsed, outcomes, _| {
-            for (piece, outcomes) in parsed.into_iter().zip(outcomes) {
+        |parsed, scratch, _| {
+            for (piece, scratch) in parsed.iter_mut().zip(scratch.iter_mut()) {
                 let columns = &piece.columns;
-                // Placing is a random write too: each slot is requested ahead.
-                let indices: Vec<Option<u32>> = outcomes.iter().map(|o| o.index).collect();
-                for (n, (row, outcome)) in columns.rows.iter().zip(outcomes).enumerate() {
+                let CandidateScratch {
+                    indices, outcomes, ..
+                } = scratch;
+                // Placing is a random write too: each pair is requested ahead.
+                for (n, (row, outcome)) in columns.rows.iter().zip(outcomes.drain(..)).enumerate() {
                     if let Some(&Some(ahead)) = indices.get(n + PREFETCH_AHEAD) {
-                        let slot = &slots[ahead as usize];
-                        let first: *const u8 = std::ptr::from_ref(slot).cast();
+                        let pair = &stats[ahead as usize];
+                        let first: *const u8 = std::ptr::from_ref(pair).cast();
                         prefetch(first);
-                        prefetch(first.wrapping_add(std::mem::size_of::<Slot>() - 1));
+                        prefetch(first.wrapping_add(std::mem::size_of::<PairStats>() - 1));
+                        prefetch(std::ptr::from_ref(&candidate_lines[ahead as usize]).cast());
                     }
                     let Some(index) = outcome.index else {
                         if !allow_unpaired {
@@ -517,13 +534,13 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                         }
                         continue;
                     };
-                    let slot = &mut slots[index as usize];
-                    if slot.candidate_line != 0 {
+                    let candidate_line = &mut candidate_lines[index as usize];
+                    if *candidate_line != 0 {
                         return Err(EvalError::DuplicateId {
                             path: candidate_path.clone(),
                             line: row.line,
                             id: row.id.to_string(),
-                            first_line: slot.candidate_line,
+                            first_line: *candidate_line,
                         });
                     }
                     let group = match outcome.group {
@@ -541,17 +558,15 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
                             context.agreed_group(entry, &answer, &mut write(&groups))?
                         }
                     };
-                    let mut stats = outcome
+                    let mut pair = outcome
                         .reduced
                         .expect("paired answers are reduced")
                         .map_err(|e| *e)?;
-                    stats.group = group;
-                    *slot = Slot {
-                        candidate_line: row.line,
-                        stats,
-                    };
+                    pair.group = group;
+                    stats[index as usize] = pair;
+                    *candidate_line = row.line;
                 }
-                if let Some(error) = piece.error {
+                if let Some(error) = piece.error.take() {
                     return Err(error);
                 }
             }
@@ -559,11 +574,11 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
         },
     )?;
 
-    let reference_only = slots.iter().filter(|s| s.candidate_line == 0).count();
+    let reference_only = candidate_lines.iter().filter(|&&line| line == 0).count();
     if reference_only > 0 && !allow_unpaired {
-        let first = slots
+        let first = candidate_lines
             .iter()
-            .position(|s| s.candidate_line == 0)
+            .position(|&line| line == 0)
             .expect("counted above");
         return Err(EvalError::UnpairedReference {
             path: reference_path,
@@ -573,11 +588,12 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
             count: reference_only,
         });
     }
-    let pairs: Vec<PairStats> = slots
-        .into_iter()
-        .filter(|s| s.candidate_line != 0)
-        .map(|s| s.stats)
-        .collect();
+    let mut pairs = stats;
+    if reference_only > 0 {
+        // `retain` visits the pairs once each, in order.
+        let mut lines = candidate_lines.iter();
+        pairs.retain(|_| lines.next().is_some_and(|&line| line != 0));
+    }
     if pairs.is_empty() {
         return Err(EvalError::NoPairs {
             reference: reference_path,
@@ -628,7 +644,10 @@ impl<'r, 'a> CandidateAnswer<'r, 'a> {
 /// block's length in bytes). `consume`, sequential, works on one block while the
 /// next is read, parsed and given its extras on the other threads (two blocks
 /// alternate), so that the sequential part of the work overlaps the parallel one.
-/// Stops at the first error, `consume`'s before the next block's.
+/// Each of the two keeps its parsed columns and its extras (`X`, which `extras`
+/// refills) from one use to the next, so that their memory is reused instead of
+/// being handed back and faulted in again at every block. Stops at the first
+/// error, `consume`'s before the next block's.
 fn for_each_block<R, X, E, C>(
     reader: &mut AnswersReader<R>,
     pieces: usize,
@@ -637,18 +656,18 @@ fn for_each_block<R, X, E, C>(
 ) -> Result<()>
 where
     R: BufRead + Send,
-    X: Send,
-    E: Fn(&[ParsedPiece<'_>]) -> X + Sync,
-    C: FnMut(Vec<ParsedPiece<'_>>, X, usize) -> Result<()> + Send,
+    X: Default + Send,
+    E: Fn(&[ParsedPiece<'_>], &mut X) + Sync,
+    C: FnMut(&mut [ParsedPiece<'_>], &mut X, usize) -> Result<()> + Send,
 {
     let path = reader.path().to_path_buf();
-    let (mut first, mut second) = (LineBlock::default(), LineBlock::default());
+    let (mut first, mut second) = (BlockBuffers::default(), BlockBuffers::default());
     let Some(mut ready) = read_and_parse(reader, &mut first, &path, pieces, &extras)? else {
         return Ok(());
     };
     loop {
         let (consumed, next) = rayon::join(
-            || consume(ready.parsed, ready.extra, ready.bytes),
+            || ready.consume_with(&mut consume),
             || read_and_parse(reader, &mut second, &path, pieces, &extras),
         );
         consumed?;
@@ -656,7 +675,7 @@ where
             return Ok(());
         };
         let (consumed, after) = rayon::join(
-            || consume(next.parsed, next.extra, next.bytes),
+            || next.consume_with(&mut consume),
             || read_and_parse(reader, &mut first, &path, pieces, &extras),
         );
         consumed?;
@@ -667,31 +686,75 @@ where
     }
 }
 
+/// One of the two alternating blocks of [`for_each_block`], with the memory its
+/// parsing and extras reuse.
+struct BlockBuffers<X> {
+    block: LineBlock,
+    /// Columns emptied after the last use, for the next parse.
+    spare: Vec<AnswerColumns<'static>>,
+    extra: X,
+}
+
+impl<X: Default> Default for BlockBuffers<X> {
+    fn default() -> Self {
+        Self {
+            block: LineBlock::default(),
+            spare: Vec::new(),
+            extra: X::default(),
+        }
+    }
+}
+
 /// A block read and parsed, with its extras.
 struct ParsedBlock<'b, X> {
     parsed: Vec<ParsedPiece<'b>>,
-    extra: X,
+    extra: &'b mut X,
+    spare: &'b mut Vec<AnswerColumns<'static>>,
     bytes: usize,
 }
 
-/// Reads the next block into `block` and parses it ([`for_each_block`]); `None` at
-/// the end of the file.
+impl<X> ParsedBlock<'_, X> {
+    /// Hands the block to `consume`, then keeps its columns' memory for the next.
+    fn consume_with(
+        self,
+        consume: &mut impl FnMut(&mut [ParsedPiece<'_>], &mut X, usize) -> Result<()>,
+    ) -> Result<()> {
+        let Self {
+            mut parsed,
+            extra,
+            spare,
+            bytes,
+        } = self;
+        let consumed = consume(&mut parsed, extra, bytes);
+        spare.extend(parsed.into_iter().map(|piece| piece.columns.recycle()));
+        consumed
+    }
+}
+
+/// Reads the next block into `buffers` and parses it ([`for_each_block`]); `None`
+/// at the end of the file.
 fn read_and_parse<'b, R: BufRead, X>(
     reader: &mut AnswersReader<R>,
-    block: &'b mut LineBlock,
+    buffers: &'b mut BlockBuffers<X>,
     path: &Path,
     pieces: usize,
-    extras: &impl Fn(&[ParsedPiece<'_>]) -> X,
+    extras: &impl Fn(&[ParsedPiece<'_>], &mut X),
 ) -> Result<Option<ParsedBlock<'b, X>>> {
+    let BlockBuffers {
+        block,
+        spare,
+        extra,
+    } = buffers;
     if !reader.next_block(block)? {
         return Ok(None);
     }
     let block: &'b LineBlock = block;
-    let parsed = block.parse(path, pieces);
-    let extra = extras(&parsed);
+    let parsed = block.parse_reusing(path, pieces, spare);
+    extras(&parsed, extra);
     Ok(Some(ParsedBlock {
         parsed,
         extra,
+        spare,
         bytes: block.len(),
     }))
 }
