@@ -12,7 +12,8 @@ use crate::calibration::{
 use crate::error::{EvalError, Result};
 use crate::pair::{PairStats, PairedAnswers, pair_files};
 use crate::stats::{
-    mcnemar, mean, median, paired_bootstrap_delta_ci, percentiles, standard_error, wilson_interval,
+    mcnemar, mean, median, paired_bootstrap_delta_ci, percentiles_in_place, standard_error,
+    wilson_interval,
 };
 
 /// Margin under which a flip counts as a near tie.
@@ -234,13 +235,13 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
     // The counts in one pass over the pairs (a hundred bytes each: a pass per count
     // read them again from memory).
     let mut flips = 0;
-    let mut gold: Vec<&PairStats> = Vec::with_capacity(n);
+    let mut n_gold = 0;
     let (mut correct_to_wrong, mut wrong_to_correct, mut wrong_to_other) = (0, 0, 0);
     let (mut reference_correct, mut candidate_correct) = (0usize, 0usize);
     for p in pairs {
         flips += usize::from(p.flip);
         if let Some((r, c)) = p.gold {
-            gold.push(p);
+            n_gold += 1;
             correct_to_wrong += usize::from(r.correct && !c.correct);
             wrong_to_correct += usize::from(!r.correct && c.correct);
             wrong_to_other += usize::from(!r.correct && !c.correct && p.flip);
@@ -249,26 +250,31 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
         }
     }
 
-    let kl: Vec<f64> = pairs.iter().map(|p| p.kl).collect();
+    // The pairs with gold, in order (a filter instead of a vector of them: each
+    // vector of a million questions is 8 MB of fresh memory to fault in and clear).
+    let gold = || pairs.iter().filter(|p| p.gold.is_some());
     // The independent figures are computed side by side: the KL percentiles, the
     // margins' medians and each side's calibration (below).
     let kl_summary = || {
-        let [median, p90, p99, p999] = percentiles(&kl, &[50.0, 90.0, 99.0, 99.9])
+        let mut kl: Vec<f64> = pairs.iter().map(|p| p.kl).collect();
+        let (mean, mean_se) = (mean(&kl).expect("n > 0"), standard_error(&kl));
+        let max = kl.iter().copied().max_by(f64::total_cmp).expect("n > 0");
+        // Last: the selection reorders the values.
+        let [median, p90, p99, p999] = percentiles_in_place(&mut kl, &[50.0, 90.0, 99.0, 99.9])
             .expect("n > 0")
             .try_into()
             .expect("four percentiles");
         KlSummary {
-            mean: mean(&kl).expect("n > 0"),
-            mean_se: standard_error(&kl),
+            mean,
+            mean_se,
             median,
             p90,
             p99,
             p999,
-            max: kl.iter().copied().max_by(f64::total_cmp).expect("n > 0"),
+            max,
         }
     };
 
-    let n_gold = gold.len();
     let has_gold = n_gold > 0;
     let gold_count = |c: usize| has_gold.then_some(c);
 
@@ -304,26 +310,27 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
     let side_calibration = |which: fn(&PairStats) -> (f64, crate::pair::GoldSide)| {
         let mut confidence = Vec::with_capacity(n_gold);
         let mut correct = Vec::with_capacity(n_gold);
-        let mut brier = Vec::with_capacity(n_gold);
-        let mut nll = Vec::with_capacity(n_gold);
-        for p in &gold {
+        for p in gold() {
             let (c, side) = which(p);
             confidence.push(c);
             correct.push(side.correct);
-            brier.push(side.brier);
-            nll.push(side.nll);
         }
+        // The means of `stats::mean`, summed in the same order by the same `Sum`,
+        // without a vector of the values.
+        let side_mean = |value: fn(&crate::pair::GoldSide) -> f64| {
+            (n_gold > 0).then(|| gold().map(|p| value(&which(p).1)).sum::<f64>() / n_gold as f64)
+        };
         let table = reliability_table(&confidence, &correct, options.bins);
         let summary = CalibrationSummary {
             ece: expected_calibration_error(&table),
             adaptive_ece: adaptive_calibration_error(&confidence, &correct, options.bins),
-            brier: mean(&brier),
-            nll: mean(&nll),
+            brier: side_mean(|side| side.brier),
+            nll: side_mean(|side| side.nll),
         };
         (summary, table)
     };
     let near_ties = || {
-        let all_margins: Vec<f64> = pairs.iter().map(|p| p.reference_margin).collect();
+        let mut all_margins: Vec<f64> = pairs.iter().map(|p| p.reference_margin).collect();
         let flip_margins: Vec<f64> = pairs
             .iter()
             .filter(|p| p.flip)
@@ -331,7 +338,7 @@ pub fn compare(paired: &PairedAnswers, options: &CompareOptions) -> Result<Compa
             .collect();
         let near_ties = NearTies {
             flip_margin_median: median(&flip_margins),
-            all_margin_median: median(&all_margins).expect("n > 0"),
+            all_margin_median: percentiles_in_place(&mut all_margins, &[50.0]).expect("n > 0")[0],
             flips_margin_below_0_1: (!flip_margins.is_empty()).then(|| {
                 flip_margins
                     .iter()
@@ -401,17 +408,28 @@ fn group_summaries(paired: &PairedAnswers) -> BTreeMap<String, GroupSummary> {
     struct Acc {
         n: usize,
         flips: usize,
-        kl: Vec<f64>,
+        /// The group's KL values summed in order, as `stats::mean` sums them.
+        kl_sum: f64,
         gold: usize,
         reference_correct: usize,
         candidate_correct: usize,
     }
-    let mut accs: Vec<Acc> = paired.groups.iter().map(|_| Acc::default()).collect();
+    // The start of `Sum for f64`'s fold, so that adding in order gives `mean`'s sums
+    // bit for bit (a vector of each group's values was 8 MB on a million questions).
+    let zero: f64 = std::iter::empty::<f64>().sum();
+    let mut accs: Vec<Acc> = paired
+        .groups
+        .iter()
+        .map(|_| Acc {
+            kl_sum: zero,
+            ..Acc::default()
+        })
+        .collect();
     for p in &paired.pairs {
         let acc = &mut accs[p.group as usize];
         acc.n += 1;
         acc.flips += usize::from(p.flip);
-        acc.kl.push(p.kl);
+        acc.kl_sum += p.kl;
         if let Some((r, c)) = p.gold {
             acc.gold += 1;
             acc.reference_correct += usize::from(r.correct);
@@ -432,7 +450,7 @@ fn group_summaries(paired: &PairedAnswers) -> BTreeMap<String, GroupSummary> {
                     acc.candidate_correct as f64 / acc.gold as f64
                         - acc.reference_correct as f64 / acc.gold as f64
                 }),
-                kl_mean: mean(&acc.kl).expect("n > 0"),
+                kl_mean: acc.kl_sum / acc.n as f64,
             };
             (name.clone(), summary)
         })

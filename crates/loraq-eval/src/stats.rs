@@ -67,6 +67,12 @@ fn lerp(a: f64, b: f64, t: f64) -> f64 {
 /// rank) instead of a sort: an order statistic of the total order is one value
 /// whatever the order of its ties. `None` for an empty slice.
 pub fn percentiles(values: &[f64], qs: &[f64]) -> Option<Vec<f64>> {
+    percentiles_in_place(&mut values.to_vec(), qs)
+}
+
+/// [`percentiles`] of `values`, which it reorders instead of copying them (the
+/// same values come out: the selection sees the same input either way).
+pub fn percentiles_in_place(values: &mut [f64], qs: &[f64]) -> Option<Vec<f64>> {
     let n = values.len();
     if n == 0 {
         return None;
@@ -80,7 +86,7 @@ pub fn percentiles(values: &[f64], qs: &[f64]) -> Option<Vec<f64>> {
         .collect();
     ranks.sort_unstable();
     ranks.dedup();
-    let mut work = values.to_vec();
+    let work = values;
     let mut order_statistics = Vec::with_capacity(ranks.len());
     // Ascending ranks: each selection runs on what lies above the previous rank.
     let mut below = 0;
