@@ -920,6 +920,67 @@ mod tests {
         assert_eq!(a.options, vec!["NaN", "Infinity"]);
     }
 
+    /// Columns recycled from one block parse the next exactly as fresh ones do, and
+    /// keep their memory.
+    #[test]
+    fn recycled_columns_parse_as_fresh_ones_and_keep_their_memory() {
+        let text = |first: usize, n: usize| -> Vec<u8> {
+            (first..first + n)
+                .map(|i| {
+                    format!(
+                        "{{\"id\": \"q{i}\", \"group\": \"g{}\", \"options\": [\"A\", \"B\", \"C\"], \"logits\": [{}.5, 0.25, -1.0], \"gold\": \"B\"}}\n",
+                        i % 3,
+                        i % 5
+                    )
+                })
+                .collect::<String>()
+                .into_bytes()
+        };
+        let path = Path::new("a.jsonl");
+        let mut spare: Vec<AnswerColumns<'static>> = Vec::new();
+        for (first, n, pieces) in [(1, 400, 4), (401, 900, 3), (1301, 50, 6)] {
+            let block = LineBlock {
+                bytes: text(first, n),
+                first_line: first as u64,
+            };
+            let fresh = block.parse(path, pieces);
+            let held = spare.len();
+            let reused = block.parse_reusing(path, pieces, &mut spare);
+            assert_eq!(fresh.len(), reused.len());
+            for (fresh, reused) in fresh.iter().zip(&reused) {
+                assert!(fresh.error.is_none() && reused.error.is_none());
+                assert_eq!(fresh.columns.rows, reused.columns.rows);
+                assert_eq!(fresh.columns.options, reused.columns.options);
+                assert_eq!(fresh.columns.probs, reused.columns.probs);
+                assert_eq!(fresh.columns.log_probs, reused.columns.log_probs);
+            }
+            let rows: usize = reused.iter().map(|p| p.columns.rows.len()).sum();
+            assert_eq!(rows, n);
+            // Every spare was taken while there were pieces to parse.
+            assert_eq!(spare.len(), held.saturating_sub(reused.len()));
+            // Recycling keeps each column's memory.
+            let memory = |c: &AnswerColumns<'_>| {
+                (
+                    (c.rows.as_ptr() as usize, c.rows.capacity()),
+                    (c.options.as_ptr() as usize, c.options.capacity()),
+                    (c.probs.as_ptr() as usize, c.probs.capacity()),
+                )
+            };
+            let before: Vec<_> = reused.iter().map(|p| memory(&p.columns)).collect();
+            spare.extend(reused.into_iter().map(|p| p.columns.recycle()));
+            let after: Vec<_> = spare[spare.len() - before.len()..]
+                .iter()
+                .map(memory)
+                .collect();
+            assert_eq!(before, after);
+            for columns in &spare {
+                assert!(columns.rows.is_empty() && columns.options.is_empty());
+                assert!(columns.probs.is_empty() && columns.log_probs.is_empty());
+                assert!(columns.rows.capacity() > 0 && columns.options.capacity() > 0);
+            }
+        }
+    }
+
     #[test]
     fn probs_are_normalized_and_checked() {
         let a = parse(r#"{"id":"q","options":["A","B"],"probs":[0.25,0.7505]}"#).unwrap();

@@ -227,23 +227,32 @@ pub(crate) fn prefetch(address: *const u8) {
 /// only): tables read at random then miss the TLB far less often, and fill with far
 /// fewer page faults. Call before the memory is first written.
 pub(crate) fn advise_huge_pages<T>(vec: &Vec<T>) {
-    const HUGE_PAGE: usize = 2 << 20;
     let bytes = vec.capacity().saturating_mul(std::mem::size_of::<T>());
+    advise_huge_range(vec.as_ptr().cast(), bytes);
+}
+
+/// [`advise_huge_pages`] for the `bytes` bytes allocated at `start` (a string's
+/// capacity, say); nothing below two huge pages.
+pub(crate) fn advise_huge_range(start: *const u8, bytes: usize) {
+    const HUGE_PAGE: usize = 2 << 20;
     if bytes < 2 * HUGE_PAGE {
         return;
     }
     #[cfg(target_os = "linux")]
     {
         const PAGE: usize = 4096;
-        let start = vec.as_ptr() as usize;
+        let start = start as usize;
         let aligned = start.next_multiple_of(PAGE);
         let length = (start + bytes - aligned) / PAGE * PAGE;
-        // SAFETY: the range lies inside the vector's allocation, which this process
-        // owns; MADV_HUGEPAGE changes how pages are backed, never their contents.
+        // SAFETY: the range lies inside an allocation of `bytes` bytes at `start`,
+        // which this process owns; MADV_HUGEPAGE changes how pages are backed, never
+        // their contents.
         unsafe {
             libc::madvise(aligned as *mut libc::c_void, length, libc::MADV_HUGEPAGE);
         }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = start;
 }
 
 /// Writes `fill` into one element of every 4 KiB page of `vec`'s spare capacity, on

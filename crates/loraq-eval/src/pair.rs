@@ -16,7 +16,9 @@ use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::answers::{AnswerColumns, AnswerRow, AnswersReader, LineBlock, ParsedPiece};
 use crate::error::{EvalError, FieldMismatch, Result};
-use crate::id_table::{FastHasher, IdKey, IdTable, advise_huge_pages, prefault_spare, prefetch};
+use crate::id_table::{
+    FastHasher, IdKey, IdTable, advise_huge_pages, advise_huge_range, prefault_spare, prefetch,
+};
 
 /// Pieces each block of lines is split into per thread, so that a piece of long
 /// lines does not leave the other threads idle.
@@ -125,13 +127,17 @@ impl ReferenceStore {
         }
     }
 
-    /// Makes room for `lines` more answers of four options, the memory faulted in by
-    /// every thread (`push` then appends, in file order, to pages already there).
-    fn reserve(&mut self, lines: usize) {
+    /// Makes room for `lines` more answers of four options and `id_bytes` more bytes
+    /// of ids, the memory faulted in by every thread (`push` then appends, in file
+    /// order, to pages already there; the ids, appended to a growing string, took
+    /// twice their size in fresh pages).
+    fn reserve(&mut self, lines: usize, id_bytes: usize) {
         self.entries.reserve(lines);
         self.values.reserve(lines.saturating_mul(8));
+        self.ids.reserve(id_bytes);
         advise_huge_pages(&self.entries);
         advise_huge_pages(&self.values);
+        advise_huge_range(self.ids.as_ptr(), self.ids.capacity());
         let blank = ReferenceEntry {
             line: 0,
             options: 0,
@@ -340,8 +346,11 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     // lists are only read then); storing and indexing, in file order, is not.
     let option_lists = RwLock::new(OptionLists::default());
     let groups = RwLock::new(Interner::default());
+    // The two alternating blocks, and the memory their parsing reuses, serve both files.
+    let mut blocks = [BlockMemory::default(), BlockMemory::default()];
     for_each_block(
         &mut reference,
+        &mut blocks,
         pieces,
         |parsed, keys: &mut Vec<Vec<ReferenceKeys>>| {
             let (option_lists, groups) = (read(&option_lists), read(&groups));
@@ -361,8 +370,17 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
         },
         |parsed, keys, block_bytes| {
             if store.entries.is_empty() {
-                let lines: usize = parsed.iter().map(|piece| piece.columns.rows.len()).sum();
-                store.reserve(estimated_lines(reference_len, block_bytes, lines));
+                let rows = || parsed.iter().flat_map(|piece| &piece.columns.rows);
+                let (lines, id_bytes): (usize, usize) =
+                    (rows().count(), rows().map(|row| row.id.len()).sum());
+                let estimate = estimated_lines(reference_len, block_bytes, lines);
+                // The ids' bytes in the same proportion as in the first block, with
+                // half again for ids that lengthen down the file ("q9" .. "q999999":
+                // a fifth longer on average than in the first block); capacity never
+                // written costs no memory.
+                let per_line = id_bytes as f64 / lines.max(1) as f64;
+                let estimated_id_bytes = (per_line * 1.5 * estimate as f64) as usize;
+                store.reserve(estimate, estimated_id_bytes);
             }
             // The next block's extras read the lists meanwhile: a lock is taken only
             // for a list or group not seen before.
@@ -429,6 +447,7 @@ pub fn pair_answers<R1: BufRead + Send, R2: BufRead + Send>(
     // while the next block is parsed, looked up and reduced.
     for_each_block(
         &mut candidate,
+        &mut blocks,
         pieces,
         |parsed, scratch: &mut Vec<CandidateScratch>| {
             let groups = read(&groups);
@@ -644,12 +663,13 @@ impl<'r, 'a> CandidateAnswer<'r, 'a> {
 /// block's length in bytes). `consume`, sequential, works on one block while the
 /// next is read, parsed and given its extras on the other threads (two blocks
 /// alternate), so that the sequential part of the work overlaps the parallel one.
-/// Each of the two keeps its parsed columns and its extras (`X`, which `extras`
-/// refills) from one use to the next, so that their memory is reused instead of
-/// being handed back and faulted in again at every block. Stops at the first
-/// error, `consume`'s before the next block's.
+/// Each of the two `blocks` keeps its parsed columns, and its extras (`X`, which
+/// `extras` refills) are kept too, from one use to the next, so that their memory is
+/// reused instead of being handed back and faulted in again at every block. Stops
+/// at the first error, `consume`'s before the next block's.
 fn for_each_block<R, X, E, C>(
     reader: &mut AnswersReader<R>,
+    blocks: &mut [BlockMemory; 2],
     pieces: usize,
     extras: E,
     mut consume: C,
@@ -661,14 +681,16 @@ where
     C: FnMut(&mut [ParsedPiece<'_>], &mut X, usize) -> Result<()> + Send,
 {
     let path = reader.path().to_path_buf();
-    let (mut first, mut second) = (BlockBuffers::default(), BlockBuffers::default());
-    let Some(mut ready) = read_and_parse(reader, &mut first, &path, pieces, &extras)? else {
+    let [first, second] = blocks;
+    let (mut first_extra, mut second_extra) = (X::default(), X::default());
+    let Some(mut ready) = read_and_parse(reader, first, &mut first_extra, &path, pieces, &extras)?
+    else {
         return Ok(());
     };
     loop {
         let (consumed, next) = rayon::join(
             || ready.consume_with(&mut consume),
-            || read_and_parse(reader, &mut second, &path, pieces, &extras),
+            || read_and_parse(reader, second, &mut second_extra, &path, pieces, &extras),
         );
         consumed?;
         let Some(next) = next? else {
@@ -676,7 +698,7 @@ where
         };
         let (consumed, after) = rayon::join(
             || next.consume_with(&mut consume),
-            || read_and_parse(reader, &mut first, &path, pieces, &extras),
+            || read_and_parse(reader, first, &mut first_extra, &path, pieces, &extras),
         );
         consumed?;
         let Some(after) = after? else {
@@ -686,23 +708,13 @@ where
     }
 }
 
-/// One of the two alternating blocks of [`for_each_block`], with the memory its
-/// parsing and extras reuse.
-struct BlockBuffers<X> {
+/// One of the two alternating blocks of [`for_each_block`], with the columns its
+/// parsing reuses; kept from one file to the next.
+#[derive(Default)]
+struct BlockMemory {
     block: LineBlock,
     /// Columns emptied after the last use, for the next parse.
     spare: Vec<AnswerColumns<'static>>,
-    extra: X,
-}
-
-impl<X: Default> Default for BlockBuffers<X> {
-    fn default() -> Self {
-        Self {
-            block: LineBlock::default(),
-            spare: Vec::new(),
-            extra: X::default(),
-        }
-    }
 }
 
 /// A block read and parsed, with its extras.
@@ -731,20 +743,17 @@ impl<X> ParsedBlock<'_, X> {
     }
 }
 
-/// Reads the next block into `buffers` and parses it ([`for_each_block`]); `None`
+/// Reads the next block into `memory` and parses it ([`for_each_block`]); `None`
 /// at the end of the file.
 fn read_and_parse<'b, R: BufRead, X>(
     reader: &mut AnswersReader<R>,
-    buffers: &'b mut BlockBuffers<X>,
+    memory: &'b mut BlockMemory,
+    extra: &'b mut X,
     path: &Path,
     pieces: usize,
     extras: &impl Fn(&[ParsedPiece<'_>], &mut X),
 ) -> Result<Option<ParsedBlock<'b, X>>> {
-    let BlockBuffers {
-        block,
-        spare,
-        extra,
-    } = buffers;
+    let BlockMemory { block, spare } = memory;
     if !reader.next_block(block)? {
         return Ok(None);
     }

@@ -289,6 +289,49 @@ pub fn paired_bootstrap_delta_ci(
 mod tests {
     use super::*;
 
+    /// In place or on a copy, the same percentiles, bit for bit, against a full sort.
+    #[test]
+    fn percentiles_in_place_are_those_of_a_sort() {
+        let mut state = 5u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 40) as f64 / 1024.0
+        };
+        let qs = [0.0, 12.5, 50.0, 90.0, 99.0, 99.9, 100.0];
+        for n in [1, 2, 7, 1000, 4099] {
+            // Values with ties (a coarse grid) and both zeros.
+            let values: Vec<f64> = (0..n)
+                .map(|i| match i % 11 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => (next() * 4.0).round() / 4.0,
+                })
+                .collect();
+            let mut sorted = values.clone();
+            sorted.sort_by(f64::total_cmp);
+            let expected: Vec<u64> = qs
+                .iter()
+                .map(|&q| percentile_sorted(&sorted, q).unwrap().to_bits())
+                .collect();
+            let copied: Vec<u64> = percentiles(&values, &qs)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let mut work = values.clone();
+            let in_place: Vec<u64> = percentiles_in_place(&mut work, &qs)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            assert_eq!(copied, expected, "{n}");
+            assert_eq!(in_place, expected, "{n}");
+        }
+        assert_eq!(percentiles_in_place(&mut [], &[50.0]), None);
+    }
+
     /// pmf by Pascal's triangle: exact integers up to n = 56, then rounding of
     /// about n ulps (hence the 1e-12 tolerance).
     fn pascal_pmf(k: u64, n: u64) -> f64 {

@@ -98,11 +98,84 @@ fn pair_with_threads(
     reference: &Path,
     candidate: &Path,
 ) -> Result<PairedAnswers, EvalError> {
+    pair_allowing_unpaired(threads, reference, candidate, false)
+}
+
+fn pair_allowing_unpaired(
+    threads: usize,
+    reference: &Path,
+    candidate: &Path,
+    allow_unpaired: bool,
+) -> Result<PairedAnswers, EvalError> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .unwrap()
-        .install(|| pair_files(reference, candidate, false))
+        .install(|| pair_files(reference, candidate, allow_unpaired))
+}
+
+/// With ids missing from the candidate in every block, the pairs left (taken out of
+/// the reference-ordered figures in place) are the reference's paired questions in
+/// reference order, each with the oracle's KL bit for bit.
+#[test]
+fn unpaired_reference_ids_over_many_blocks_leave_the_oracle_pairs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reference_text, candidate_lines) = answers();
+    let reference = dir.path().join("reference.jsonl");
+    let candidate = dir.path().join("candidate.jsonl");
+    std::fs::write(&reference, &reference_text).unwrap();
+    // Every seventh candidate line (shuffled: ids all over the reference) is left out.
+    let kept: Vec<&String> = candidate_lines
+        .iter()
+        .enumerate()
+        .filter(|(n, _)| n % 7 != 3)
+        .map(|(_, line)| line)
+        .collect();
+    std::fs::write(
+        &candidate,
+        kept.iter().map(|line| line.as_str()).collect::<String>(),
+    )
+    .unwrap();
+
+    let by_id: HashMap<String, Answer> = read_all(&candidate)
+        .into_iter()
+        .map(|answer| (answer.id.clone(), answer))
+        .collect();
+    let expected: Vec<(Answer, f64)> = read_all(&reference)
+        .into_iter()
+        .filter_map(|r| {
+            let c = by_id.get(&r.id)?;
+            let mut kl = 0.0;
+            for k in 0..4 {
+                if r.probs[k] > 0.0 {
+                    kl += r.probs[k] * (r.log_probs[k] - c.log_probs[k]);
+                }
+            }
+            Some((r, kl))
+        })
+        .collect();
+    assert_eq!(expected.len(), kept.len());
+    for threads in [1, 2, 3] {
+        assert!(matches!(
+            pair_with_threads(threads, &reference, &candidate),
+            Err(EvalError::UnpairedReference { .. })
+        ));
+        let paired = pair_allowing_unpaired(threads, &reference, &candidate, true).unwrap();
+        assert_eq!(
+            (paired.reference_only, paired.candidate_only),
+            (QUESTIONS - kept.len(), 0)
+        );
+        assert_eq!(paired.pairs.len(), expected.len());
+        for (pair, (r, kl)) in paired.pairs.iter().zip(&expected) {
+            assert_eq!(
+                pair.kl.to_bits(),
+                kl.to_bits(),
+                "{} ({threads} threads)",
+                r.id
+            );
+            assert_eq!(paired.groups[pair.group as usize], r.group.clone().unwrap());
+        }
+    }
 }
 
 #[test]
