@@ -158,10 +158,37 @@ impl AnswersReader<BufReader<File>> {
             error,
         })?;
         let file_len = file.metadata().ok().map(|m| m.len());
+        if let Some(len) = file_len {
+            advise_will_need(&file, len);
+        }
         let mut reader = Self::new(BufReader::with_capacity(1 << 20, file), path);
         reader.file_len = file_len;
         Ok(reader)
     }
+}
+
+/// Bytes at the start of a file that [`advise_will_need`] asks the kernel to read ahead:
+/// a million questions' file is 126 MB; past this the usual readahead goes on.
+const WILL_NEED_BYTES: u64 = 1 << 30;
+
+/// Asks the kernel to start reading the first [`WILL_NEED_BYTES`] of `file` into the
+/// page cache now (a hint; Linux only): `pair_files` opens both files before reading
+/// the reference, so the candidate's pages missing from the cache are read from disk
+/// while the reference is parsed, instead of one read at a time in its turn (the
+/// perf inputs, on a machine shared with builds, were found 7% evicted).
+fn advise_will_need(file: &File, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let len = len.min(WILL_NEED_BYTES) as libc::off_t;
+        // SAFETY: the descriptor is open for the duration of the call (`file` is
+        // borrowed); the advice changes what the page cache holds, never the file.
+        unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, len, libc::POSIX_FADV_WILLNEED);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, len);
 }
 
 impl<R: BufRead> AnswersReader<R> {
@@ -979,6 +1006,29 @@ mod tests {
                 assert!(columns.rows.capacity() > 0 && columns.options.capacity() > 0);
             }
         }
+    }
+
+    /// The read-ahead hint leaves what is read unchanged, on an empty file, a file
+    /// and a device.
+    #[cfg(unix)]
+    #[test]
+    fn the_read_ahead_hint_changes_nothing_read() {
+        use std::io::Read as _;
+        let dir = tempfile::tempdir().unwrap();
+        let text = r#"{"id":"q","options":["A","B"],"logits":[0.0,1.0]}"#.repeat(1000);
+        for (name, contents) in [("empty.jsonl", ""), ("full.jsonl", text.as_str())] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, contents).unwrap();
+            let mut file = File::open(&path).unwrap();
+            advise_will_need(&file, contents.len() as u64);
+            let mut read = String::new();
+            file.read_to_string(&mut read).unwrap();
+            assert_eq!(read, contents);
+        }
+        let null = File::open("/dev/null").unwrap();
+        advise_will_need(&null, 0);
+        let mut reader = AnswersReader::open("/dev/null").unwrap();
+        assert!(reader.next().is_none());
     }
 
     #[test]
