@@ -14,6 +14,7 @@ use loraq_quant::{
     ActivationQuant, ActivationQuantKind, Nvfp4GlobalScale, QuantizedBase, StoredWeight,
     WeightFormat,
 };
+use rayon::prelude::*;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1120,32 +1121,54 @@ impl Model {
                 c.rotary_dim,
             );
         }
-        // Each prompt attends to itself only.
+        // Each prompt attends to itself only. The prompts run in parallel (each
+        // splitting its heads and query tiles in turn), each with its own scratch: one
+        // parallel region per layer instead of one per prompt; each prompt's arithmetic
+        // is unchanged, so the answers are byte-identical.
         let attended = sized(&mut arena.core, q_rows * heads * hd);
-        for (p, seg) in segments.iter().enumerate() {
-            let dims = crate::attention::AttentionDims {
-                tokens: seg.len,
-                heads,
-                kv_heads: kv,
-                head_dim: hd,
-            };
-            match kept {
-                None => crate::attention::causal_attention_into(
-                    seg.rows(query, heads * hd),
-                    seg.rows(key, kv * hd),
-                    seg.rows(value, kv * hd),
-                    dims,
-                    &mut arena.per_head,
-                    &mut attended[seg.start * heads * hd..(seg.start + seg.len) * heads * hd],
-                ),
-                Some(_) => crate::attention::last_query_attention(
-                    &query[p * heads * hd..(p + 1) * heads * hd],
-                    seg.rows(key, kv * hd),
-                    seg.rows(value, kv * hd),
-                    dims,
-                    &mut attended[p * heads * hd..(p + 1) * heads * hd],
-                ),
+        let (query, key, value) = (&*query, &*key, &*value);
+        let width = heads * hd;
+        let dims_of = |seg: &Segment| crate::attention::AttentionDims {
+            tokens: seg.len,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+        };
+        match kept {
+            None => {
+                if arena.per_segment.len() < segments.len() {
+                    arena.per_segment.resize_with(segments.len(), Vec::new);
+                }
+                let tasks: Vec<_> = segments
+                    .iter()
+                    .zip(split_rows(attended, segments, width))
+                    .zip(arena.per_segment.iter_mut())
+                    .collect();
+                tasks.into_par_iter().for_each(|((seg, out), scratch)| {
+                    crate::attention::causal_attention_into(
+                        seg.rows(query, width),
+                        seg.rows(key, kv * hd),
+                        seg.rows(value, kv * hd),
+                        dims_of(seg),
+                        scratch,
+                        out,
+                    )
+                });
             }
+            // Kept row p is prompt p's last position.
+            Some(_) => attended[..segments.len() * width]
+                .par_chunks_mut(width)
+                .zip(segments)
+                .enumerate()
+                .for_each(|(p, (out, seg))| {
+                    crate::attention::last_query_attention(
+                        &query[p * width..(p + 1) * width],
+                        seg.rows(key, kv * hd),
+                        seg.rows(value, kv * hd),
+                        dims_of(seg),
+                        out,
+                    )
+                }),
         }
         if kept.is_some() {
             // The padding rows after the kept ones: zero, as their inputs.
@@ -1197,40 +1220,70 @@ impl Model {
             }
         });
         // The convolution and the delta rule of each prompt, from its own zero state.
+        // The prompts run in parallel (each with its own scratch, each splitting its
+        // heads and conv pieces in turn): one parallel region per layer instead of
+        // several per prompt, so a batch of short prompts (about a hundred 20-token
+        // prompts per batch) does not pay rayon's fork-join and wake-ups per prompt.
+        // Every prompt's arithmetic is unchanged, so the answers are byte-identical.
         let mixed = sized(&mut arena.query, t * conv_dim);
         let core = sized(&mut arena.core, t * value_dim);
-        for seg in segments {
-            let seg_mixed = &mut mixed[seg.start * conv_dim..(seg.start + seg.len) * conv_dim];
-            ops::causal_conv1d_silu_into(
-                seg.rows(qkv, conv_dim),
-                conv_dim,
-                &net.conv_weight,
-                c.conv_kernel,
-                seg_mixed,
-            );
-            let dims = DeltaRuleDims {
-                tokens: seg.len,
-                key_heads: nk,
-                value_heads: nv,
-                key_dim: dk,
-                value_dim: dv,
-            };
-            let rows = seg.start * nv..(seg.start + seg.len) * nv;
-            crate::chunked::gated_delta_rule_chunked_strided(
-                crate::chunked::StridedQkv {
-                    rows: seg_mixed,
-                    stride: conv_dim,
-                    key_offset: key_dim,
-                    value_offset: 2 * key_dim,
-                },
-                &decay[rows.clone()],
-                &beta[rows],
-                dims,
-                crate::chunked::DELTA_RULE_CHUNK,
-                &mut arena.per_head,
-                &mut core[seg.start * value_dim..(seg.start + seg.len) * value_dim],
-            );
+        let (decay, beta) = (&*decay, &*beta);
+        // The taps transposed once per layer (`[kernel, channels]`), not per prompt.
+        let kernel = c.conv_kernel;
+        let mut weight_t = vec![0f32; kernel * conv_dim];
+        for (ch, taps) in net
+            .conv_weight
+            .chunks_exact(kernel)
+            .enumerate()
+            .take(conv_dim)
+        {
+            for (j, &w) in taps.iter().enumerate() {
+                weight_t[j * conv_dim + ch] = w;
+            }
         }
+        let weight_t = &weight_t;
+        if arena.per_segment.len() < segments.len() {
+            arena.per_segment.resize_with(segments.len(), Vec::new);
+        }
+        let tasks: Vec<_> = segments
+            .iter()
+            .zip(split_rows(mixed, segments, conv_dim))
+            .zip(split_rows(core, segments, value_dim))
+            .zip(arena.per_segment.iter_mut())
+            .collect();
+        tasks
+            .into_par_iter()
+            .for_each(|(((seg, seg_mixed), seg_core), scratch)| {
+                seg_mixed.fill(0.0);
+                crate::small_matmul::causal_conv_silu(
+                    seg.rows(qkv, conv_dim),
+                    weight_t,
+                    kernel,
+                    seg_mixed,
+                );
+                let dims = DeltaRuleDims {
+                    tokens: seg.len,
+                    key_heads: nk,
+                    value_heads: nv,
+                    key_dim: dk,
+                    value_dim: dv,
+                };
+                let rows = seg.start * nv..(seg.start + seg.len) * nv;
+                crate::chunked::gated_delta_rule_chunked_strided(
+                    crate::chunked::StridedQkv {
+                        rows: seg_mixed,
+                        stride: conv_dim,
+                        key_offset: key_dim,
+                        value_offset: 2 * key_dim,
+                    },
+                    &decay[rows.clone()],
+                    &beta[rows],
+                    dims,
+                    crate::chunked::DELTA_RULE_CHUNK,
+                    scratch,
+                    seg_core,
+                );
+            });
         // The output path's rows: all, or the kept ones.
         let (z_input, core, rows): (&[f32], &mut [f32], usize) = match kept {
             None => (x, core, t),
@@ -1274,13 +1327,30 @@ struct Activations {
     normed: Vec<f32>,
     /// A mixer's or the MLP's output, before it is added to the residual stream.
     mixed: Vec<f32>,
-    /// The token mixers' per-head output blocks (head-major) before they are
-    /// interleaved token-major.
-    per_head: Vec<f32>,
+    /// Per prompt of a batch, the token mixers' per-head output blocks (head-major)
+    /// before they are interleaved token-major (the prompts run in parallel).
+    per_segment: Vec<Vec<f32>>,
     /// The last layer's kept rows of a mixer's input.
     kept_input: Vec<f32>,
     /// The last layer's kept rows of Gated DeltaNet's recurrence output.
     kept_core: Vec<f32>,
+}
+
+/// `x` (`width` values a row) cut into each prompt's rows, in order: the segments are
+/// consecutive from row 0, as the forward pass stacks them.
+fn split_rows<'a>(x: &'a mut [f32], segments: &[Segment], width: usize) -> Vec<&'a mut [f32]> {
+    let mut rest = x;
+    let mut out = Vec::with_capacity(segments.len());
+    for seg in segments {
+        debug_assert_eq!(
+            seg.start * width,
+            out.iter().map(|s: &&mut [f32]| s.len()).sum::<usize>()
+        );
+        let (rows, tail) = std::mem::take(&mut rest).split_at_mut(seg.len * width);
+        out.push(rows);
+        rest = tail;
+    }
+    out
 }
 
 /// `buffer[..len]`, grown (zero-filled) when shorter.
