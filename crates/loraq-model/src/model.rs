@@ -944,9 +944,14 @@ impl Model {
             None
         };
         let last_layer = self.layers.len().saturating_sub(1);
+        // The first layer's input norm; every later one is fused into the residual add
+        // that ends the layer before it.
+        if let Some(first) = self.layers.first() {
+            crate::small_matmul::rms_norm_rows_into(&x, normed, &first.input_norm, c.rms_norm_eps);
+        }
         for (index, layer) in self.layers.iter().enumerate() {
             let kept = kept.as_ref().filter(|_| index == last_layer);
-            crate::small_matmul::rms_norm_rows_into(&x, normed, &layer.input_norm, c.rms_norm_eps);
+            // `normed` holds this layer's input norm here.
             // The rows every step after the mixer runs on: all of them, or the kept ones.
             let out_rows = kept.map_or(rows, |k| k.padded);
             let mixed = &mut mixed[..out_rows * h];
@@ -964,16 +969,27 @@ impl Model {
                 kept.gather(&x, h, &mut shrunk);
                 x = shrunk;
             }
-            crate::small_matmul::add_assign(&mut x, mixed);
-            let normed = &mut normed[..out_rows * h];
-            crate::small_matmul::rms_norm_rows_into(
-                &x,
-                normed,
+            let post_normed = &mut normed[..out_rows * h];
+            crate::small_matmul::add_rms_norm_rows_into(
+                &mut x,
+                mixed,
+                post_normed,
                 &layer.post_attention_norm,
                 c.rms_norm_eps,
             );
-            self.mlp(&layer.mlp, normed, out_rows, arena, mixed)?;
-            crate::small_matmul::add_assign(&mut x, mixed);
+            self.mlp(&layer.mlp, post_normed, out_rows, arena, mixed)?;
+            match self.layers.get(index + 1) {
+                // Not the last layer, so every row: the residual add and the next
+                // layer's input norm in one pass.
+                Some(next) => crate::small_matmul::add_rms_norm_rows_into(
+                    &mut x,
+                    mixed,
+                    normed,
+                    &next.input_norm,
+                    c.rms_norm_eps,
+                ),
+                None => crate::small_matmul::add_assign(&mut x, mixed),
+            }
             if let Some(out) = per_layer.as_deref_mut() {
                 for (p, (seg, dst)) in segments.iter().zip(out.iter_mut()).enumerate() {
                     let row = if kept.is_some() { p } else { seg.last() };

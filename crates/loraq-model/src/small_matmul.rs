@@ -561,6 +561,73 @@ fn rms_norm_into_body<const FUSED: bool>(src: &[f32], out: &mut [f32], scale: &[
     }
 }
 
+/// `x <- x + y` per row, then that row's [`rms_norm_into_body`] into `out`, while the
+/// row is still in L1: the same operations in the same order as [`add_assign`] then
+/// [`rms_norm_rows_into`], so the same bits, with one pass over the residual stream
+/// instead of two.
+#[inline(always)]
+fn add_rms_norm_into_body<const FUSED: bool>(
+    x: &mut [f32],
+    y: &[f32],
+    out: &mut [f32],
+    scale: &[f32],
+    eps: f32,
+) {
+    let width = scale.len();
+    for ((row, add), dst) in x
+        .chunks_exact_mut(width)
+        .zip(y.chunks_exact(width))
+        .zip(out.chunks_exact_mut(width))
+    {
+        for (a, &b) in row.iter_mut().zip(add) {
+            *a += b;
+        }
+        let inv = inverse_rms::<FUSED>(row, eps);
+        for ((d, &v), &w) in dst.iter_mut().zip(&*row).zip(scale) {
+            *d = v * inv * w;
+        }
+    }
+}
+
+dispatch_simd!(
+    /// [`add_rms_norm_rows_into`] on the calling thread.
+    fn add_rms_norm_rows_into_serial(
+        x: &mut [f32],
+        y: &[f32],
+        out: &mut [f32],
+        scale: &[f32],
+        eps: f32,
+    ) = add_rms_norm_into_body
+);
+
+/// The residual add `x <- x + y` and the RMSNorm of the sum into `out` (all three the
+/// same length, whole rows of `scale.len()`), fused per row, in parallel pieces of
+/// whole rows on rayon's pool: bit-identical to [`add_assign`] then
+/// [`rms_norm_rows_into`].
+pub(crate) fn add_rms_norm_rows_into(
+    x: &mut [f32],
+    y: &[f32],
+    out: &mut [f32],
+    scale: &[f32],
+    eps: f32,
+) {
+    use rayon::prelude::*;
+    assert!(
+        x.len() == y.len() && x.len() == out.len(),
+        "residual add and RMSNorm of buffers of other lengths"
+    );
+    let width = scale.len().max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    if x.len() <= piece {
+        add_rms_norm_rows_into_serial(x, y, out, scale, eps);
+    } else {
+        x.par_chunks_mut(piece)
+            .zip(y.par_chunks(piece))
+            .zip(out.par_chunks_mut(piece))
+            .for_each(|((x, y), out)| add_rms_norm_rows_into_serial(x, y, out, scale, eps));
+    }
+}
+
 dispatch_simd!(
     /// [`rms_norm_rows_into`] on the calling thread.
     fn rms_norm_rows_into_serial(src: &[f32], out: &mut [f32], scale: &[f32], eps: f32) = rms_norm_into_body
