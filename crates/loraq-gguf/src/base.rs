@@ -19,10 +19,14 @@
 //! their rows as GGUF stores them (rows of whole blocks), the value-head order undone
 //! by moving whole rows, or whole blocks within each row for `out_proj`; such a
 //! weight is a U8 tensor `[out_features, row bytes]` of the checkpoint, its type and
-//! logical shape in [`GgufCheckpoint::block_weights`]. Every other tensor of a block
-//! type (the embeddings, `lm_head`, an `out_proj` whose value heads cut through its
-//! blocks) is decoded exactly to f32 by the decoder loraq-quant passes in, and refused
-//! by name without one. The converted tensors are written once to an unlinked
+//! logical shape in [`GgufCheckpoint::block_weights`]. An `out_proj` whose value heads
+//! cut through its blocks (128-wide heads in 256-element K blocks) cannot have its
+//! columns put back by moving blocks: it is kept in GGUF's column order, and its
+//! [`BlockWeight::input_gather`] says which checkpoint column each stored column is,
+//! so that a reader decodes it in the checkpoint's order or runs the stored blocks on
+//! the input gathered into GGUF's order (the same product). Every other tensor of a
+//! block type (the embeddings, `lm_head`) is decoded exactly to f32 by the decoder
+//! loraq-quant passes in, and refused by name without one. The converted tensors are written once to an unlinked
 //! temporary safetensors file (its own dtypes kept: F16 and BF16 stay 2 bytes) and
 //! memory-mapped, the way every other checkpoint is read.
 
@@ -195,8 +199,9 @@ struct Converted {
 }
 
 /// A linear weight kept in its ggml block type: a U8 tensor `[out_features, row
-/// bytes]` of the checkpoint, rows in the checkpoint's order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// bytes]` of the checkpoint, rows in the checkpoint's order, columns too unless
+/// [`BlockWeight::input_gather`] is set.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockWeight {
     /// The stored type.
     pub ggml_type: GgmlType,
@@ -204,6 +209,13 @@ pub struct BlockWeight {
     pub out_features: usize,
     /// Input features (elements per row; GGUF `ne[0]`).
     pub in_features: usize,
+    /// `None` when the columns are in the checkpoint's order. Set for an `out_proj`
+    /// whose value heads cut through its blocks, kept in GGUF's column order: stored
+    /// column `j` is the checkpoint's column `input_gather[j]` (a permutation of
+    /// `0..in_features`). The checkpoint's `W x` is then the stored matrix times the
+    /// input gathered as `x[input_gather[j]]`, and a LoRA `B A` of the checkpoint
+    /// applies to that gathered input with A's columns gathered the same way.
+    pub input_gather: Option<Vec<usize>>,
 }
 
 /// A GGUF model opened as a checkpoint ([`open_with_blocks`]).
@@ -233,8 +245,9 @@ fn block_gather(gather: &[usize], block: usize) -> Option<Vec<usize>> {
 }
 
 /// A decoder layer's linear weight of a block type, kept in it with the value-head
-/// order undone on whole rows (or whole blocks of each row); `None` for any other
-/// tensor, and for an `out_proj` whose value heads cut through its blocks (decoded).
+/// order undone on whole rows (or whole blocks of each row; an `out_proj` whose value
+/// heads cut through its blocks is left in GGUF's column order with its
+/// [`BlockWeight::input_gather`]); `None` for any other tensor.
 fn linear_blocks(
     model: &GgufModel,
     v: Option<VHeadLayout>,
@@ -255,6 +268,7 @@ fn linear_blocks(
     let (in_features, out_features) = (t.dims[0] as usize, t.dims[1] as usize);
     let row_bytes = stored.len().checked_div(out_features).unwrap_or(0);
     let mut bytes = stored.to_vec();
+    let mut input_gather = None;
     match v.and_then(|v| v.axis(module.kind).map(|axis| (v, axis))) {
         Some((v, PermutedAxis::Rows { start, head_dim })) => {
             reorder(
@@ -270,19 +284,26 @@ fn linear_blocks(
         Some((v, PermutedAxis::Columns { head_dim })) => {
             let gather = column_gather(v, head_dim, in_features, model, t)?;
             let block = t.ggml_type.block();
-            let Some(blocks) = block_gather(&gather, block.elements) else {
-                return Ok(None);
-            };
-            let mut row_blocks: Vec<&[u8]> = Vec::with_capacity(blocks.len());
-            let mut gathered = Vec::with_capacity(bytes.len());
-            for row in stored.chunks_exact(row_bytes.max(1)) {
-                row_blocks.clear();
-                row_blocks.extend(row.chunks_exact(block.bytes));
-                for &b in &blocks {
-                    gathered.extend_from_slice(row_blocks[b]);
+            match block_gather(&gather, block.elements) {
+                // Whole blocks move: the columns are put back in the checkpoint's
+                // order in the bytes.
+                Some(blocks) => {
+                    let mut row_blocks: Vec<&[u8]> = Vec::with_capacity(blocks.len());
+                    let mut gathered = Vec::with_capacity(bytes.len());
+                    for row in stored.chunks_exact(row_bytes.max(1)) {
+                        row_blocks.clear();
+                        row_blocks.extend(row.chunks_exact(block.bytes));
+                        for &b in &blocks {
+                            gathered.extend_from_slice(row_blocks[b]);
+                        }
+                    }
+                    bytes = gathered;
                 }
+                // The value heads cut through the blocks: the bytes stay in GGUF's
+                // column order (column j is the checkpoint's `permutation[j]`) and the
+                // reader gathers the input instead.
+                None => input_gather = Some(v.permutation(head_dim)),
             }
-            bytes = gathered;
         }
         None => {}
     }
@@ -295,6 +316,7 @@ fn linear_blocks(
             ggml_type: t.ggml_type,
             out_features,
             in_features,
+            input_gather,
         }),
     }))
 }
@@ -590,7 +612,7 @@ fn open(
     let checkpoint = Checkpoint::open(image.path())?;
     let block_weights = converted
         .values()
-        .filter_map(|c| Some((c.name.clone(), c.blocks?)))
+        .filter_map(|c| Some((c.name.clone(), c.blocks.clone()?)))
         .collect();
     Ok(GgufCheckpoint {
         checkpoint: checkpoint.converted_from(path.to_path_buf(), config),

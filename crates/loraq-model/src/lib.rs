@@ -32,8 +32,8 @@ pub mod tokenize;
 pub use config::{Family, TextConfig};
 pub use error::{ModelError, Result};
 pub use linear::{
-    AMX_MIN_TOKENS, AmxLinear, AmxLora, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear,
-    LinearLayer, LoraFactorsF32,
+    AMX_MIN_TOKENS, AmxLinear, AmxLora, DenseLinear, GatheredInputLinear, InputSqSum,
+    InputStatsLinear, KernelLinear, LinearLayer, LoraFactorsF32,
 };
 pub use model::{LinearBackend, LoadOptions, Model};
 pub use records::{

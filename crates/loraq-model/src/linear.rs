@@ -306,6 +306,101 @@ impl LinearLayer for KernelLinear {
     }
 }
 
+/// A linear whose weight is stored with its input columns in another order (a GGUF
+/// `out_proj` kept in GGUF's column order, loraq-quant's
+/// `LinearWeight::input_gather`): each token's input is gathered into the stored
+/// order, `x'[j] = x[gather[j]]`, before the wrapped linear runs, so the wrapped
+/// linear's `W' x' + s B (A' x')` (`W'`, `A'` with their columns gathered the same way)
+/// is the checkpoint's `W x + s B (A x)`, term for term. Only the summation order of
+/// each dot product changes.
+#[derive(Debug)]
+pub struct GatheredInputLinear {
+    /// The module path, for error messages.
+    pub name: String,
+    inner: Box<dyn LinearLayer>,
+    /// `(from, to, len)`: the gather as runs of consecutive columns (a value head's
+    /// columns move together), copied as slices.
+    runs: Vec<(usize, usize, usize)>,
+    /// The gathered input, kept between calls so a batch allocates nothing (a call
+    /// that finds it in use by another thread allocates its own).
+    scratch: std::sync::Mutex<Vec<f32>>,
+}
+
+impl GatheredInputLinear {
+    /// Wraps `inner`, whose input is `x` gathered by `gather` (`gather[j]` is the input
+    /// column that becomes column `j`); refuses a gather that is not a permutation of
+    /// `inner`'s input columns.
+    pub fn new(
+        name: String,
+        inner: Box<dyn LinearLayer>,
+        gather: &[usize],
+    ) -> Result<GatheredInputLinear> {
+        let n = inner.in_features();
+        let mut seen = vec![false; n];
+        let is_permutation = gather.len() == n
+            && gather
+                .iter()
+                .all(|&i| i < n && !std::mem::replace(&mut seen[i], true));
+        if !is_permutation {
+            return Err(ModelError::Tensor {
+                context: name,
+                source: candle_core::Error::Msg(format!(
+                    "an input gather of {} entries is not a permutation of the linear's {n} inputs",
+                    gather.len()
+                )),
+            });
+        }
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (to, &from) in gather.iter().enumerate() {
+            match runs.last_mut() {
+                Some((f, t, len)) if *f + *len == from && *t + *len == to => *len += 1,
+                _ => runs.push((from, to, 1)),
+            }
+        }
+        Ok(GatheredInputLinear {
+            name,
+            inner,
+            runs,
+            scratch: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    fn gather_into(&self, x: &[f32], gathered: &mut [f32]) {
+        let width = self.in_features();
+        for (src, dst) in x
+            .chunks_exact(width.max(1))
+            .zip(gathered.chunks_exact_mut(width.max(1)))
+        {
+            for &(from, to, len) in &self.runs {
+                dst[to..to + len].copy_from_slice(&src[from..from + len]);
+            }
+        }
+    }
+}
+
+impl LinearLayer for GatheredInputLinear {
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut [f32]) -> Result<()> {
+        check_shapes(&self.name, self, x, tokens, out)?;
+        let mut own = Vec::new();
+        let mut shared = self.scratch.try_lock();
+        let gathered = match shared.as_deref_mut() {
+            Ok(buffer) => buffer,
+            Err(_) => &mut own,
+        };
+        gathered.resize(x.len(), 0.0);
+        self.gather_into(x, gathered);
+        self.inner.forward(gathered, tokens, out)
+    }
+
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+}
+
 /// Tokens from which [`AmxLinear`] runs a product on AMX tiles; fewer go to the
 /// wrapped linear (the kernels' GEMV, which reads the stored codes once per token).
 pub const AMX_MIN_TOKENS: usize = 16;

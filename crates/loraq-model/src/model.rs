@@ -4,8 +4,8 @@
 use crate::config::TextConfig;
 use crate::error::{ModelError, Result, TensorContext};
 use crate::linear::{
-    AmxLinear, AmxLora, DenseLinear, InputSqSum, InputStatsLinear, KernelLinear, LinearLayer,
-    LoraFactorsF32,
+    AmxLinear, AmxLora, DenseLinear, GatheredInputLinear, InputSqSum, InputStatsLinear,
+    KernelLinear, LinearLayer, LoraFactorsF32,
 };
 use crate::ops::{self, DeltaRuleDims};
 use candle_core::{DType, Device, Tensor};
@@ -203,6 +203,10 @@ impl Loader<'_> {
                 expected: vec![out, inp],
             });
         }
+        // A GGUF weight kept in GGUF's column order (an out_proj whose value heads cut
+        // through its blocks) runs on the kernels in that order, on the input gathered
+        // into it; decoded (the dense path) it is in the checkpoint's order.
+        let input_gather = stored.input_gather().map(<[usize]>::to_vec);
         let act_quant = self.activation_quant(module_path, &stored.stored)?;
         let adapter = self.adapter_factors(module_path, out, inp)?;
         let format = stored.stored.format();
@@ -252,6 +256,24 @@ impl Loader<'_> {
             // Read once, in the stored format; the read refuses a NaN or infinite value
             // (a NaN weight makes every logit NaN) by file, tensor and element.
             let weight = self.base.quantized_weight(module_path).map_err(quant_err)?;
+            // The weight's columns in the stored order: A's columns follow them, so
+            // that `A' x'` on the gathered input is the checkpoint's `A x`.
+            let adapter = match (&input_gather, adapter) {
+                (Some(gather), Some(mut f)) => {
+                    f.values = match f.values {
+                        FactorValues::Bf16 { a, b } => FactorValues::Bf16 {
+                            a: gather_columns(&a, inp, gather),
+                            b,
+                        },
+                        FactorValues::F32 { a, b } => FactorValues::F32 {
+                            a: gather_columns(&a, inp, gather),
+                            b,
+                        },
+                    };
+                    Some(f)
+                }
+                (_, adapter) => adapter,
+            };
             // The auto backend on an AMX machine runs prefill-sized products on AMX
             // tiles where the weight and the factors are bf16 values (exact as one
             // plane) and no activation fake-quant applies; LORAQ_AMX=0 turns it off.
@@ -311,6 +333,7 @@ impl Loader<'_> {
                 None => linear,
                 Some((amx, packed)) => {
                     match AmxLinear::new(module_path.to_string(), amx, linear, packed, amx_lora) {
+                        // Only bf16 weights get here, and they have no input gather.
                         Ok(tiled) => {
                             *self.linears_by_backend.entry("cpu+amx").or_insert(0) += 1;
                             return Ok(Box::new(tiled));
@@ -320,18 +343,37 @@ impl Loader<'_> {
                     }
                 }
             };
+            let linear: Linear = match &input_gather {
+                None => linear,
+                Some(gather) => Box::new(GatheredInputLinear::new(
+                    module_path.to_string(),
+                    linear,
+                    gather,
+                )?),
+            };
             *self.linears_by_backend.entry(backend.name()).or_insert(0) += 1;
             return Ok(linear);
         }
         // Quantized layouts decode exactly to f32 (loraq-quant); the matmul then runs
         // on the decoded values, which is what a dequantizing kernel computes.
-        let values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
+        let mut values = self.base.read_weight_f32(&weight_name).map_err(quant_err)?;
         // A NaN weight would turn every logit into NaN; refuse it by file and tensor.
         self.checkpoint.ensure_finite(&weight_name, &values)?;
+        // The decoded values are in the checkpoint's column order, which gives the same
+        // product. Under an activation quantization a weight kept in GGUF's column
+        // order runs in that order here too (values, A and input gathered), so that the
+        // quantization's blocks are the stored ones, as on the kernels and in llama.cpp.
+        let stored_order = input_gather.filter(|_| act_quant != ActivationQuant::None);
+        if let Some(gather) = &stored_order {
+            values = gather_columns(&values, inp, gather);
+        }
         let weight = Tensor::from_vec(values, (out, inp), self.device).ctx(&weight_name)?;
         let lora = adapter
             .map(|f| -> Result<LoraFactorsF32> {
-                let (a, b) = f.values.into_f32();
+                let (mut a, b) = f.values.into_f32();
+                if let Some(gather) = &stored_order {
+                    a = gather_columns(&a, inp, gather);
+                }
                 Ok(LoraFactorsF32 {
                     a: Tensor::from_vec(a, (f.rank, inp), self.device).ctx(module_path)?,
                     b: Tensor::from_vec(b, (out, f.rank), self.device).ctx(module_path)?,
@@ -340,9 +382,17 @@ impl Loader<'_> {
             })
             .transpose()?;
         *self.linears_by_backend.entry("dense").or_insert(0) += 1;
-        Ok(Box::new(
+        let dense: Linear = Box::new(
             DenseLinear::new(module_path.to_string(), &weight, lora)?.with_act_quant(act_quant),
-        ))
+        );
+        Ok(match stored_order {
+            None => dense,
+            Some(gather) => Box::new(GatheredInputLinear::new(
+                module_path.to_string(),
+                dense,
+                &gather,
+            )?),
+        })
     }
 
     /// The activation quantization of one module's base path. vLLM quantizes NVFP4
@@ -429,6 +479,14 @@ impl Loader<'_> {
             scale: info.scale,
         }))
     }
+}
+
+/// The columns of a row-major matrix with rows of `cols` gathered: column `j` of the
+/// result is column `gather[j]` of `m`.
+fn gather_columns<T: Copy>(m: &[T], cols: usize, gather: &[usize]) -> Vec<T> {
+    m.chunks_exact(cols.max(1))
+        .flat_map(|row| gather.iter().map(move |&c| row[c]))
+        .collect()
 }
 
 /// One module's LoRA factors, read once whichever backend runs the module.

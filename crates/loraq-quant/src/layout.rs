@@ -77,6 +77,14 @@ pub enum StoredWeight {
     Ggml {
         /// The stored type.
         ggml_type: GgmlType,
+        /// `None` when the columns are in the checkpoint's order. Set for a weight
+        /// kept in GGUF's column order (a qwen35 `out_proj` whose value heads cut
+        /// through its blocks, loraq-gguf's `BlockWeight::input_gather`): stored
+        /// column `j` is the checkpoint's column `input_gather[j]`.
+        /// [`QuantizedBase::read_weight_f32`] puts the columns back;
+        /// [`QuantizedBase::quantized_weight`] gives the blocks as stored, to be run
+        /// on the input gathered by [`LinearWeight::input_gather`].
+        input_gather: Option<Vec<usize>>,
     },
 }
 
@@ -90,7 +98,7 @@ impl StoredWeight {
             Self::Nvfp4ModelOpt { .. } | Self::Nvfp4CompressedTensors { .. } => {
                 Some(WeightFormat::Nvfp4)
             }
-            Self::Ggml { ggml_type } => Some(WeightFormat::Ggml(*ggml_type)),
+            Self::Ggml { ggml_type, .. } => Some(WeightFormat::Ggml(*ggml_type)),
         }
     }
 
@@ -101,7 +109,7 @@ impl StoredWeight {
             Self::Fp8 { granularity, .. } => WeightFormat::Fp8(*granularity).name().into(),
             Self::Nvfp4ModelOpt { .. } => "nvfp4 (modelopt)".into(),
             Self::Nvfp4CompressedTensors { .. } => "nvfp4 (compressed-tensors)".into(),
-            Self::Ggml { ggml_type } => format!("gguf {ggml_type}"),
+            Self::Ggml { ggml_type, .. } => format!("gguf {ggml_type}"),
         }
     }
 }
@@ -117,6 +125,22 @@ pub struct LinearWeight {
     pub in_features: usize,
     /// How it is stored.
     pub stored: StoredWeight,
+}
+
+impl LinearWeight {
+    /// The gather of the input a product with the stored weight
+    /// ([`QuantizedBase::quantized_weight`]) takes: `None` when the stored columns are
+    /// the checkpoint's, else `g` with the checkpoint's `W x` equal to the stored
+    /// matrix times `[x[g[0]], x[g[1]], ...]` (a permutation of `0..in_features`).
+    pub fn input_gather(&self) -> Option<&[usize]> {
+        match &self.stored {
+            StoredWeight::Ggml {
+                input_gather: Some(gather),
+                ..
+            } => Some(gather),
+            _ => None,
+        }
+    }
 }
 
 /// A GGUF model (llama.cpp; the first file of a split model) opened as the
@@ -155,6 +179,15 @@ fn ggml_f16_scales(ggml_type: GgmlType, data: &[u8]) -> impl Iterator<Item = f32
             .iter()
             .map(|&o| crate::ggml::fp16_to_f32(u16::from_le_bytes([block[o], block[o + 1]])))
     })
+}
+
+/// Whether `gather` holds each of `0..n` exactly once.
+fn is_permutation(gather: &[usize], n: usize) -> bool {
+    let mut seen = vec![false; n];
+    gather.len() == n
+        && gather
+            .iter()
+            .all(|&i| i < n && !std::mem::replace(&mut seen[i], true))
 }
 
 fn tensor_error(info: &TensorInfo, expected: &[&str]) -> QuantError {
@@ -236,6 +269,18 @@ impl QuantizedBase {
             let row_bytes = crate::ggml::row_bytes(w.ggml_type, name, w.in_features)?;
             require_dtype(info, &[DType::U8])?;
             require_shape(info, &[w.out_features, row_bytes])?;
+            if let Some(gather) = &w.input_gather
+                && !is_permutation(gather, w.in_features)
+            {
+                return Err(QuantError::UnsupportedConfig {
+                    path: base.checkpoint.root().to_path_buf(),
+                    reason: format!(
+                        "{name}: its input gather ({} entries) is not a permutation of its {} columns",
+                        gather.len(),
+                        w.in_features
+                    ),
+                });
+            }
             base.weights.insert(
                 name.clone(),
                 LinearWeight {
@@ -244,6 +289,7 @@ impl QuantizedBase {
                     in_features: w.in_features,
                     stored: StoredWeight::Ggml {
                         ggml_type: w.ggml_type,
+                        input_gather: w.input_gather.clone(),
                     },
                 },
             );
@@ -358,13 +404,33 @@ impl QuantizedBase {
                 let global = Nvfp4GlobalScale::Divisor(ckpt.read_f32(global_scale)?[0]);
                 dequantize_nvfp4_into(ckpt.bytes(packed)?, ckpt.bytes(block_scale)?, global, out);
             }
-            StoredWeight::Ggml { ggml_type } => {
-                crate::ggml::decode::decode_rows(
-                    *ggml_type,
-                    ckpt.bytes(name)?,
-                    weight.in_features,
-                    out,
-                );
+            StoredWeight::Ggml {
+                ggml_type,
+                input_gather,
+            } => {
+                let data = ckpt.bytes(name)?;
+                match input_gather {
+                    None => {
+                        crate::ggml::decode::decode_rows(*ggml_type, data, weight.in_features, out)
+                    }
+                    // Stored column j is the checkpoint's column gather[j]: each row
+                    // decoded, then scattered back (the values the decode gives, so
+                    // bit-identical to decoding the whole tensor and gathering).
+                    Some(gather) => {
+                        let cols = weight.in_features;
+                        let row_bytes = data.len().checked_div(weight.out_features).unwrap_or(0);
+                        let mut row = vec![0f32; cols];
+                        for (stored, out_row) in data
+                            .chunks_exact(row_bytes.max(1))
+                            .zip(out.chunks_exact_mut(cols.max(1)))
+                        {
+                            crate::ggml::decode::decode_rows(*ggml_type, stored, cols, &mut row);
+                            for (&value, &c) in row.iter().zip(gather) {
+                                out_row[c] = value;
+                            }
+                        }
+                    }
+                }
             }
         }
         Ok(())
@@ -375,7 +441,9 @@ impl QuantizedBase {
     /// NVFP4 keeps its divisor global scale), read once. A NaN or infinite value (a
     /// bf16 value, an E4M3 code or scale, a global scale) is refused naming the file,
     /// the tensor and the element. A plain f16 / f32 / f64 matrix has no stored-format
-    /// weight: [`QuantError::UnsupportedFormat`].
+    /// weight: [`QuantError::UnsupportedFormat`]. A GGUF weight kept in GGUF's column
+    /// order comes in that order: its product takes the input gathered by
+    /// [`LinearWeight::input_gather`] (and a LoRA A's columns gathered the same way).
     pub fn quantized_weight(&self, module: &str) -> Result<QuantizedWeight> {
         let name = format!("{module}.weight");
         let weight = self.weight(&name)?;
@@ -455,7 +523,8 @@ impl QuantizedBase {
                 block_scale,
                 global_scale,
             } => nvfp4(packed, block_scale, global_scale, Nvfp4GlobalScale::Divisor)?,
-            StoredWeight::Ggml { ggml_type } => {
+            // In the stored column order ([`LinearWeight::input_gather`]).
+            StoredWeight::Ggml { ggml_type, .. } => {
                 let data = ckpt.bytes(&name)?.to_vec();
                 // A NaN or infinite f16 scale makes its whole block so (the error
                 // gives the scale's index in block order).
