@@ -306,14 +306,19 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
             .weights()
             .filter(|w| matches!(w.stored, loraq_quant::StoredWeight::Ggml { .. }))
             .count();
-        // qwen35's out_proj (4 value heads of 8 columns, reordered) cuts through its
-        // blocks of 32 and is decoded; every other requantized weight stays in blocks.
-        let out_proj = if name == "qwen35" { 2 } else { 0 };
-        assert_eq!(in_blocks, requantized - out_proj, "{name}");
+        // Every requantized weight stays in blocks, qwen35's out_proj too, whose 4
+        // value heads of 8 columns cut through its blocks of 32: it is kept in GGUF's
+        // column order and runs on the gathered input.
+        assert_eq!(in_blocks, requantized, "{name}");
+        let gathered = base
+            .weights()
+            .filter(|w| w.input_gather().is_some())
+            .count();
+        assert_eq!(gathered, if name == "qwen35" { 2 } else { 0 }, "{name}");
         for adapter in [None, Some(&adapter)] {
             let mut outs = Vec::new();
             // (`--backend reference` and `kernels` refuse this base: its F16 ffn_down
-            // and decoded out_proj have no kernel, docs/gguf.md.)
+            // has no kernel, docs/gguf.md.)
             for backend in ["auto", "dense"] {
                 let out = dir
                     .path()
@@ -369,5 +374,296 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
             "ggml",
         ]));
         assert_eq!(logits(&out).len(), 9);
+    }
+}
+
+/// The demo pair (`loraq synth --preset demo --seed 0`: Qwen3.5, hidden 512, 4 key
+/// heads and 8 value heads of 64) with the demo tokenizer, its base written by `loraq
+/// quantize --scheme gguf-q4_k_m`: every `out_proj` has 512 input columns, two Q4_K /
+/// Q6_K blocks of 256 per row, and GGUF's value-head order puts the checkpoint's heads
+/// 0, 2, 4, 6 in the first block: the heads cut through the blocks. Returns the GGUF
+/// and the true adapter (rank 32 on every linear, `out_proj` included).
+fn demo_q4_k_m(dir: &Path) -> (PathBuf, PathBuf) {
+    let synth = dir.join("demo");
+    ok(loraq(&[
+        "synth",
+        "--preset",
+        "demo",
+        "--seed",
+        "0",
+        "--out",
+        s(&synth),
+    ]));
+    let tokenizer =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/demo-model/base/tokenizer.json");
+    std::fs::copy(tokenizer, synth.join("base/tokenizer.json")).unwrap();
+    let gguf = dir.join("demo-q4_k_m.gguf");
+    ok(loraq(&[
+        "quantize",
+        "--in",
+        s(&synth.join("base")),
+        "--scheme",
+        "gguf-q4_k_m",
+        "--out",
+        s(&gguf),
+    ]));
+    (gguf, synth.join("true-adapter"))
+}
+
+/// Deterministic values in about `[-1, 1)`.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Bound on the difference between the kept `out_proj` run on the fused kernel (its
+/// input gathered into GGUF's column order) and the f64 product of the decoded weight
+/// in the checkpoint's order, per output, in units of the sum of the magnitudes of its
+/// terms (`sum_k |w_jk x_k| + s sum_r |b_jr| sum_k |a_rk x_k|`): 2^-12, the fused
+/// kernel's own bound against the f64 sum (loraq-kernels'
+/// `ggml_fused_matches_reference_and_the_decoded_weight`); the dense f32 matmul of the
+/// decoded weight sums 512 terms within 512 f32 ulps of the same sum, far inside it.
+/// Only the summation order differs: the terms are the same products.
+const GATHERED_RELATIVE_BOUND: f64 = 1.0 / 4096.0;
+
+#[test]
+fn a_q4_k_out_proj_cut_by_its_value_heads_runs_its_blocks_on_the_gathered_input() {
+    use loraq_model::{DenseLinear, GatheredInputLinear, KernelLinear, LinearLayer};
+    let dir = tempfile::tempdir().unwrap();
+    let (gguf, adapter_dir) = demo_q4_k_m(dir.path());
+    let base = loraq_quant::QuantizedBase::open(&gguf).unwrap();
+    let file = loraq_gguf::GgufModel::open(&gguf).unwrap();
+    let original = loraq_io::Checkpoint::open(dir.path().join("demo/base")).unwrap();
+    let adapter = loraq_io::LoraAdapter::open_for(&adapter_dir, base.checkpoint()).unwrap();
+    let layout = loraq_gguf::VHeadLayout {
+        num_k_heads: 4,
+        num_v_heads: 8,
+        head_k_dim: 64,
+        head_v_dim: 64,
+    };
+    let out_projs: Vec<&loraq_quant::LinearWeight> = base
+        .weights()
+        .filter(|w| w.name.ends_with("linear_attn.out_proj.weight"))
+        .collect();
+    assert_eq!(out_projs.len(), 6, "the demo's six linear-attention layers");
+    for w in out_projs {
+        let (out, inp) = (w.out_features, w.in_features);
+        assert_eq!((out, inp), (512, 512));
+        // Kept in its block type, in GGUF's column order.
+        let loraq_quant::StoredWeight::Ggml {
+            ggml_type,
+            input_gather: Some(gather),
+        } = &w.stored
+        else {
+            panic!("{}: {:?}", w.name, w.stored);
+        };
+        assert_eq!(gather, &layout.permutation(64), "{}", w.name);
+        // Decoded, it is what decoding the GGUF tensor and undoing the converter's
+        // column reorder gives, bit for bit (loraq-quant's decoder, loraq-gguf's
+        // inverse permutation): the decoded path of every other command is unchanged.
+        let suffix = &w.name[w.name.find("layers.").unwrap()..];
+        let layer = suffix.split('.').nth(1).unwrap();
+        let gguf_name = format!("blk.{layer}.ssm_out.weight");
+        let (f, t) = file.tensor(&gguf_name).unwrap();
+        assert_eq!(t.ggml_type, *ggml_type);
+        let mut expected = loraq_quant::ggml::dequantize(
+            &gguf_name,
+            t.ggml_type,
+            out,
+            inp,
+            f.tensor_bytes(&gguf_name).unwrap(),
+        )
+        .unwrap();
+        let stored_order = expected.clone();
+        loraq_gguf::vhead::gather_columns(&mut expected, inp, &layout.inverse_permutation(64));
+        let decoded = base.read_weight_f32(&w.name).unwrap();
+        assert!(
+            decoded
+                .iter()
+                .zip(&expected)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}",
+            w.name
+        );
+        // ... and that is the checkpoint's weight within the 4-bit rounding, where the
+        // columns left in GGUF's order are other heads' weights.
+        // (The synth checkpoint names its tensors model.language_model.layers.*.)
+        let theirs = original
+            .read_f32(&format!("model.language_model.{suffix}"))
+            .unwrap();
+        let norm = |v: &[f32], o: &[f32]| {
+            v.iter()
+                .zip(o)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        };
+        let zero = vec![0f32; theirs.len()];
+        let scale = norm(&theirs, &zero);
+        assert!(norm(&decoded, &theirs) < 0.25 * scale, "{}", w.name);
+        assert!(norm(&stored_order, &theirs) > scale, "{}", w.name);
+
+        // The linear: the stored blocks on the fused CPU kernel with the input and
+        // A's columns gathered, against the decoded weight and A as stored (dense f32
+        // matmul) and their f64 product.
+        let module = w.name.trim_end_matches(".weight");
+        let info = adapter.module(module).unwrap();
+        let rank = info.rank;
+        let a = adapter.read_a_bf16(module).unwrap();
+        let b = adapter.read_b_bf16(module).unwrap();
+        let a_gathered: Vec<half::bf16> = a
+            .chunks_exact(inp)
+            .flat_map(|row| gather.iter().map(move |&c| row[c]))
+            .collect();
+        let scale_f32 = info.scale as f32;
+        let kernel = |a: Vec<half::bf16>| {
+            let lora =
+                loraq_kernels::LoraAdapter::new(rank, inp, out, a, b.clone(), scale_f32).unwrap();
+            let linear = loraq_kernels::Backend::Cpu(loraq_kernels::CpuOptions::default())
+                .build(
+                    base.quantized_weight(module).unwrap(),
+                    Some(lora),
+                    loraq_quant::ActivationQuant::None,
+                )
+                .unwrap();
+            Box::new(KernelLinear::new(module.to_string(), linear))
+        };
+        let gathered =
+            GatheredInputLinear::new(module.to_string(), kernel(a_gathered), gather).unwrap();
+        let ungathered = kernel(a.clone());
+        let dev = candle_core::Device::Cpu;
+        let widen = |v: &[half::bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        let (a32, b32) = (widen(&a), widen(&b));
+        let dense = DenseLinear::new(
+            module.to_string(),
+            &candle_core::Tensor::from_slice(&decoded, (out, inp), &dev).unwrap(),
+            Some(loraq_model::LoraFactorsF32 {
+                a: candle_core::Tensor::from_slice(&a32, (rank, inp), &dev).unwrap(),
+                b: candle_core::Tensor::from_slice(&b32, (out, rank), &dev).unwrap(),
+                scale: info.scale,
+            }),
+        )
+        .unwrap();
+        // 3 tokens (the kernel's GEMV) and 20 (prefill panels and the tiled GEMM).
+        for tokens in [3usize, 20] {
+            let x = values(tokens * inp, tokens as u64);
+            let run = |linear: &dyn LinearLayer| {
+                let mut y = vec![f32::NAN; tokens * out];
+                linear.forward(&x, tokens, &mut y).unwrap();
+                y
+            };
+            let (y_gathered, y_dense, y_ungathered) =
+                (run(&gathered), run(&dense), run(ungathered.as_ref()));
+            let mut worst = 0f64;
+            let mut ungathered_worst = 0f64;
+            for t in 0..tokens {
+                let xr = &x[t * inp..(t + 1) * inp];
+                let low: Vec<(f64, f64)> = (0..rank)
+                    .map(|r| {
+                        let ar = &a32[r * inp..(r + 1) * inp];
+                        xr.iter().zip(ar).fold((0.0, 0.0), |(s, m), (&p, &q)| {
+                            let term = f64::from(p) * f64::from(q);
+                            (s + term, m + term.abs())
+                        })
+                    })
+                    .collect();
+                for j in 0..out {
+                    let wr = &decoded[j * inp..(j + 1) * inp];
+                    let (mut y, mut m) = xr.iter().zip(wr).fold((0.0, 0.0), |(s, m), (&p, &q)| {
+                        let term = f64::from(p) * f64::from(q);
+                        (s + term, m + term.abs())
+                    });
+                    for (r, &(l, lm)) in low.iter().enumerate() {
+                        let bj = f64::from(b32[j * rank + r]) * info.scale;
+                        y += bj * l;
+                        m += bj.abs() * lm;
+                    }
+                    let i = t * out + j;
+                    for (name, got) in [("gathered", y_gathered[i]), ("dense", y_dense[i])] {
+                        let ratio = (f64::from(got) - y).abs() / m;
+                        assert!(
+                            ratio <= GATHERED_RELATIVE_BOUND,
+                            "{module} {name}, {tokens} tokens, output {i}: {got} vs {y} ({ratio:.3e} of sum |terms| {m:.3e})"
+                        );
+                        worst = worst.max(ratio);
+                    }
+                    ungathered_worst =
+                        ungathered_worst.max((f64::from(y_ungathered[i]) - y).abs() / m);
+                }
+            }
+            // Without the gather the blocks multiply other heads' inputs.
+            assert!(
+                ungathered_worst > 100.0 * GATHERED_RELATIVE_BOUND,
+                "{module}: {ungathered_worst}"
+            );
+            if layer == "0" {
+                eprintln!(
+                    "{module}, {tokens} tokens: gathered kernel and dense within {worst:.2e} of sum |terms| of the f64 product; ungathered {ungathered_worst:.2e}"
+                );
+            }
+        }
+    }
+
+    // `loraq run`: every linear of the GGUF on the fused kernel (out_proj included),
+    // against the same base decoded (`--backend dense`), with and without the adapter.
+    let records = dir.path().join("records.jsonl");
+    let lines: Vec<String> = (0..8u32)
+        .map(|i| {
+            // 20-token prompts take the prefill path, 5-token ones the GEMV.
+            let len = if i % 2 == 0 { 20 } else { 5 };
+            let tokens: Vec<u32> = (0..len).map(|t| (t * 389 + i * 97 + 11) % 4096).collect();
+            serde_json::json!({
+                "id": format!("r{i}"),
+                "tokens": tokens,
+                "options": ["A", "B", "C"],
+                "option_tokens": [i + 3, 1000 + i, 3000 + i],
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&records, lines.join("\n") + "\n").unwrap();
+    for adapter in [None, Some(&adapter_dir)] {
+        let mut outs = Vec::new();
+        for backend in ["auto", "dense"] {
+            let out = dir
+                .path()
+                .join(format!("demo-{backend}-{}.jsonl", adapter.is_some()));
+            let mut args = vec![
+                "run",
+                "--model",
+                s(&gguf),
+                "--records",
+                s(&records),
+                "--out",
+                s(&out),
+                "--backend",
+                backend,
+            ];
+            if let Some(a) = adapter {
+                args.extend(["--adapter", s(a)]);
+            }
+            let summary = stderr(&ok(loraq(&args)));
+            if backend == "auto" {
+                // All 62 linears on the kernel, none left to the dense matmul.
+                assert!(
+                    summary.contains("linears: 62 cpu") && !summary.contains("cpu, "),
+                    "{summary}"
+                );
+            }
+            outs.push(logits(&out));
+        }
+        let max = max_abs_diff(&outs[0], &outs[1]);
+        eprintln!(
+            "demo Q4_K_M (adapter: {}): fused kernel with gathered out_proj vs dense: max |d logit| {max:.3e}",
+            adapter.is_some()
+        );
+        assert!(max <= QUANTIZED_VS_DECODED_TOLERANCE, "{max}");
     }
 }
