@@ -268,6 +268,59 @@ mod tests {
         assert_eq!(y, vec![6.5, 9.5]);
         assert_eq!((lin.in_features(), lin.out_features()), (2, 2));
     }
+
+    #[test]
+    fn gathered_input_linear_is_the_ungathered_product() {
+        // W (3 x 6) and A (1 x 6) of small integers: every sum is exact in f32, in any
+        // order, so the gathered product must equal the plain one bit for bit.
+        let dev = Device::Cpu;
+        let (out, inp) = (3usize, 6usize);
+        let w: Vec<f32> = (0..out * inp)
+            .map(|i| (i as f32 * 7.0) % 11.0 - 5.0)
+            .collect();
+        let a: Vec<f32> = (0..inp).map(|i| i as f32 - 2.0).collect();
+        let b = vec![1f32, -2.0, 3.0];
+        // Two runs of two columns and two single columns.
+        let gather = [4usize, 5, 0, 1, 3, 2];
+        let gathered = |m: &[f32]| -> Vec<f32> {
+            m.chunks_exact(inp)
+                .flat_map(|row| gather.iter().map(move |&c| row[c]))
+                .collect()
+        };
+        let t = |v: &[f32], r: usize, c: usize| Tensor::from_slice(v, (r, c), &dev).unwrap();
+        let lora = |a: &[f32]| LoraFactorsF32 {
+            a: t(a, 1, inp),
+            b: t(&b, out, 1),
+            scale: 0.5,
+        };
+        let plain = DenseLinear::new("m".into(), &t(&w, out, inp), Some(lora(&a))).unwrap();
+        let inner = DenseLinear::new(
+            "m".into(),
+            &t(&gathered(&w), out, inp),
+            Some(lora(&gathered(&a))),
+        )
+        .unwrap();
+        let linear = GatheredInputLinear::new("m".into(), Box::new(inner), &gather).unwrap();
+        assert_eq!(
+            linear.runs,
+            vec![(4, 0, 2), (0, 2, 2), (3, 4, 1), (2, 5, 1)]
+        );
+        let tokens = 2;
+        let x: Vec<f32> = (0..tokens * inp).map(|i| (i % 5) as f32 - 1.0).collect();
+        let (mut want, mut got) = (vec![0f32; tokens * out], vec![f32::NAN; tokens * out]);
+        plain.forward(&x, tokens, &mut want).unwrap();
+        linear.forward(&x, tokens, &mut got).unwrap();
+        assert_eq!(got, want);
+        // Not a permutation of the six inputs: refused.
+        for bad in [
+            &[0usize, 1, 2, 3, 4][..],
+            &[0, 1, 2, 3, 4, 4],
+            &[0, 1, 2, 3, 4, 6],
+        ] {
+            let inner = DenseLinear::new("m".into(), &t(&w, out, inp), None).unwrap();
+            assert!(GatheredInputLinear::new("m".into(), Box::new(inner), bad).is_err());
+        }
+    }
 }
 
 /// A linear run by one of loraq-kernels' backends (CPU, reference, CUDA) on the base
