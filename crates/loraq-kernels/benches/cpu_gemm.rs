@@ -71,7 +71,13 @@ fn fma_loop_avx512() -> f32 {
         // per register: no instruction, no memory round trip).
         for a in &mut acc {
             // SAFETY: an empty template; the register is only named.
-            unsafe { std::arch::asm!("/* {0} */", inout(zmm_reg) *a, options(nomem, nostack, preserves_flags)) };
+            unsafe {
+                std::arch::asm!(
+                    "/* {0} */",
+                    inout(zmm_reg) * a,
+                    options(nomem, nostack, preserves_flags)
+                )
+            };
         }
     }
     acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
@@ -89,7 +95,13 @@ fn fma_loop_avx2() -> f32 {
         }
         for a in &mut acc {
             // SAFETY: as in fma_loop_avx512.
-            unsafe { std::arch::asm!("/* {0} */", inout(ymm_reg) *a, options(nomem, nostack, preserves_flags)) };
+            unsafe {
+                std::arch::asm!(
+                    "/* {0} */",
+                    inout(ymm_reg) * a,
+                    options(nomem, nostack, preserves_flags)
+                )
+            };
         }
     }
     let mut out = [0f32; 8];
@@ -247,11 +259,7 @@ fn cpu_time(rounds: usize) {
     println!("one thread, GFLOP per user CPU second, {rounds} rounds: median (best)");
     for (name, mut r) in names.zip(rates) {
         r.sort_by(f64::total_cmp);
-        println!(
-            "{name:<34} {:7.1} ({:.1})",
-            r[r.len() / 2],
-            r[r.len() - 1]
-        );
+        println!("{name:<34} {:7.1} ({:.1})", r[r.len() / 2], r[r.len() - 1]);
     }
 }
 

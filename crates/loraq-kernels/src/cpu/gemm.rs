@@ -1,8 +1,10 @@
 //! Prefill-shaped products (many tokens): output columns are processed in blocks of
-//! `nr` rows of the weight; for every `KC`-wide slice of the reduction dimension the
-//! block's weights are dequantized once into a small L1-resident panel (`KC x nr` f32,
-//! 16 KiB: never the whole matrix) and reused by every token through a register-blocked
-//! micro-kernel (`mr` tokens x `nr` outputs of accumulators).
+//! `nr` rows of the weight; for every [`PANEL_K`]-wide span of the reduction dimension
+//! the block's weights are dequantized once into a per-thread panel (`PANEL_K x nr`
+//! f32 at most, 256 KiB at `nr` = 32: L2-resident, never the whole matrix), in
+//! [`KC`]-wide pieces, and reused by every token of a [`GEMM_TOKEN_TILE`] through a
+//! register-blocked micro-kernel (`mr` tokens x `nr` outputs of accumulators) that runs
+//! the whole span without leaving registers.
 //!
 //! A product may have several reduction segments, each with its own weight and
 //! activation: the fused LoRA linear runs `[x_q | s * (A x)] * [W | B]^T`, so the LoRA
@@ -15,8 +17,18 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Reduction slice decoded into one panel.
+/// Reduction slice decoded in one piece (the span decoders' scratch block holds 16
+/// rows of it).
 pub(crate) const KC: usize = 128;
+
+/// Reduction span of one panel, a multiple of [`KC`]: the micro-kernel runs a whole
+/// span with its accumulators in registers, and a reduction of up to this many inputs
+/// (every linear of the demo model and most of a 27B model's) is one span. With spans
+/// of [`KC`] the accumulators went through `y` every 128 inputs: a store, a reload and
+/// the loop's ramp per 2048 FMAs, which held the 512-token prefill's GEMM at 78-87% of
+/// the FMA peak on Zen 4 (92-98% in whole-K runs of the same loop in a C model of it;
+/// benches/cpu_gemm.rs measures both). The panel (256 KiB at `nr` = 32) stays in L2.
+pub(crate) const PANEL_K: usize = 2048;
 
 /// Tokens per micro-kernel call and outputs per block for an ISA.
 pub(crate) fn tile_shape(isa: Isa) -> (usize, usize) {
@@ -181,8 +193,8 @@ pub(crate) unsafe fn gemm_tile<D1: RowDecode, D2: RowDecode>(
         static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     PANEL.with_borrow_mut(|panel| {
-        panel.resize(KC * nr, 0.0);
-        let panel = &mut panel[..KC * nr];
+        panel.resize(PANEL_K * nr, 0.0);
+        let panel = &mut panel[..PANEL_K * nr];
         // SAFETY: `out` as the caller guarantees.
         unsafe {
             run_segment(isa, o0, nrows, n_padded, first, true, panel, out);
@@ -219,42 +231,24 @@ unsafe fn run_segment<D: RowDecode>(
     let (mr, nr) = tile_shape(isa);
     let k_total = seg.weight.cols();
     assert!(n_padded == 0 || (n_padded - 1) * seg.x_stride + k_total <= seg.x.len());
-    assert_eq!(panel.len(), KC * nr);
-    let mut row_buf = [0f32; KC];
+    assert_eq!(panel.len(), PANEL_K * nr);
     let mut k0 = 0;
     while k0 < k_total {
-        let kc = KC.min(k_total - k0);
+        let span = PANEL_K.min(k_total - k0);
         let load = !(fresh && k0 == 0);
-        // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk].
-        let packed = match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if nrows == nr && k0.is_multiple_of(16) => {
-                // SAFETY: detected ISA; rows o0 .. o0 + 32 and inputs k0 .. k0 + kc exist.
-                unsafe { pack_panel_avx512(seg.weight, o0, k0, kc, panel) }
-            }
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 if nrows == nr && k0.is_multiple_of(8) => {
-                // SAFETY: detected ISA; rows o0 .. o0 + 16 and inputs k0 .. k0 + kc exist.
-                unsafe { pack_panel_avx2(seg.weight, o0, k0, kc, panel) }
-            }
-            _ => 0,
-        };
-        if packed < kc {
-            if packed == 0 {
-                panel[..kc * nr].fill(0.0);
-            }
-            for j in 0..nrows {
-                decode_segment(
-                    isa,
-                    seg.weight,
-                    o0 + j,
-                    k0 + packed,
-                    &mut row_buf[..kc - packed],
-                );
-                for (kk, &v) in row_buf[..kc - packed].iter().enumerate() {
-                    panel[(packed + kk) * nr + j] = v;
-                }
-            }
+        // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk], packed KC at a time.
+        let mut p0 = 0;
+        while p0 < span {
+            let kc = KC.min(span - p0);
+            pack_piece(
+                isa,
+                seg.weight,
+                o0,
+                nrows,
+                k0 + p0,
+                &mut panel[p0 * nr..(p0 + kc) * nr],
+            );
+            p0 += kc;
         }
         let mut t0 = 0;
         while t0 < n_padded {
@@ -264,33 +258,83 @@ unsafe fn run_segment<D: RowDecode>(
                 ptr: out.ptr.wrapping_add(t0 * out.ld),
                 ld: out.ld,
             };
+            let panel = &panel[..span * nr];
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: detected ISA; x_tile holds mr rows of kc elements (asserted
-                // above), panel kc * nr, y_tile mr rows of nr.
+                // SAFETY: detected ISA; x_tile holds mr rows of span elements (asserted
+                // above), panel span * nr, y_tile mr rows of nr.
                 Isa::Avx512 => unsafe {
-                    micro_avx512(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile, load)
+                    micro_avx512(span, panel, x_tile, seg.x_stride, y_tile, load)
                 },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                Isa::Avx2 => unsafe {
-                    micro_avx2(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile, load)
-                },
+                Isa::Avx2 => unsafe { micro_avx2(span, panel, x_tile, seg.x_stride, y_tile, load) },
                 // SAFETY: as above.
                 Isa::Scalar => unsafe {
-                    micro_scalar(kc, &panel[..kc * nr], x_tile, seg.x_stride, y_tile, load)
+                    micro_scalar(span, panel, x_tile, seg.x_stride, y_tile, load)
                 },
             }
             t0 += mr;
         }
-        k0 += kc;
+        k0 += span;
     }
 }
 
-/// Tokens per tile of [`gemm_rows`]: a multiple of every ISA's `mr` (8, 6, 4), small
-/// enough that a tile's `KC`-wide slice of the activations (96 KiB) and its output
-/// block stay in L2 while the block's weight panels are decoded once per tile.
-pub(crate) const GEMM_TOKEN_TILE: usize = 192;
+/// Fills `piece[kk * nr + j] = W[o0 + j, k0 + kk]` for `kk < piece.len() / nr <= KC`,
+/// `j < nrows`, and zero for `nrows <= j < nr`: the SIMD transposes where a whole
+/// block and an aligned `k0` allow, rows decoded one by one otherwise.
+fn pack_piece<D: RowDecode>(
+    isa: Isa,
+    weight: &D,
+    o0: usize,
+    nrows: usize,
+    k0: usize,
+    piece: &mut [f32],
+) {
+    let (_, nr) = tile_shape(isa);
+    let kc = piece.len() / nr;
+    assert!(kc <= KC && nrows <= nr && o0 + nrows <= weight.rows() && k0 + kc <= weight.cols());
+    let packed = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if nrows == nr && k0.is_multiple_of(16) => {
+            // SAFETY: detected ISA; rows o0 .. o0 + 32 and inputs k0 .. k0 + kc exist
+            // (asserted); the piece holds kc * 32 values.
+            unsafe { pack_panel_avx512(weight, o0, k0, kc, piece) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if nrows == nr && k0.is_multiple_of(8) => {
+            // SAFETY: detected ISA; rows o0 .. o0 + 16 and inputs k0 .. k0 + kc exist.
+            unsafe { pack_panel_avx2(weight, o0, k0, kc, piece) }
+        }
+        _ => 0,
+    };
+    if packed < kc {
+        if packed == 0 {
+            piece.fill(0.0);
+        }
+        let mut row_buf = [0f32; KC];
+        for j in 0..nrows {
+            decode_segment(
+                isa,
+                weight,
+                o0 + j,
+                k0 + packed,
+                &mut row_buf[..kc - packed],
+            );
+            for (kk, &v) in row_buf[..kc - packed].iter().enumerate() {
+                piece[(packed + kk) * nr + j] = v;
+            }
+        }
+    }
+}
+
+/// Tokens per tile of [`gemm_rows`], a multiple of every ISA's `mr` (8, 6, 4): a block's
+/// panels are decoded once per tile, so the decode costs 1 / `GEMM_TOKEN_TILE` of the
+/// multiply-adds per weight (at 192 tokens, `pack_panel_avx512` was 5.7% of a 512-token
+/// prefill's samples). The tile's activations (768 tokens x 512-1536 inputs, 1.5-4.5
+/// MiB) are read from L3 once per block: 8 strided rows per micro-kernel call, a few
+/// bytes per cycle, which the prefetchers keep up with.
+pub(crate) const GEMM_TOKEN_TILE: usize = 768;
 
 /// `y`'s base pointer, shared by the parallel tasks of [`gemm_rows`], each of which
 /// writes its own disjoint rectangle of `y`.
@@ -782,22 +826,24 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: Ou
 mod tests {
     use super::*;
 
-    /// `gemm_rows` on every ISA against a triple loop in f64: 200 tokens (a whole
-    /// token tile of 192 and a second of 8, both written in place) and 197 (the second
-    /// tile padded: through the per-thread block), 70 outputs (whole 32-wide blocks and
-    /// an edge), 300 inputs (reduction slices of 128, 128, 44), plus a second segment of
-    /// 5 inputs (the LoRA expand's shape); both parallelisms; `y` starts as NaN.
+    /// `gemm_rows` on every ISA against a triple loop in f64: a whole token tile and 8
+    /// more tokens (both tiles written in place), and a whole tile and 5 more (the
+    /// second tile padded: through the per-thread block), 70 outputs (whole 32-wide
+    /// blocks and an edge), `PANEL_K + 300` inputs (two panel spans, the second of
+    /// pieces of 128, 128, 44), plus a second segment of 5 inputs (the LoRA expand's
+    /// shape); both parallelisms; `y` starts as NaN. Tolerance: 2^-12 of the sum of
+    /// |products| (the f32 sum's rounding, far above it for a wrong product).
     #[test]
     fn gemm_rows_equals_the_triple_loop() {
         use super::super::decode::F32Rows;
         let value =
             |i: usize, seed: usize| ((i * 2_654_435_761 + seed) % 1000) as f32 / 500.0 - 1.0;
-        let (out_rows, k1, k2) = (70, 300, 5);
+        let (out_rows, k1, k2) = (70, PANEL_K + 300, 5);
         let w1: Vec<f32> = (0..out_rows * k1).map(|i| value(i, 1)).collect();
         let w2: Vec<f32> = (0..out_rows * k2).map(|i| value(i, 2)).collect();
         for isa in Isa::available() {
             let (mr, _) = tile_shape(isa);
-            for rows in [200usize, 197] {
+            for rows in [GEMM_TOKEN_TILE + 8, GEMM_TOKEN_TILE + 5] {
                 let n_padded = rows.div_ceil(mr) * mr;
                 let mut x1: Vec<f32> = (0..rows * k1).map(|i| value(i, 3)).collect();
                 let mut x2: Vec<f32> = (0..rows * k2).map(|i| value(i, 4)).collect();
@@ -823,24 +869,30 @@ mod tests {
                     x: &x2,
                     x_stride: k2,
                 };
+                let mut want = vec![(0f64, 0f64); rows * out_rows];
+                for t in 0..rows {
+                    for o in 0..out_rows {
+                        let products = (0..k1)
+                            .map(|k| f64::from(w1[o * k1 + k]) * f64::from(x1[t * k1 + k]))
+                            .chain(
+                                (0..k2)
+                                    .map(|k| f64::from(w2[o * k2 + k]) * f64::from(x2[t * k2 + k])),
+                            );
+                        want[t * out_rows + o] =
+                            products.fold((0.0, 0.0), |(s, a), p| (s + p, a + p.abs()));
+                    }
+                }
                 for par in [Parallelism::Sequential, Parallelism::Rayon] {
                     let mut y = vec![f32::NAN; rows * out_rows];
                     gemm_rows(isa, par, n_padded, &first, Some(&second), &mut y);
-                    for t in 0..rows {
-                        for o in 0..out_rows {
-                            let want: f64 =
-                                (0..k1)
-                                    .map(|k| f64::from(w1[o * k1 + k]) * f64::from(x1[t * k1 + k]))
-                                    .chain((0..k2).map(|k| {
-                                        f64::from(w2[o * k2 + k]) * f64::from(x2[t * k2 + k])
-                                    }))
-                                    .sum();
-                            let got = f64::from(y[t * out_rows + o]);
-                            assert!(
-                                (got - want).abs() < 1e-4,
-                                "{isa:?} {par:?} rows {rows}: y[{t}, {o}] = {got}, want {want}"
-                            );
-                        }
+                    for (i, (&got, &(sum, magnitude))) in y.iter().zip(&want).enumerate() {
+                        let got = f64::from(got);
+                        assert!(
+                            (got - sum).abs() <= magnitude / 4096.0,
+                            "{isa:?} {par:?} rows {rows}: y[{}, {}] = {got}, want {sum}",
+                            i / out_rows,
+                            i % out_rows
+                        );
                     }
                 }
             }
