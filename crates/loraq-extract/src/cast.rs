@@ -51,14 +51,13 @@ const ROTATION_SEED: u64 = 0x6c6f_7261_7163_6173;
 /// Sweeps of single-ulp moves after the sequential rounding, by rounding of the cast:
 /// the first A, the first B, then each alternation's A and B. The first pair only sets
 /// up the refits after it, so its polish matters little; the last A's matters most (its
-/// errors are the ones the last B refit must absorb). On the bench delta (17408 x 5120,
-/// rank 256, two threads) 1 / 0 / 5 / 3 gives a cast error of 2.31427e-2 against
-/// 2.32085e-2 for 3 / 3 / 3 / 3, with about two thirds of the rounding's products (a B
-/// sweep costs 3.4 A sweeps there: 17408 vectors against 5120); docs/extraction.md,
-/// "Cost of the cast".
-const POLISH_SWEEPS_FIRST: (usize, usize) = (1, 0);
+/// errors are the ones the last B refit must absorb), and a B sweep costs 3.4 A sweeps
+/// on the bench delta (17408 x 5120, rank 256: 17408 vectors against 5120). There,
+/// two threads, 0 / 0 / 6 / 3 gives a cast error of 2.31321e-2 against 2.31428e-2 for
+/// 1 / 0 / 5 / 3 with the same number of sweeps (docs/extraction.md, "Cost of the cast").
+const POLISH_SWEEPS_FIRST: (usize, usize) = (0, 0);
 /// [`POLISH_SWEEPS_FIRST`] for the rounds of each alternation (A, then B).
-const POLISH_SWEEPS_ALTERNATION: (usize, usize) = (5, 3);
+const POLISH_SWEEPS_ALTERNATION: (usize, usize) = (6, 3);
 
 /// Sweeps of the one-by-one reference rule in the tests.
 #[cfg(test)]
@@ -392,7 +391,12 @@ unsafe fn round_block_avx512(
     round_block_body(x, k, len, feedback, h, sweeps)
 }
 
-/// The work of [`round_block`].
+/// The work of [`round_block`]. Both phases are ordered so that the products which
+/// carry one block's results to the others have the block's 32 entries as their output
+/// rows and every other entry as their inner dimension (`32 x k x len`, an output that
+/// stays in L1), instead of the block as the inner dimension and every later entry as
+/// the output (`k x 32 x len`, an output read and written again for each block): the
+/// same sums, taken when a block needs them rather than when a block is done.
 #[inline(always)]
 fn round_block_body(
     x: &[f32],
@@ -403,23 +407,42 @@ fn round_block_body(
     sweeps: usize,
 ) -> Vec<f32> {
     let round = round_to_bf16_f32;
-    let mut work = x.to_vec();
     let mut q = vec![0f32; k * len];
-    let mut scratch = vec![0f32; FEEDBACK_BLOCK * len];
-    // Sequential rounding with error feedback: within a block of entries one by one,
-    // into the entries after the block as one product.
+    // The block's entries with the feedback of every earlier entry's error.
+    let mut work = vec![0f32; FEEDBACK_BLOCK * len];
+    // Every rounded entry's error over its pivot, (w - q) / U_ll: what the feedback of
+    // the later entries is made of.
+    let mut scaled = vec![0f32; if feedback.is_some() { k * len } else { 0 }];
+    // Sequential rounding with error feedback: a block's entries first receive the
+    // errors of every entry before the block as one product, then, one by one, those of
+    // the entries before them in the block.
     for first in (0..k).step_by(FEEDBACK_BLOCK) {
         let end = (first + FEEDBACK_BLOCK).min(k);
+        let width = end - first;
+        let work = &mut work[..width * len];
+        work.copy_from_slice(&x[first * len..end * len]);
+        if let Some(u) = feedback
+            && first > 0
+        {
+            matmul(
+                MatMut::from_row_major_slice_mut(work, width, len),
+                Accum::Add,
+                u.submatrix(0, first, first, width).transpose(),
+                MatRef::from_row_major_slice(&scaled[..first * len], first, len),
+                -1.0,
+                Par::Seq,
+            );
+        }
         for l in first..end {
-            let (done, later) = work.split_at_mut((l + 1) * len);
-            let wl = &done[l * len..];
+            let (done, later) = work.split_at_mut((l - first + 1) * len);
+            let wl = &done[(l - first) * len..];
             let ql = &mut q[l * len..(l + 1) * len];
             for (qv, &wv) in ql.iter_mut().zip(wl) {
                 *qv = round(wv);
             }
             let Some(u) = feedback else { continue };
             let ull = u[(l, l)];
-            let el = &mut scratch[(l - first) * len..(l - first + 1) * len];
+            let el = &mut scaled[l * len..(l + 1) * len];
             for ((ev, &wv), &qv) in el.iter_mut().zip(wl).zip(ql.iter()) {
                 *ev = (wv - qv) / ull;
             }
@@ -430,80 +453,67 @@ fn round_block_body(
                 }
             }
         }
-        if let Some(u) = feedback
-            && end < k
-        {
-            matmul(
-                MatMut::from_row_major_slice_mut(&mut work[end * len..], k - end, len),
-                Accum::Add,
-                u.submatrix(first, end, end - first, k - end).transpose(),
-                MatRef::from_row_major_slice(&scratch[..(end - first) * len], end - first, len),
-                -1.0,
-                Par::Seq,
-            );
-        }
     }
+    drop(scaled);
     if sweeps == 0 || q.iter().any(|v| !v.is_finite()) {
         // Nothing to polish, or refused by the caller's finite check.
         return q;
     }
-    // Gradients g = H e for every vector's error e = q - x, as one product.
-    let errors: Vec<f32> = q.iter().zip(x).map(|(&r, &v)| r - v).collect();
-    let mut gradients = product(h, MatRef::from_row_major_slice(&errors, k, len), Par::Seq);
-    drop(errors);
-    // Single-ulp moves that lower e H e^T: within a block of entries the gradients of
-    // the entries after each move are updated at once, every entry's gradient after
-    // the block as one product.
-    let moves = &mut scratch;
-    let mut local = vec![0f32; FEEDBACK_BLOCK * len];
-    for sweep in 0..sweeps {
+    // Every vector's error e = q - x, kept current as entries move.
+    let mut errors: Vec<f32> = q.iter().zip(x).map(|(&r, &v)| r - v).collect();
+    // Single-ulp moves that lower e H e^T: a block's gradients (H e) come from every
+    // entry's current error as one product, and within the block the gradients of the
+    // entries after each move are updated at once.
+    let mut local = work;
+    let mut moves = vec![0f32; FEEDBACK_BLOCK * len];
+    for _ in 0..sweeps {
         let mut moved = false;
-        // The last sweep reads only the gradients of the entries after each block.
-        let last = sweep + 1 == sweeps;
         for first in (0..k).step_by(FEEDBACK_BLOCK) {
             let end = (first + FEEDBACK_BLOCK).min(k);
             let width = end - first;
-            local[..width * len].copy_from_slice(&gradients[first * len..end * len]);
-            moves[..width * len].fill(0.0);
-            let mut block_moved = false;
+            matmul(
+                MatMut::from_row_major_slice_mut(&mut local[..width * len], width, len),
+                Accum::Replace,
+                h.submatrix(first, 0, width, k),
+                MatRef::from_row_major_slice(&errors, k, len),
+                1.0,
+                Par::Seq,
+            );
             for l in first..end {
                 let hll = h[(l, l)];
                 let (current, later) = local.split_at_mut((l - first + 1) * len);
                 let gl = &current[(l - first) * len..];
                 let ql = &mut q[l * len..(l + 1) * len];
-                let dl = &mut moves[(l - first) * len..(l - first + 1) * len];
+                let el = &mut errors[l * len..(l + 1) * len];
+                let xl = &x[l * len..(l + 1) * len];
+                let dl = &mut moves[..len];
                 let mut any = false;
-                for ((qv, dv), &gv) in ql.iter_mut().zip(dl.iter_mut()).zip(gl) {
+                for ((((qv, ev), &xv), dv), &gv) in ql
+                    .iter_mut()
+                    .zip(el.iter_mut())
+                    .zip(xl)
+                    .zip(dl.iter_mut())
+                    .zip(gl)
+                {
                     // Only a step against the gradient can lower the loss.
                     let (c, finite) = bf16_step_f32(*qv, gv < 0.0);
                     let d = c - *qv;
                     let accept = (gv != 0.0) & finite & (2.0 * d * gv + d * d * hll < 0.0);
                     *qv = if accept { c } else { *qv };
+                    *ev = *qv - xv;
                     *dv = if accept { d } else { 0.0 };
                     any |= accept;
                 }
                 if !any {
                     continue;
                 }
-                block_moved = true;
+                moved = true;
                 for (l2, g2) in (l + 1..end).zip(later.chunks_exact_mut(len)) {
                     let coefficient = h[(l, l2)];
                     for (gv, &dv) in g2.iter_mut().zip(dl.iter()) {
                         *gv += dv * coefficient;
                     }
                 }
-            }
-            if block_moved {
-                moved = true;
-                let from = if last { end } else { 0 };
-                matmul(
-                    MatMut::from_row_major_slice_mut(&mut gradients[from * len..], k - from, len),
-                    Accum::Add,
-                    h.submatrix(from, first, k - from, width),
-                    MatRef::from_row_major_slice(&moves[..width * len], width, len),
-                    1.0,
-                    Par::Seq,
-                );
             }
         }
         if !moved {
@@ -591,11 +601,11 @@ pub(crate) fn cast_aware(
     // First round: A with H = B0^T B0.
     let b0tb0 = tall_cross_f64(&b0, None, k);
     let (first_a, first_b) = POLISH_SWEEPS_FIRST;
+    let (alternation_a, alternation_b) = POLISH_SWEEPS_ALTERNATION;
     let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a);
     finite(WHAT_A, &aq)?;
     let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par, first_b);
     finite(WHAT_B, &bq)?;
-    let (alternation_a, alternation_b) = POLISH_SWEEPS_ALTERNATION;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
         let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k);
