@@ -25,13 +25,17 @@ const RANK: usize = 256;
 
 /// merged - base to the bf16 factors of rank `RANK`, as `loraq extract` does it once the
 /// two tensors' bytes are read: one pass for the delta, its norm and the floor, then the
-/// factorization of the checked delta and the cast.
-fn extract_projection(pair: &PairBytes) -> (f64, f64) {
+/// factorization of the checked delta and the cast. The delta is written into `spare`'s
+/// buffer and the buffer left there, as `loraq extract` hands each module's delta
+/// buffer to the next.
+fn extract_projection(pair: &PairBytes, spare: &mut Vec<f32>) -> (f64, f64) {
     let DeltaFigures {
         delta,
         floor,
         norm_sq,
-    } = pair.delta().expect("finite delta");
+    } = pair
+        .delta_into(std::mem::take(spare))
+        .expect("finite delta");
     let params = FactorParams {
         max_rank: RANK,
         method: Method::Randomized,
@@ -40,7 +44,7 @@ fn extract_projection(pair: &PairBytes) -> (f64, f64) {
     };
     let factors =
         factorize_prechecked(NAME, &delta, ROWS, COLS, norm_sq, &params).expect("factorize");
-    drop(delta);
+    *spare = delta;
     let cast =
         split_and_cast(NAME, &factors, RANK, Split::Balanced, Par::rayon(0)).expect("bf16 factors");
     black_box(&cast);
@@ -67,7 +71,8 @@ fn bench(c: &mut Criterion) {
     )
     .expect("a pair of equal lengths");
     drop(pair);
-    let (residual, floor) = extract_projection(&bytes);
+    let mut spare = Vec::new();
+    let (residual, floor) = extract_projection(&bytes, &mut spare);
     eprintln!(
         "{ROWS}x{COLS} rank {RANK}: residual / floor {:.5} (a perfect fit: {:.5})",
         residual / floor,
@@ -80,7 +85,7 @@ fn bench(c: &mut Criterion) {
     // Bytes of the two bf16 weights an extraction reads.
     group.throughput(Throughput::Bytes((2 * ROWS * COLS * 2) as u64));
     group.bench_function("delta_factor_cast", |b| {
-        b.iter(|| extract_projection(black_box(&bytes)))
+        b.iter(|| extract_projection(black_box(&bytes), &mut spare))
     });
     group.finish();
 }

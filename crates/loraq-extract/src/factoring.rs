@@ -166,6 +166,8 @@ fn factor_in_order(
     zero_delta: &mut Vec<String>,
 ) -> Result<()> {
     let total = plan.modules.len();
+    // The last module's delta buffer, for the next delta (`PairBytes::delta_into`).
+    let mut spare = Vec::new();
     for (index, planned) in plan.modules.iter().enumerate() {
         let pair = pairs.next_pair();
         progress(Progress::ModuleStarted {
@@ -177,7 +179,8 @@ fn factor_in_order(
         let factored = match planned.role {
             ModuleRole::Lora => {
                 let pair = pair.expect("the reader reads every LoRA module")?;
-                let factored = factor_lora_module(pair, planned, options, qa_context, par)?;
+                let factored =
+                    factor_lora_module(pair, planned, options, qa_context, par, &mut spare)?;
                 if factored.is_none() {
                     zero_delta.push(planned.projection.tensor.clone());
                 }
@@ -217,13 +220,17 @@ fn factor_in_order(
 /// One of the LoRA's modules: merged - base factored at the floor (rank fixed or
 /// auto), split and cast; with a target, the quantization-aware factors of merged -
 /// target at rank + extra are what is written, and the plain ones are measured on
-/// the target beside them. `None` when the delta is zero (signed zeros only).
+/// the target beside them. `None` when the delta is zero (signed zeros only). The
+/// delta is formed in `spare`'s allocation and its buffer left there for the next
+/// module (not with a target: the quantization-aware factors form a delta of their
+/// own, which should not find this one still held).
 fn factor_lora_module(
     pair: PairBytes,
     planned: &PlannedModule,
     options: &ExtractOptions,
     qa_context: Option<&QaContext<'_>>,
     par: Par,
+    spare: &mut Vec<f32>,
 ) -> Result<Option<(ModuleFigures, CastFactors)>> {
     let projection = &planned.projection;
     let (rows, cols) = (projection.out_features, projection.in_features);
@@ -231,7 +238,7 @@ fn factor_lora_module(
         delta,
         floor,
         norm_sq,
-    } = pair.delta()?;
+    } = pair.delta_into(std::mem::take(spare))?;
     drop(pair);
     let max_rank = match options.rank {
         RankChoice::Fixed(r) => r,
@@ -255,7 +262,11 @@ fn factor_lora_module(
         Err(ExtractError::AllZeroDelta { .. }) => return Ok(None),
         other => other?,
     };
-    drop(delta);
+    if qa_context.is_none() {
+        *spare = delta;
+    } else {
+        drop(delta);
+    }
     let rank = match options.rank {
         RankChoice::Fixed(_) => f.kept(),
         RankChoice::Auto => auto_rank(&f, floor),
