@@ -228,19 +228,7 @@ fn attend_last_query_body<const FUSED: bool>(input: &LastQueryInput<'_>, out: &m
         // The last query sees every key: nothing is masked.
         let new_max = max.max(row_max(row));
         let rescale = exp_nonpositive::<FUSED>(max - new_max);
-        let mut lanes = [0f32; 16];
-        let mut chunks = row.chunks_exact_mut(16);
-        for c in &mut chunks {
-            for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
-                *x = exp_nonpositive::<FUSED>(*x - new_max);
-                *l += *x;
-            }
-        }
-        let mut row_sum: f32 = lanes.iter().sum();
-        for x in chunks.into_remainder() {
-            *x = exp_nonpositive::<FUSED>(*x - new_max);
-            row_sum += *x;
-        }
+        let row_sum = exp_shifted_sum::<FUSED>(row, new_max);
         sum = madd::<FUSED>(sum, rescale, row_sum);
         max = new_max;
         if rescale != 1.0 {
@@ -287,7 +275,28 @@ dispatch_simd!(
     fn attend_tile(input: &TileInput<'_>, out: &mut [f32]) = attend_tile_body
 );
 
-/// Lane-wise maximum and sum of a row, in 16 partial lanes so the loop vectorizes.
+/// Replaces each score of a row by `exp(score - max)` and returns their sum, in 16
+/// partial lanes so the loop vectorizes. The tiled pass and the last query's pass both
+/// call it, so the last row of a prompt gets the same bits either way.
+#[inline(always)]
+fn exp_shifted_sum<const FUSED: bool>(row: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0f32; 16];
+    let mut chunks = row.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
+            *x = exp_nonpositive::<FUSED>(*x - max);
+            *l += *x;
+        }
+    }
+    let mut row_sum: f32 = lanes.iter().sum();
+    for x in chunks.into_remainder() {
+        *x = exp_nonpositive::<FUSED>(*x - max);
+        row_sum += *x;
+    }
+    row_sum
+}
+
+/// Lane-wise maximum of a row, in 16 partial lanes so the loop vectorizes.
 #[inline(always)]
 fn row_max(row: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 16];
@@ -358,19 +367,7 @@ fn attend_tile_body<const FUSED: bool>(input: &TileInput<'_>, out: &mut [f32]) {
             let new_max = max[i].max(row_max(&row[..visible]));
             // The first tile holds key 0, visible to every query: new_max is finite.
             let rescale = exp_nonpositive::<FUSED>(max[i] - new_max);
-            let mut lanes = [0f32; 16];
-            let mut chunks = row.chunks_exact_mut(16);
-            for c in &mut chunks {
-                for (l, x) in lanes.iter_mut().zip(c.iter_mut()) {
-                    *x = exp_nonpositive::<FUSED>(*x - new_max);
-                    *l += *x;
-                }
-            }
-            let mut row_sum: f32 = lanes.iter().sum();
-            for x in chunks.into_remainder() {
-                *x = exp_nonpositive::<FUSED>(*x - new_max);
-                row_sum += *x;
-            }
+            let row_sum = exp_shifted_sum::<FUSED>(row, new_max);
             sum[i] = madd::<FUSED>(sum[i], rescale, row_sum);
             max[i] = new_max;
             if rescale != 1.0 {
