@@ -124,7 +124,7 @@ fn key_in_tiles(key: &[f32], dims: AttentionDims) -> Vec<f32> {
 /// (`[heads, head_dim]` into `out`): `last_query` is that position's query (`[heads,
 /// head_dim]`), `key` and `value` the whole prompt's (`[tokens, kv_heads, head_dim]`).
 /// The same operations as the last query tile of the whole computation, in the same
-/// order (its score and value products through [`matmul_acc_row`], which follows the
+/// order (its score and value products through `small_matmul::matmul_acc_row`, which follows the
 /// row's path through the tile's products), so the result is bit-identical to that
 /// row of [`causal_attention`]; the work is one query's instead of `tokens`. The heads
 /// run in parallel.
