@@ -14,6 +14,32 @@ fn data(path: &str) -> PathBuf {
         .join(path)
 }
 
+/// `loraq run` of `records` on the GGUF base `gguf` with `--backend backend` (and the
+/// adapter, if any), answers to `out`; its stderr summary.
+fn run_on_backend(
+    gguf: &Path,
+    records: &Path,
+    out: &Path,
+    backend: &str,
+    adapter: Option<&PathBuf>,
+) -> String {
+    let mut args = vec![
+        "run",
+        "--model",
+        s(gguf),
+        "--records",
+        s(records),
+        "--out",
+        s(out),
+        "--backend",
+        backend,
+    ];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", s(a)]);
+    }
+    stderr(&ok(loraq(&args)))
+}
+
 fn logits(path: &Path) -> Vec<(String, Vec<f64>)> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -323,22 +349,7 @@ fn a_gguf_base_runs_its_block_types_on_the_kernels_as_the_decoded_weights() {
                 let out = dir
                     .path()
                     .join(format!("{name}-{backend}-{}.jsonl", adapter.is_some()));
-                let mut args = vec![
-                    "run",
-                    "--model",
-                    s(&gguf),
-                    "--records",
-                    s(&records),
-                    "--out",
-                    s(&out),
-                    "--backend",
-                    backend,
-                ];
-                if let Some(a) = adapter {
-                    args.extend(["--adapter", s(a)]);
-                }
-                let o = ok(loraq(&args));
-                let summary = stderr(&o);
+                let summary = run_on_backend(&gguf, &records, &out, backend, adapter);
                 if backend == "auto" {
                     // Every block-type linear (and the bf16 adapter) on the fused kernel.
                     assert!(
@@ -635,21 +646,7 @@ fn a_q4_k_out_proj_cut_by_its_value_heads_runs_its_blocks_on_the_gathered_input(
             let out = dir
                 .path()
                 .join(format!("demo-{backend}-{}.jsonl", adapter.is_some()));
-            let mut args = vec![
-                "run",
-                "--model",
-                s(&gguf),
-                "--records",
-                s(&records),
-                "--out",
-                s(&out),
-                "--backend",
-                backend,
-            ];
-            if let Some(a) = adapter {
-                args.extend(["--adapter", s(a)]);
-            }
-            let summary = stderr(&ok(loraq(&args)));
+            let summary = run_on_backend(&gguf, &records, &out, backend, adapter);
             if backend == "auto" {
                 // All 62 linears on the kernel, none left to the dense matmul.
                 assert!(
