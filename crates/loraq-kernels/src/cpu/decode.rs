@@ -11,6 +11,8 @@ use loraq_quant::element::{e4m3_decode, e8m0_decode};
 use loraq_quant::{FP8_BLOCK, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Nvfp4GlobalScale};
 
 #[cfg(target_arch = "x86_64")]
+use super::lanes::{Avx2, Avx512, Lanes};
+#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 /// E2M1 values by code (sign in bit 3): the permute table of the SIMD decoders
@@ -81,96 +83,121 @@ pub(crate) trait RowDecode: Sync {
     fn code_address(&self, row: usize, k: usize) -> *const u8;
 }
 
-/// Row-major f32 matrix (the dequantize-then-multiply baseline and tests).
-pub(crate) struct F32Rows<'a> {
-    pub data: &'a [f32],
+/// Row-major matrix of a float type that widens to f32 without a scale: f32 (the
+/// dequantize-then-multiply baseline and tests) or bf16 (bf16 base weights and the LoRA
+/// factors).
+pub(crate) struct DenseRows<'a, E> {
+    pub data: &'a [E],
     pub rows: usize,
     pub cols: usize,
 }
 
-impl RowDecode for F32Rows<'_> {
+/// Row-major f32 matrix.
+pub(crate) type F32Rows<'a> = DenseRows<'a, f32>;
+/// Row-major bf16 matrix.
+pub(crate) type Bf16Rows<'a> = DenseRows<'a, bf16>;
+
+/// An element type of [`DenseRows`]: how one value, and 16 or 8 consecutive ones,
+/// become f32.
+pub(crate) trait DenseElement: Copy + Sync {
+    /// The value as f32 (exact).
+    fn widen(self) -> f32;
+    /// The 16 values from `p` (AVX-512F/BW).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F/BW; `p .. p + 16` is readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> __m512;
+    /// The 8 values from `p` (AVX2/FMA).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `p .. p + 8` is readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl DenseElement for f32 {
     #[inline(always)]
-    fn code_address(&self, row: usize, k: usize) -> *const u8 {
-        self.data
-            .as_ptr()
-            .cast::<u8>()
-            .wrapping_add((row * self.cols + k) * 4)
-    }
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn cols(&self) -> usize {
-        self.cols
-    }
-    #[inline(always)]
-    fn get(&self, row: usize, k: usize) -> f32 {
-        self.data[row * self.cols + k]
+    fn widen(self) -> f32 {
+        self
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
-        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 16 <= cols) and
-        // the CPU feature this function is compiled for.
-        unsafe { _mm512_loadu_ps(self.data.as_ptr().add(row * self.cols + k)) }
+    unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: 16 readable values (caller).
+        unsafe { _mm512_loadu_ps(p) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
-        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 8 <= cols) and
-        // the CPU feature this function is compiled for.
-        unsafe { _mm256_loadu_ps(self.data.as_ptr().add(row * self.cols + k)) }
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: 8 readable values (caller).
+        unsafe { _mm256_loadu_ps(p) }
     }
 }
 
-/// Row-major bf16 matrix (bf16 base weights and the LoRA factors).
-pub(crate) struct Bf16Rows<'a> {
-    pub data: &'a [bf16],
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl RowDecode for Bf16Rows<'_> {
+impl DenseElement for bf16 {
     #[inline(always)]
-    fn code_address(&self, row: usize, k: usize) -> *const u8 {
-        self.data
-            .as_ptr()
-            .cast::<u8>()
-            .wrapping_add((row * self.cols + k) * 2)
-    }
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn cols(&self) -> usize {
-        self.cols
-    }
-    #[inline(always)]
-    fn get(&self, row: usize, k: usize) -> f32 {
-        self.data[row * self.cols + k].to_f32()
+    fn widen(self) -> f32 {
+        self.to_f32()
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
-    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+    unsafe fn load16(p: *const bf16) -> __m512 {
         // bf16 is the top half of an f32: widen and shift.
-        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 16 <= cols) and
-        // the CPU feature this function is compiled for.
+        // SAFETY: 16 readable values (caller).
         unsafe {
-            let raw = _mm256_loadu_si256(self.data.as_ptr().add(row * self.cols + k).cast());
+            let raw = _mm256_loadu_si256(p.cast());
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
         }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
+    unsafe fn load8(p: *const bf16) -> __m256 {
+        // SAFETY: 8 readable values (caller).
+        unsafe {
+            let raw = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+        }
+    }
+}
+
+impl<E: DenseElement> RowDecode for DenseRows<'_, E> {
+    #[inline(always)]
+    fn code_address(&self, row: usize, k: usize) -> *const u8 {
+        self.data
+            .as_ptr()
+            .wrapping_add(row * self.cols + k)
+            .cast::<u8>()
+    }
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline(always)]
+    fn get(&self, row: usize, k: usize) -> f32 {
+        self.data[row * self.cols + k].widen()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
+        // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 16 <= cols) and
+        // the CPU feature this function is compiled for.
+        unsafe { E::load16(self.data.as_ptr().add(row * self.cols + k)) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
         // SAFETY: the caller holds the `RowDecode` contract (row < rows, k + 8 <= cols) and
         // the CPU feature this function is compiled for.
-        unsafe {
-            let raw = _mm_loadu_si128(self.data.as_ptr().add(row * self.cols + k).cast());
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
-        }
+        unsafe { E::load8(self.data.as_ptr().add(row * self.cols + k)) }
     }
 }
 
@@ -221,40 +248,36 @@ impl<const TWO_STEP: bool> RowDecode for Fp8Block128Rows<'_, TWO_STEP> {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
     unsafe fn load16(&self, row: usize, k: usize) -> __m512 {
-        // SAFETY: row < rows and k + 16 <= cols (trait contract), so the code run and
-        // the tile index are in bounds.
-        unsafe {
-            let raw = _mm_loadu_si128(self.codes.as_ptr().add(row * self.cols + k).cast());
-            // Sign-extended code << 20: the sign lands in bit 31, exponent and mantissa at
-            // the top of f32's fields; the mask clears the sign copies in between.
-            let v = _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(raw));
-            let unbiased =
-                _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(E4M3_F32_MASK)));
-            let tile = self.tile(row, k);
-            if TWO_STEP {
-                let rebiased = _mm512_mul_ps(unbiased, _mm512_set1_ps(E4M3_REBIAS));
-                _mm512_mul_ps(rebiased, _mm512_set1_ps(*self.scales.get_unchecked(tile)))
-            } else {
-                _mm512_mul_ps(unbiased, _mm512_set1_ps(*self.rebiased.get_unchecked(tile)))
-            }
-        }
+        // SAFETY: AVX-512F/BW and the trait contract (caller).
+        unsafe { self.load_lanes::<Avx512>(row, k) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn load8(&self, row: usize, k: usize) -> __m256 {
-        // SAFETY: as load16.
+        // SAFETY: AVX2, FMA and the trait contract (caller).
+        unsafe { self.load_lanes::<Avx2>(row, k) }
+    }
+}
+
+impl<const TWO_STEP: bool> Fp8Block128Rows<'_, TWO_STEP> {
+    /// The body of [`RowDecode::load16`] and [`RowDecode::load8`], inlined into each.
+    ///
+    /// # Safety
+    /// The CPU has `L`'s features; the [`RowDecode`] contract for an `L::WIDTH` load.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_lanes<L: Lanes>(&self, row: usize, k: usize) -> L::F32 {
+        // SAFETY: row < rows and k + WIDTH <= cols (trait contract), so the code run and
+        // the tile index are in bounds.
         unsafe {
-            let raw = _mm_loadl_epi64(self.codes.as_ptr().add(row * self.cols + k).cast());
-            let v = _mm256_slli_epi32::<20>(_mm256_cvtepi8_epi32(raw));
-            let unbiased =
-                _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(E4M3_F32_MASK)));
+            let unbiased = L::e4m3_unbiased(self.codes.as_ptr().add(row * self.cols + k));
             let tile = self.tile(row, k);
             if TWO_STEP {
-                let rebiased = _mm256_mul_ps(unbiased, _mm256_set1_ps(E4M3_REBIAS));
-                _mm256_mul_ps(rebiased, _mm256_set1_ps(*self.scales.get_unchecked(tile)))
+                let rebiased = L::mul(unbiased, L::splat(E4M3_REBIAS));
+                L::mul(rebiased, L::splat(*self.scales.get_unchecked(tile)))
             } else {
-                _mm256_mul_ps(unbiased, _mm256_set1_ps(*self.rebiased.get_unchecked(tile)))
+                L::mul(unbiased, L::splat(*self.rebiased.get_unchecked(tile)))
             }
         }
     }

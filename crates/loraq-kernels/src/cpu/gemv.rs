@@ -4,6 +4,8 @@
 
 use super::Isa;
 use super::decode::RowDecode;
+#[cfg(target_arch = "x86_64")]
+use super::lanes::{Avx2, Avx512, Lanes};
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -102,6 +104,10 @@ fn rows_scalar<D: RowDecode, const T: usize>(
     }
 }
 
+/// [`rows_simd`] on AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW; as [`rows_simd`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn rows_avx512<D: RowDecode, const R: usize, const T: usize>(
@@ -111,37 +117,8 @@ unsafe fn rows_avx512<D: RowDecode, const R: usize, const T: usize>(
     x_stride: usize,
     out: &mut [f32],
 ) {
-    let cols = d.cols();
-    let main = cols / 16 * 16;
-    let xp = x.as_ptr();
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let mut k = 0;
-    while k < main {
-        if k % PREFETCH_EVERY == 0 {
-            for r in 0..R {
-                super::prefetch_ahead(d.code_address(row0 + r, k));
-            }
-        }
-        for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: k % 16 == 0, k + 16 <= cols, row in range (caller).
-            let w = unsafe { d.load16(row0 + r, k) };
-            for (t, a) in acc_r.iter_mut().enumerate() {
-                // SAFETY: token t's row has cols elements from t * x_stride (caller).
-                let xv = unsafe { _mm512_loadu_ps(xp.add(t * x_stride + k)) };
-                *a = _mm512_fmadd_ps(w, xv, *a);
-            }
-        }
-        k += 16;
-    }
-    for (r, acc_r) in acc.iter().enumerate() {
-        for (t, a) in acc_r.iter().enumerate() {
-            let mut s = _mm512_reduce_add_ps(*a);
-            for k in main..cols {
-                s += d.get(row0 + r, k) * x[t * x_stride + k];
-            }
-            out[r * T + t] += s;
-        }
-    }
+    // SAFETY: AVX-512F/BW and the bounds (caller).
+    unsafe { rows_simd::<Avx512, D, R, T>(d, row0, x, x_stride, out) }
 }
 
 /// Sum of the 8 lanes.
@@ -156,6 +133,10 @@ pub(crate) fn hsum256(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// [`rows_simd`] on AVX2.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; as [`rows_simd`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_avx2<D: RowDecode, const R: usize, const T: usize>(
@@ -165,10 +146,31 @@ unsafe fn rows_avx2<D: RowDecode, const R: usize, const T: usize>(
     x_stride: usize,
     out: &mut [f32],
 ) {
+    // SAFETY: AVX2, FMA and the bounds (caller).
+    unsafe { rows_simd::<Avx2, D, R, T>(d, row0, x, x_stride, out) }
+}
+
+/// Adds `sum_k D[row0 + r, k] * x[t * x_stride + k]` to `out[r * T + t]` for `r < R`,
+/// `L::WIDTH` inputs at a time, the last `cols % L::WIDTH` one by one: the body of
+/// [`rows_avx512`] and [`rows_avx2`], inlined into each.
+///
+/// # Safety
+/// The CPU has `L`'s features; rows `row0 .. row0 + R` exist, `out` holds `R * T`
+/// values and `x` `T` rows of `d.cols()` from `t * x_stride` (asserted by [`dot_rows`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn rows_simd<L: Lanes, D: RowDecode, const R: usize, const T: usize>(
+    d: &D,
+    row0: usize,
+    x: &[f32],
+    x_stride: usize,
+    out: &mut [f32],
+) {
     let cols = d.cols();
-    let main = cols / 8 * 8;
+    let main = cols / L::WIDTH * L::WIDTH;
     let xp = x.as_ptr();
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY: L's features (caller).
+    let mut acc = [[unsafe { L::zero() }; T]; R];
     let mut k = 0;
     while k < main {
         if k % PREFETCH_EVERY == 0 {
@@ -177,19 +179,19 @@ unsafe fn rows_avx2<D: RowDecode, const R: usize, const T: usize>(
             }
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
-            // SAFETY: k % 8 == 0, k + 8 <= cols, row in range (caller).
-            let w = unsafe { d.load8(row0 + r, k) };
+            // SAFETY: k % WIDTH == 0, k + WIDTH <= cols, row in range (caller).
+            let w = unsafe { L::decode(d, row0 + r, k) };
             for (t, a) in acc_r.iter_mut().enumerate() {
                 // SAFETY: token t's row has cols elements from t * x_stride (caller).
-                let xv = unsafe { _mm256_loadu_ps(xp.add(t * x_stride + k)) };
-                *a = _mm256_fmadd_ps(w, xv, *a);
+                unsafe { *a = L::fmadd(w, L::load(xp.add(t * x_stride + k)), *a) };
             }
         }
-        k += 8;
+        k += L::WIDTH;
     }
     for (r, acc_r) in acc.iter().enumerate() {
         for (t, a) in acc_r.iter().enumerate() {
-            let mut s = hsum256(*a);
+            // SAFETY: L's features (caller).
+            let mut s = unsafe { L::sum(*a) };
             for k in main..cols {
                 s += d.get(row0 + r, k) * x[t * x_stride + k];
             }

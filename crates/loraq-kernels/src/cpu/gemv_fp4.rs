@@ -24,7 +24,9 @@
 //! products are summed and scaled once per block ([`add_scaled_avx2`]).
 
 use super::Isa;
-use super::decode::{E2M1_VALUES, E4M3_F32_MASK, PackedFp4Rows, RowDecode};
+use super::decode::{E2M1_VALUES, E4M3_F32_MASK, PackedFp4Rows};
+#[cfg(target_arch = "x86_64")]
+use super::lanes::{Avx2, Avx512, add_plain_steps};
 use loraq_quant::{MXFP4_BLOCK, NVFP4_BLOCK};
 
 #[cfg(target_arch = "x86_64")]
@@ -393,18 +395,16 @@ impl<const BLOCK: usize> PairedRows for PairedFp4Rows<'_, BLOCK> {
                 }
             }
             // Trailing inputs (cols % 128 != 0, a multiple of 16): 16 at a time through
-            // the plain decoder; xd is in input order there.
-            let mut k = steps * STEP;
-            while k < cols {
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let w = self.rows.load16(row0 + r, k);
-                    for (t, a) in acc_r.iter_mut().enumerate() {
-                        let xv = _mm512_loadu_ps(xp.add(t * cols + k));
-                        *a = _mm512_fmadd_ps(w, xv, *a);
-                    }
-                }
-                k += 16;
-            }
+            // the plain decoder.
+            add_plain_steps::<Avx512, _, R, T>(
+                &mut acc,
+                &self.rows,
+                row0,
+                xp,
+                cols,
+                steps * STEP,
+                cols,
+            );
         }
         for (r, acc_r) in acc.iter().enumerate() {
             for (t, a) in acc_r.iter().enumerate() {
@@ -459,17 +459,9 @@ impl<const BLOCK: usize> PairedRows for PairedFp4Rows<'_, BLOCK> {
                 }
             }
             // Trailing inputs (NVFP4 in-dims of 16 mod 32): 8 at a time through the plain
-            // decoder; xd is in input order there.
-            let mut k = steps * AVX2_STEP;
-            while k < cols {
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let w = self.rows.load8(row0 + r, k);
-                    for (t, a) in acc_r.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp.add(t * cols + k)), *a);
-                    }
-                }
-                k += 8;
-            }
+            // decoder.
+            let from = steps * AVX2_STEP;
+            add_plain_steps::<Avx2, _, R, T>(&mut acc, &self.rows, row0, xp, cols, from, cols);
         }
         for (r, acc_r) in acc.iter().enumerate() {
             for (t, a) in acc_r.iter().enumerate() {

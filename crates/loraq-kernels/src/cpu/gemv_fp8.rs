@@ -9,11 +9,9 @@
 //! multipliers stay finite; the f32 products are then the true products times `2^-e`,
 //! so no extra underflow happens where the plain product would not underflow.
 
-use super::decode::E4M3_F32_MASK;
-use loraq_quant::FP8_BLOCK;
-
 #[cfg(target_arch = "x86_64")]
-use std::arch::x86_64::*;
+use super::lanes::{Avx2, Avx512, Lanes};
+use loraq_quant::FP8_BLOCK;
 
 /// Elements between two software prefetches of a row (one 64-byte line of codes).
 #[cfg(target_arch = "x86_64")]
@@ -208,42 +206,8 @@ impl Fp8BandedRows<'_> {
         acts: &BandActivations,
         out: &mut [f32],
     ) {
-        let cols = self.cols;
-        let main = cols / 8 * 8;
-        let xp = acts.xs.as_ptr();
-        let cp = self.codes.as_ptr();
-        let mask = _mm256_set1_epi32(E4M3_F32_MASK);
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut k = 0;
-        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller), k + 8 <=
-        // cols, xs holds T rows of cols elements.
-        unsafe {
-            while k < main {
-                if k % PREFETCH_EVERY == 0 {
-                    for r in 0..R {
-                        super::prefetch_ahead(cp.wrapping_add((row0 + r) * cols + k));
-                    }
-                }
-                let mut xv = [_mm256_setzero_ps(); T];
-                for (t, v) in xv.iter_mut().enumerate() {
-                    *v = _mm256_loadu_ps(xp.add(t * cols + k));
-                }
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let raw = _mm_loadl_epi64(cp.add((row0 + r) * cols + k).cast());
-                    let v = _mm256_slli_epi32::<20>(_mm256_cvtepi8_epi32(raw));
-                    let w = _mm256_castsi256_ps(_mm256_and_si256(v, mask));
-                    for (a, &xt) in acc_r.iter_mut().zip(&xv) {
-                        *a = _mm256_fmadd_ps(w, xt, *a);
-                    }
-                }
-                k += 8;
-            }
-        }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (t, a) in acc_r.iter().enumerate() {
-                out[r * T + t] += super::gemv::hsum256(*a) * acts.post[t];
-            }
-        }
+        // SAFETY: AVX2, FMA and the rows (caller).
+        unsafe { self.rows_lanes::<Avx2, R, T>(row0, acts, out) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -254,15 +218,32 @@ impl Fp8BandedRows<'_> {
         acts: &BandActivations,
         out: &mut [f32],
     ) {
+        // SAFETY: AVX-512F/BW and the rows (caller).
+        unsafe { self.rows_lanes::<Avx512, R, T>(row0, acts, out) }
+    }
+
+    /// The body of [`Self::rows_avx512`] and [`Self::rows_avx2`], inlined into each:
+    /// `L::WIDTH` codes of each row at a time against the band's scaled activations.
+    ///
+    /// # Safety
+    /// The CPU has `L`'s features; rows `row0 .. row0 + R` exist.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn rows_lanes<L: Lanes, const R: usize, const T: usize>(
+        &self,
+        row0: usize,
+        acts: &BandActivations,
+        out: &mut [f32],
+    ) {
         let cols = self.cols;
-        let main = cols / 16 * 16;
+        let main = cols / L::WIDTH * L::WIDTH;
         let xp = acts.xs.as_ptr();
         let cp = self.codes.as_ptr();
-        let mask = _mm512_set1_epi32(E4M3_F32_MASK);
-        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        // SAFETY: L's features (caller).
+        let mut acc = [[unsafe { L::zero() }; T]; R];
         let mut k = 0;
-        // SAFETY: pointer arithmetic: rows row0..row0 + R exist (caller), k + 16 <=
-        // cols, xs holds T rows of cols elements.
+        // SAFETY: L's features (caller); pointer arithmetic: rows row0..row0 + R exist
+        // (caller), k + WIDTH <= cols, xs holds T rows of cols elements.
         unsafe {
             while k < main {
                 if k % PREFETCH_EVERY == 0 {
@@ -270,24 +251,23 @@ impl Fp8BandedRows<'_> {
                         super::prefetch_ahead(cp.wrapping_add((row0 + r) * cols + k));
                     }
                 }
-                let mut xv = [_mm512_setzero_ps(); T];
+                let mut xv = [L::zero(); T];
                 for (t, v) in xv.iter_mut().enumerate() {
-                    *v = _mm512_loadu_ps(xp.add(t * cols + k));
+                    *v = L::load(xp.add(t * cols + k));
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let raw = _mm_loadu_si128(cp.add((row0 + r) * cols + k).cast());
-                    let v = _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(raw));
-                    let w = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+                    let w = L::e4m3_unbiased(cp.add((row0 + r) * cols + k));
                     for (a, &xt) in acc_r.iter_mut().zip(&xv) {
-                        *a = _mm512_fmadd_ps(w, xt, *a);
+                        *a = L::fmadd(w, xt, *a);
                     }
                 }
-                k += 16;
+                k += L::WIDTH;
             }
         }
         for (r, acc_r) in acc.iter().enumerate() {
             for (t, a) in acc_r.iter().enumerate() {
-                out[r * T + t] += _mm512_reduce_add_ps(*a) * acts.post[t];
+                // SAFETY: L's features (caller).
+                out[r * T + t] += unsafe { L::sum(*a) } * acts.post[t];
             }
         }
     }

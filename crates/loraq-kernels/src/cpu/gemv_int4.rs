@@ -20,6 +20,8 @@ use super::decode::{Int4Rows, RowDecode};
 use super::gemv_fp4::{
     AVX2_STEP, PairedRows, add_scaled_avx2, bf16_byte_tables, decode32_avx2, load_byte_tables,
 };
+#[cfg(target_arch = "x86_64")]
+use super::lanes::{Avx512, add_plain_steps};
 use loraq_quant::INT4_GROUP;
 
 /// For each zero point `z` (0..=15), the [`bf16_byte_tables`] of `c - z` for codes `c`.
@@ -105,18 +107,9 @@ impl PairedRows for Int4TableRows<'_> {
                     }
                 }
             }
-            // The partial last group: 16 at a time, then one by one (xd is in input
-            // order there).
-            let mut k = steps * INT4_GROUP;
-            while k + 16 <= cols {
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let w = d.load16(row0 + r, k);
-                    for (t, a) in acc_r.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp.add(t * cols + k)), *a);
-                    }
-                }
-                k += 16;
-            }
+            // The partial last group: 16 at a time, then one by one (after the loop).
+            let from = steps * INT4_GROUP;
+            add_plain_steps::<Avx512, _, R, T>(&mut acc, d, row0, xp, cols, from, cols);
         }
         for (r, acc_r) in acc.iter().enumerate() {
             for (t, a) in acc_r.iter().enumerate() {

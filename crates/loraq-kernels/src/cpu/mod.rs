@@ -13,6 +13,8 @@ pub(crate) mod decode_ggml;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemv;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod lanes;
 // The format-specific decode loops are x86-64 SIMD only; elsewhere the generic loop
 // serves every format.
 #[cfg(target_arch = "x86_64")]
