@@ -33,7 +33,7 @@ pub(crate) use fused::Schedule;
 use loraq_quant::FP8_BLOCK;
 #[cfg(target_arch = "x86_64")]
 use loraq_quant::Nvfp4GlobalScale;
-use loraq_quant::{Bf16Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight};
+use loraq_quant::{Bf16Weight, Fp8Weight, Int4Weight, Mxfp4Weight, Nvfp4Weight, QuantizedWeight};
 use rayon::prelude::*;
 
 /// How far ahead of the decode loops' loads the software prefetch reaches, in bytes of
@@ -175,22 +175,8 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
     match linear.base() {
         QuantizedWeight::Bf16(w) => v.visit(&bf16_rows(w)),
         QuantizedWeight::Fp8(w) => match linear.fp8_rebiased_scales() {
-            Some(rebiased) => v.visit(&Fp8Block128Rows::<false> {
-                codes: &w.codes,
-                scales: &w.scales,
-                rebiased,
-                rows: w.out_features,
-                cols: w.in_features,
-                scale_cols: w.in_features.div_ceil(FP8_BLOCK),
-            }),
-            None => v.visit(&Fp8Block128Rows::<true> {
-                codes: &w.codes,
-                scales: &w.scales,
-                rebiased: &[],
-                rows: w.out_features,
-                cols: w.in_features,
-                scale_cols: w.in_features.div_ceil(FP8_BLOCK),
-            }),
+            Some(rebiased) => v.visit(&fp8_rows::<false>(w, rebiased)),
+            None => v.visit(&fp8_rows::<true>(w, &[])),
         },
         QuantizedWeight::Nvfp4(w) => v.visit(&nvfp4_rows(linear, w)),
         QuantizedWeight::Mxfp4(w) => v.visit(&mxfp4_rows(linear, w)),
@@ -210,6 +196,22 @@ pub(crate) fn visit_base<V: DecoderVisitor>(linear: &QuantLoraLinear, v: V) -> V
             }
             decode_ggml::visit_ggml(w, Rows(v))
         }
+    }
+}
+
+/// `w`'s rows; `rebiased` is [`decode::fp8_rebiased_scales`] of its scales, or empty
+/// for the two-step decoder.
+fn fp8_rows<'a, const TWO_STEP: bool>(
+    w: &'a Fp8Weight,
+    rebiased: &'a [f32],
+) -> Fp8Block128Rows<'a, TWO_STEP> {
+    Fp8Block128Rows {
+        codes: &w.codes,
+        scales: &w.scales,
+        rebiased,
+        rows: w.out_features,
+        cols: w.in_features,
+        scale_cols: w.in_features.div_ceil(FP8_BLOCK),
     }
 }
 
@@ -270,41 +272,18 @@ where
     }
 }
 
+/// Runs `$body` with `$t` a `const usize` equal to `$batch` (1 to [`GEMV_MAX_BATCH`]),
+/// so the decode loops are compiled for each batch size.
 macro_rules! with_const_batch {
     ($batch:expr, $t:ident => $body:expr) => {
+        with_const_batch!(@arms $batch, $t => $body; 1 2 3 4 5 6 7 8)
+    };
+    (@arms $batch:expr, $t:ident => $body:expr; $($n:literal)+) => {
         match $batch {
-            1 => {
-                const $t: usize = 1;
+            $($n => {
+                const $t: usize = $n;
                 $body
-            }
-            2 => {
-                const $t: usize = 2;
-                $body
-            }
-            3 => {
-                const $t: usize = 3;
-                $body
-            }
-            4 => {
-                const $t: usize = 4;
-                $body
-            }
-            5 => {
-                const $t: usize = 5;
-                $body
-            }
-            6 => {
-                const $t: usize = 6;
-                $body
-            }
-            7 => {
-                const $t: usize = 7;
-                $body
-            }
-            8 => {
-                const $t: usize = 8;
-                $body
-            }
+            })+
             _ => unreachable!("decode path batch is 1..=GEMV_MAX_BATCH"),
         }
     };
@@ -468,37 +447,31 @@ fn decode_base<const T: usize>(
             },
             _ => None,
         };
-        let x_paired = || gemv_fp4::reorder_activation(isa, xq, T, in_features, in_features);
+        // The paired loops (NVFP4, MXFP4, INT4): `$weight` against the reordered
+        // activation. (A macro: each arm's weight is a different type.)
+        macro_rules! decode_paired {
+            ($weight:expr) => {{
+                let kernel = fused::PairedKernel {
+                    isa,
+                    weight: $weight,
+                    x_paired: gemv_fp4::reorder_activation(isa, xq, T, in_features, in_features),
+                };
+                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+            }};
+        }
         match (linear.base(), nvfp4_multiplier) {
             (QuantizedWeight::Nvfp4(w), Some(scale_multiplier)) => {
-                let kernel = fused::PairedKernel {
-                    isa,
-                    weight: gemv_fp4::PairedFp4Rows {
-                        rows: nvfp4_rows(linear, w),
-                        scale_multiplier,
-                    },
-                    x_paired: x_paired(),
-                };
-                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+                decode_paired!(gemv_fp4::PairedFp4Rows {
+                    rows: nvfp4_rows(linear, w),
+                    scale_multiplier,
+                })
             }
-            (QuantizedWeight::Mxfp4(w), _) => {
-                let kernel = fused::PairedKernel {
-                    isa,
-                    weight: gemv_fp4::PairedFp4Rows {
-                        rows: mxfp4_rows(linear, w),
-                        scale_multiplier: 1.0,
-                    },
-                    x_paired: x_paired(),
-                };
-                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
-            }
+            (QuantizedWeight::Mxfp4(w), _) => decode_paired!(gemv_fp4::PairedFp4Rows {
+                rows: mxfp4_rows(linear, w),
+                scale_multiplier: 1.0,
+            }),
             (QuantizedWeight::Int4(w), _) => {
-                let kernel = fused::PairedKernel {
-                    isa,
-                    weight: gemv_int4::Int4TableRows { rows: int4_rows(w) },
-                    x_paired: x_paired(),
-                };
-                return fused::decode::<_, T>(isa, par, schedule, &kernel, lora, out);
+                decode_paired!(gemv_int4::Int4TableRows { rows: int4_rows(w) })
             }
             (QuantizedWeight::Ggml(w), _)
                 if gemv_ggml::decode::<T>(w, isa, par, schedule, xq, in_features, lora, out) =>
@@ -568,8 +541,7 @@ fn gemm_all<D1: RowDecode, D2: RowDecode>(
     let (_, nr) = gemm::tile_shape(isa);
     let out_rows = first.weight.rows();
     let mut y_t = vec![0f32; out_rows * n_padded];
-    let block = |(bi, chunk): (usize, &mut [f32])| {
-        let o0 = bi * nr;
+    for_row_chunks(par, &mut y_t, n_padded, nr, |o0, chunk| {
         let nrows = chunk.len() / n_padded.max(1);
         let mut y_block = vec![0f32; n_padded * nr];
         gemm::gemm_block(isa, o0, nrows, n_padded, first, second, &mut y_block);
@@ -578,14 +550,7 @@ fn gemm_all<D1: RowDecode, D2: RowDecode>(
                 *o = y_block[t * nr + j];
             }
         }
-    };
-    match par {
-        Parallelism::Sequential => y_t.chunks_mut(nr * n_padded).enumerate().for_each(block),
-        Parallelism::Rayon => y_t
-            .par_chunks_mut(nr * n_padded)
-            .enumerate()
-            .for_each(block),
-    }
+    });
     y_t
 }
 
@@ -697,13 +662,10 @@ struct DequantVisitor<'a> {
 impl DecoderVisitor for DequantVisitor<'_> {
     type Output = ();
     fn visit<D: RowDecode>(self, d: &D) {
-        let cols = d.cols();
         let isa = self.isa;
-        let f = |(row, out_row): (usize, &mut [f32])| gemm::decode_segment(isa, d, row, 0, out_row);
-        match self.par {
-            Parallelism::Sequential => self.out.chunks_mut(cols).enumerate().for_each(f),
-            Parallelism::Rayon => self.out.par_chunks_mut(cols).enumerate().for_each(f),
-        }
+        for_row_chunks(self.par, self.out, d.cols(), 1, |row, out_row| {
+            gemm::decode_segment(isa, d, row, 0, out_row)
+        });
     }
 }
 
