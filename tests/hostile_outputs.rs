@@ -6,13 +6,9 @@
 
 mod common;
 
-use common::{loraq, ok, s, stderr};
+use common::{assert_refused, data, loraq, ok, run_args, s, stderr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn data() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/model")
-}
 
 /// `loraq args` run in the working directory `cwd`.
 fn loraq_in(cwd: &Path, args: &[&str]) -> Output {
@@ -21,18 +17,6 @@ fn loraq_in(cwd: &Path, args: &[&str]) -> Output {
         .current_dir(cwd)
         .output()
         .expect("run loraq")
-}
-
-/// Exit status 2 and a message holding every needle.
-fn assert_refused(o: &Output, needles: &[&str]) {
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(o));
-    for needle in needles {
-        assert!(
-            stderr(o).contains(needle),
-            "message should name {needle:?}: {}",
-            stderr(o)
-        );
-    }
 }
 
 /// Every entry of `dir` (names, sorted).
@@ -177,29 +161,14 @@ fn file_outputs_over_their_inputs_are_refused_even_with_force() {
     std::fs::copy(data().join("records.jsonl"), &records).unwrap();
     let original = std::fs::read(&records).unwrap();
     let model = data().join("qwen3_5");
-    let o = loraq(&[
-        "run",
-        "--model",
-        s(&model),
-        "--records",
-        s(&records),
-        "--out",
-        s(&records),
-        "--force",
-    ]);
+    let mut args = run_args(&model, &records, &records);
+    args.push("--force");
+    let o = loraq(&args);
     assert_refused(&o, &[s(&records), "is the input"]);
     assert_eq!(std::fs::read(&records).unwrap(), original);
 
     let reference = dir.path().join("reference.jsonl");
-    ok(loraq(&[
-        "run",
-        "--model",
-        s(&model),
-        "--records",
-        s(&records),
-        "--out",
-        s(&reference),
-    ]));
+    ok(loraq(&run_args(&model, &records, &reference)));
     let answers = std::fs::read(&reference).unwrap();
     for flag in ["--json", "--markdown", "--plot"] {
         let o = loraq(&[
@@ -224,8 +193,7 @@ fn existing_file_outputs_are_refused_without_force() {
     let answers = dir.path().join("answers.jsonl");
     std::fs::write(&answers, "precious\n").unwrap();
     let run = |extra: &[&str]| {
-        let mut args = vec!["run", "--model", s(&model), "--records", s(&records)];
-        args.extend_from_slice(&["--out", s(&answers)]);
+        let mut args = run_args(&model, &records, &answers);
         args.extend_from_slice(extra);
         loraq(&args)
     };
@@ -269,8 +237,8 @@ fn several_outputs_appear_all_or_none() {
     std::fs::create_dir(&unwritable).unwrap();
     std::fs::write(unwritable.join("keep"), "x").unwrap();
     for force in [false, true] {
-        let mut args = vec!["run", "--model", s(&model), "--records", s(&records)];
-        args.extend_from_slice(&["--out", s(&answers), "--collect-stats", s(&unwritable)]);
+        let mut args = run_args(&model, &records, &answers);
+        args.extend_from_slice(&["--collect-stats", s(&unwritable)]);
         if force {
             args.push("--force");
         }
@@ -332,15 +300,11 @@ fn a_240_character_output_name_works() {
         "--force",
     ]));
     let answers = dir.path().join(format!("{}.jsonl", "b".repeat(234)));
-    ok(loraq(&[
-        "run",
-        "--model",
-        s(&data().join("qwen3_5")),
-        "--records",
-        s(&data().join("records.jsonl")),
-        "--out",
-        s(&answers),
-    ]));
+    ok(loraq(&run_args(
+        &data().join("qwen3_5"),
+        &data().join("records.jsonl"),
+        &answers,
+    )));
     assert_eq!(
         names(dir.path()),
         [long, answers.file_name().unwrap().to_string_lossy().into()]
@@ -380,15 +344,11 @@ fn stale_temporaries_of_a_killed_run_are_reported_and_removed() {
     let answers = dir.path().join("answers.jsonl");
     let stale = dir.path().join(".answers.jsonl.loraq-tmp-4999999-1");
     std::fs::write(&stale, "partial").unwrap();
-    let o = ok(loraq(&[
-        "run",
-        "--model",
-        s(&data().join("qwen3_5")),
-        "--records",
-        s(&data().join("records.jsonl")),
-        "--out",
-        s(&answers),
-    ]));
+    let o = ok(loraq(&run_args(
+        &data().join("qwen3_5"),
+        &data().join("records.jsonl"),
+        &answers,
+    )));
     assert!(
         stderr(&o).contains("left by loraq process 4999999"),
         "{}",

@@ -5,17 +5,13 @@
 
 mod common;
 
-use common::{loraq, s, stderr};
+use common::{assert_refused, data, loraq, run_args, s, stderr};
 use loraq_io::{Checkpoint, TensorSpec, write_safetensors_file};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn data() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/model")
-}
 
 /// A writable copy of a fixture directory.
 fn copy_dir(from: &Path, to: &Path) {
@@ -60,30 +56,6 @@ fn edit_tensor(file: &Path, suffix: &str, edit: impl FnOnce(&mut [u8])) -> Strin
 /// bf16 NaN in the first element.
 fn first_bf16_nan(bytes: &mut [u8]) {
     bytes[..2].copy_from_slice(&0x7FC0u16.to_le_bytes());
-}
-
-/// Refused with status 2, the message holding every needle.
-fn assert_refused(o: &Output, needles: &[&str]) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "should be refused: {err}");
-    for needle in needles {
-        assert!(
-            err.contains(needle),
-            "message should name {needle:?}: {err}"
-        );
-    }
-}
-
-fn run_args<'a>(model: &'a Path, records: &'a Path, out: &'a Path) -> Vec<&'a str> {
-    vec![
-        "run",
-        "--model",
-        s(model),
-        "--records",
-        s(records),
-        "--out",
-        s(out),
-    ]
 }
 
 /// A tiny synthetic base / merged / true-adapter triple in `dir`.
@@ -167,6 +139,31 @@ fn verify_refuses_a_threshold_that_is_not_a_finite_positive_number() {
     }
 }
 
+/// A copy of the test model in a temporary directory with the first bf16 of the
+/// tensor ending in `suffix` made NaN: (guard, model directory, the tensor's name).
+fn model_with_a_nan(suffix: &str) -> (tempfile::TempDir, PathBuf, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    copy_dir(&data().join("qwen3_5"), &model);
+    let tensor = edit_tensor(&model.join("model.safetensors"), suffix, first_bf16_nan);
+    (dir, model, tensor)
+}
+
+/// `loraq run` of `model` on the test records with `extra` arguments is refused on
+/// both backends, naming every needle, and writes no answers under `dir`.
+fn assert_run_refused(dir: &Path, model: &Path, extra: &[&str], needles: &[&str]) {
+    let out = dir.join("answers.jsonl");
+    let records = data().join("records.jsonl");
+    for backend in ["kernels", "dense"] {
+        let mut args = run_args(model, &records, &out);
+        args.extend_from_slice(extra);
+        args.extend(["--backend", backend]);
+        let o = loraq(&args);
+        assert_refused(&o, needles);
+        assert!(!out.exists(), "no answers on a refused run ({backend})");
+    }
+}
+
 #[test]
 fn run_refuses_nan_adapter_factors_and_writes_no_answers() {
     let dir = tempfile::tempdir().unwrap();
@@ -177,49 +174,28 @@ fn run_refuses_nan_adapter_factors_and_writes_no_answers() {
         "mlp.up_proj.lora_A.weight",
         |b| b[..4].copy_from_slice(&f32::INFINITY.to_le_bytes()),
     );
-    let out = dir.path().join("answers.jsonl");
-    for backend in ["kernels", "dense"] {
-        let model = data().join("qwen3_5");
-        let records = data().join("records.jsonl");
-        let mut args = run_args(&model, &records, &out);
-        args.extend(["--adapter", s(&adapter), "--backend", backend]);
-        let o = loraq(&args);
-        assert_refused(&o, &["adapter_model.safetensors", &tensor]);
-        assert!(!out.exists(), "no answers on a refused run ({backend})");
-    }
+    assert_run_refused(
+        dir.path(),
+        &data().join("qwen3_5"),
+        &["--adapter", s(&adapter)],
+        &["adapter_model.safetensors", &tensor],
+    );
 }
 
 #[test]
 fn run_refuses_a_nan_base_weight_by_file_and_tensor() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    copy_dir(&data().join("qwen3_5"), &model);
-    let tensor = edit_tensor(
-        &model.join("model.safetensors"),
-        "layers.1.mlp.down_proj.weight",
-        first_bf16_nan,
+    let (dir, model, tensor) = model_with_a_nan("layers.1.mlp.down_proj.weight");
+    assert_run_refused(
+        dir.path(),
+        &model,
+        &[],
+        &["model.safetensors", &tensor, "NaN"],
     );
-    let out = dir.path().join("answers.jsonl");
-    let records = data().join("records.jsonl");
-    for backend in ["kernels", "dense"] {
-        let mut args = run_args(&model, &records, &out);
-        args.extend(["--backend", backend]);
-        let o = loraq(&args);
-        assert_refused(&o, &["model.safetensors", &tensor, "NaN"]);
-        assert!(!out.exists(), "no answers on a refused run ({backend})");
-    }
 }
 
 #[test]
 fn quant_error_refuses_a_nan_weight_by_file_and_tensor() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    copy_dir(&data().join("qwen3_5"), &model);
-    let tensor = edit_tensor(
-        &model.join("model.safetensors"),
-        "layers.0.mlp.gate_proj.weight",
-        first_bf16_nan,
-    );
+    let (_dir, model, tensor) = model_with_a_nan("layers.0.mlp.gate_proj.weight");
     let o = loraq(&[
         "quant-error",
         "--base",
@@ -232,14 +208,7 @@ fn quant_error_refuses_a_nan_weight_by_file_and_tensor() {
 
 #[test]
 fn quantize_names_the_file_and_tensor_of_a_nan_weight() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    copy_dir(&data().join("qwen3_5"), &model);
-    let tensor = edit_tensor(
-        &model.join("model.safetensors"),
-        "layers.2.mlp.up_proj.weight",
-        first_bf16_nan,
-    );
+    let (dir, model, tensor) = model_with_a_nan("layers.2.mlp.up_proj.weight");
     let out = dir.path().join("fp8");
     let o = loraq(&[
         "quantize",

@@ -2,8 +2,13 @@
 //! outcome.
 #![allow(dead_code)] // each test file uses its own subset
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+/// The committed test model and records (tests/data/model).
+pub fn data() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/model")
+}
 
 /// Runs the `loraq` binary built for these tests with `args`.
 pub fn loraq(args: &[&str]) -> Output {
@@ -22,6 +27,31 @@ pub fn stderr(o: &Output) -> String {
 pub fn ok(o: Output) -> Output {
     assert!(o.status.success(), "{}", stderr(&o));
     o
+}
+
+/// Refused with status 2, the message holding every needle.
+pub fn assert_refused(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "should be refused: {err}");
+    for needle in needles {
+        assert!(
+            err.contains(needle),
+            "message should name {needle:?}: {err}"
+        );
+    }
+}
+
+/// The arguments of `loraq run --model model --records records --out out`.
+pub fn run_args<'a>(model: &'a Path, records: &'a Path, out: &'a Path) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--model",
+        s(model),
+        "--records",
+        s(records),
+        "--out",
+        s(out),
+    ]
 }
 
 /// A temporary path as a command-line argument.
