@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{loraq, s as path, stderr};
+use common::{extract, extract_ok, loraq, s as path, stderr};
 use loraq_io::{Checkpoint, DType, LoraAdapter, TensorSpec, write_safetensors_file};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -26,27 +26,6 @@ fn synth(out: &Path, preset: &str, seed: u64, extra: &[&str]) {
     args.extend_from_slice(extra);
     let o = loraq(&args);
     assert!(o.status.success(), "synth: {}", stderr(&o));
-}
-
-fn extract(merged: &Path, base: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut args = vec![
-        "extract",
-        "--merged",
-        path(merged),
-        "--base",
-        path(base),
-        "--out",
-        path(out),
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    loraq(&args)
-}
-
-fn extract_ok(merged: &Path, base: &Path, out: &Path, extra: &[&str]) -> Value {
-    let o = extract(merged, base, out, extra);
-    assert!(o.status.success(), "extract: {}", stderr(&o));
-    serde_json::from_slice(&o.stdout).expect("--json prints the report")
 }
 
 /// Refused: non-zero exit, the message names `needle`, and no output directory.
@@ -95,6 +74,23 @@ fn rewrite(src: &Path, dst: &Path, edit: Edit<'_>, extra: Vec<(TensorSpec, Vec<u
         .collect();
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     write_safetensors_file(&dst.join("model.safetensors"), &refs, &metadata).unwrap();
+}
+
+/// `dst` = `src` with `patch` applied to the bytes of the tensor named `target`, every
+/// other tensor as it is.
+fn rewrite_one(src: &Path, dst: &Path, target: &str, patch: impl Fn(&mut [u8])) {
+    rewrite(
+        src,
+        dst,
+        &|name, dtype, shape, bytes| {
+            let mut bytes = bytes.to_vec();
+            if name == target {
+                patch(&mut bytes);
+            }
+            Some((dtype, shape.to_vec(), bytes))
+        },
+        Vec::new(),
+    );
 }
 
 fn keep(
@@ -413,18 +409,9 @@ fn a_changed_norm_is_refused_by_name() {
     let (_guard, root) = tiny(11, &[]);
     let merged = root.join("merged-norm");
     let norm = format!("{TINY_PREFIX}.1.input_layernorm.weight");
-    rewrite(
-        &root.join("merged"),
-        &merged,
-        &|name, dtype, shape, bytes| {
-            let mut bytes = bytes.to_vec();
-            if name == norm {
-                bytes[0] ^= 0x01;
-            }
-            Some((dtype, shape.to_vec(), bytes))
-        },
-        Vec::new(),
-    );
+    rewrite_one(&root.join("merged"), &merged, &norm, |bytes| {
+        bytes[0] ^= 0x01
+    });
     let out = root.join("out");
     assert_refused(
         &extract(&merged, &root.join("base"), &out, &["--rank", "8"]),
@@ -458,18 +445,9 @@ fn nan_in_the_merge_is_refused_with_the_tensor_name() {
     let (_guard, root) = tiny(13, &[]);
     let merged = root.join("merged-nan");
     let target = format!("{TINY_PREFIX}.0.mlp.down_proj.weight");
-    rewrite(
-        &root.join("merged"),
-        &merged,
-        &|name, dtype, shape, bytes| {
-            let mut bytes = bytes.to_vec();
-            if name == target {
-                bytes[6..8].copy_from_slice(&0x7fc0u16.to_le_bytes());
-            }
-            Some((dtype, shape.to_vec(), bytes))
-        },
-        Vec::new(),
-    );
+    rewrite_one(&root.join("merged"), &merged, &target, |bytes| {
+        bytes[6..8].copy_from_slice(&0x7fc0u16.to_le_bytes())
+    });
     let out = root.join("out");
     let o = extract(&merged, &root.join("base"), &out, &["--rank", "8"]);
     assert_refused(&o, &out, &target);
@@ -601,24 +579,11 @@ fn rank_auto_finds_the_true_rank_and_a_servable_r() {
 fn bytes_differing_only_in_signed_zeros_are_reported_and_not_factored() {
     let (_guard, root) = tiny(18, &["--lora-layers", "0-0"]);
     let target = format!("{TINY_PREFIX}.2.mlp.up_proj.weight");
-    let zero_first = |sign: u16| {
-        let target = target.clone();
-        move |name: &str, dtype: DType, shape: &[usize], bytes: &[u8]| {
-            let mut bytes = bytes.to_vec();
-            if name == target {
-                bytes[0..2].copy_from_slice(&sign.to_le_bytes());
-            }
-            Some((dtype, shape.to_vec(), bytes))
-        }
-    };
+    let zero_first =
+        |sign: u16| move |bytes: &mut [u8]| bytes[0..2].copy_from_slice(&sign.to_le_bytes());
     let (base, merged) = (root.join("base-z"), root.join("merged-z"));
-    rewrite(&root.join("base"), &base, &zero_first(0x0000), Vec::new());
-    rewrite(
-        &root.join("merged"),
-        &merged,
-        &zero_first(0x8000),
-        Vec::new(),
-    );
+    rewrite_one(&root.join("base"), &base, &target, zero_first(0x0000));
+    rewrite_one(&root.join("merged"), &merged, &target, zero_first(0x8000));
     let out = root.join("out");
     let report = extract_ok(&merged, &base, &out, &["--rank", "8"]);
     assert_eq!(report["zero_delta"], serde_json::json!([target]));

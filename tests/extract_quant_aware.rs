@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{loraq, ok, s, stderr};
+use common::{extract, extract_ok, loraq, ok, s, stderr};
 use loraq_io::{Checkpoint, DType, ModuleName, TensorSpec, write_safetensors_file};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -28,26 +28,6 @@ fn tiny(seed: u64) -> (tempfile::TempDir, PathBuf, PathBuf) {
         &seed.to_string(),
     ]));
     (dir, pair.join("base"), pair.join("merged"))
-}
-
-fn extract(merged: &Path, base: &Path, out: &Path, extra: &[&str]) -> Output {
-    let mut args = vec![
-        "extract",
-        "--merged",
-        s(merged),
-        "--base",
-        s(base),
-        "--out",
-        s(out),
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    loraq(&args)
-}
-
-fn extract_ok(merged: &Path, base: &Path, out: &Path, extra: &[&str]) -> Value {
-    let o = ok(extract(merged, base, out, extra));
-    serde_json::from_slice(&o.stdout).expect("--json prints the report")
 }
 
 /// Refused: exit status 2, the message names every needle, no output directory.

@@ -54,6 +54,28 @@ pub fn run_args<'a>(model: &'a Path, records: &'a Path, out: &'a Path) -> Vec<&'
     ]
 }
 
+/// `loraq extract --merged merged --base base --out out --json` and `extra`.
+pub fn extract(merged: &Path, base: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "extract",
+        "--merged",
+        s(merged),
+        "--base",
+        s(base),
+        "--out",
+        s(out),
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    loraq(&args)
+}
+
+/// [`extract`], asserted to succeed; its JSON report.
+pub fn extract_ok(merged: &Path, base: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
+    let o = ok(extract(merged, base, out, extra));
+    serde_json::from_slice(&o.stdout).expect("--json prints the report")
+}
+
 /// A temporary path as a command-line argument.
 pub fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 temp path")
