@@ -981,90 +981,64 @@ pub fn plan_quantization_calibrated(
                     vec![out_features, in_features],
                 ));
             }
-            Layout::Fp8Block128 => {
+            Layout::Fp8Block128 | Layout::Fp8Tensor | Layout::Fp8ChannelCompressedTensors => {
+                // The codes under the weight's own name, one F32 scale tensor beside them.
+                let (scale_name, scale_shape) = match options.layout {
+                    Layout::Fp8Block128 => (
+                        "weight_scale_inv",
+                        vec![
+                            blocks(out_features, FP8_BLOCK),
+                            blocks(in_features, FP8_BLOCK),
+                        ],
+                    ),
+                    Layout::Fp8Tensor => ("weight_scale", vec![]),
+                    Layout::Fp8ChannelCompressedTensors => ("weight_scale", vec![out_features, 1]),
+                    _ => unreachable!("an FP8 layout"),
+                };
                 specs.push(TensorSpec::new(
                     &info.name,
                     DType::F8E4M3,
                     vec![out_features, in_features],
                 ));
                 specs.push(TensorSpec::new(
-                    format!("{module}.weight_scale_inv"),
+                    format!("{module}.{scale_name}"),
                     DType::F32,
-                    vec![
-                        blocks(out_features, FP8_BLOCK),
-                        blocks(in_features, FP8_BLOCK),
-                    ],
+                    scale_shape,
                 ));
             }
-            Layout::Fp8Tensor => {
-                specs.push(TensorSpec::new(
-                    &info.name,
-                    DType::F8E4M3,
-                    vec![out_features, in_features],
-                ));
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_scale"),
-                    DType::F32,
-                    vec![],
-                ));
-            }
-            Layout::Fp8ChannelCompressedTensors => {
-                specs.push(TensorSpec::new(
-                    &info.name,
-                    DType::F8E4M3,
-                    vec![out_features, in_features],
-                ));
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_scale"),
-                    DType::F32,
-                    vec![out_features, 1],
-                ));
-            }
-            Layout::Nvfp4ModelOpt => {
-                specs.push(TensorSpec::new(
-                    &info.name,
-                    DType::U8,
-                    vec![out_features, in_features / 2],
-                ));
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_scale"),
-                    DType::F8E4M3,
-                    vec![out_features, in_features / NVFP4_BLOCK],
-                ));
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_scale_2"),
-                    DType::F32,
-                    vec![],
-                ));
-                if calibrated {
-                    specs.push(TensorSpec::new(
-                        format!("{module}.input_scale"),
-                        DType::F32,
-                        vec![],
-                    ));
-                }
-            }
-            Layout::Nvfp4CompressedTensors => {
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_packed"),
-                    DType::U8,
-                    vec![out_features, in_features / 2],
-                ));
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_scale"),
-                    DType::F8E4M3,
-                    vec![out_features, in_features / NVFP4_BLOCK],
-                ));
-                specs.push(TensorSpec::new(
-                    format!("{module}.weight_global_scale"),
-                    DType::F32,
-                    vec![1],
-                ));
-                if calibrated {
-                    specs.push(TensorSpec::new(
-                        format!("{module}.input_global_scale"),
-                        DType::F32,
+            Layout::Nvfp4ModelOpt | Layout::Nvfp4CompressedTensors => {
+                // The same tensors under each serialization's names; its scalars are
+                // `[]` (ModelOpt) or `[1]` (compressed-tensors).
+                let (packed, global, input, scalar) = if options.layout == Layout::Nvfp4ModelOpt {
+                    (info.name.clone(), "weight_scale_2", "input_scale", vec![])
+                } else {
+                    (
+                        format!("{module}.weight_packed"),
+                        "weight_global_scale",
+                        "input_global_scale",
                         vec![1],
+                    )
+                };
+                specs.push(TensorSpec::new(
+                    packed,
+                    DType::U8,
+                    vec![out_features, in_features / 2],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{module}.weight_scale"),
+                    DType::F8E4M3,
+                    vec![out_features, in_features / NVFP4_BLOCK],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{module}.{global}"),
+                    DType::F32,
+                    scalar.clone(),
+                ));
+                if calibrated {
+                    specs.push(TensorSpec::new(
+                        format!("{module}.{input}"),
+                        DType::F32,
+                        scalar,
                     ));
                 }
             }
