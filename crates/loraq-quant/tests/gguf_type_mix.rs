@@ -33,6 +33,18 @@ struct Shape {
     n_vocab: usize,
 }
 
+impl Shape {
+    /// The model facts the type mix reads, for `architecture` of this shape.
+    fn model(&self, architecture: &str) -> MixModel {
+        MixModel {
+            architecture: architecture.into(),
+            block_count: self.n_layer,
+            head_count: self.n_head,
+            head_count_kv: self.n_head_kv,
+        }
+    }
+}
+
 /// Tensors of a qwen3 GGUF (src/models/qwen3.cpp), GGUF dims `ne[0]` first.
 fn qwen3_tensors(s: &Shape) -> Vec<Tensor> {
     let mut v = vec![
@@ -187,12 +199,7 @@ fn qwen3_0_6b_matches_llama_cpps_snapshot() {
         head_dim: 128,
         n_vocab: 151_936,
     };
-    let model = MixModel {
-        architecture: "qwen3".into(),
-        block_count: s.n_layer,
-        head_count: s.n_head,
-        head_count_kv: s.n_head_kv,
-    };
+    let model = s.model("qwen3");
     check_against_snapshot("qwen3-0.6b.schema", &model, &qwen3_tensors(&s));
 }
 
@@ -207,12 +214,7 @@ fn qwen3_14b_matches_llama_cpps_snapshot() {
         head_dim: 128,
         n_vocab: 151_936,
     };
-    let model = MixModel {
-        architecture: "qwen3".into(),
-        block_count: s.n_layer,
-        head_count: s.n_head,
-        head_count_kv: s.n_head_kv,
-    };
+    let model = s.model("qwen3");
     check_against_snapshot("qwen3-14b.schema", &model, &qwen3_tensors(&s));
 }
 
@@ -227,12 +229,7 @@ fn qwen3_6_27b_matches_llama_cpps_snapshot() {
         head_dim: 256,
         n_vocab: 248_320,
     };
-    let model = MixModel {
-        architecture: "qwen35".into(),
-        block_count: s.n_layer,
-        head_count: s.n_head,
-        head_count_kv: s.n_head_kv,
-    };
+    let model = s.model("qwen35");
     // 16 key heads and 48 value heads of 128
     check_against_snapshot(
         "qwen3.6-27b.schema",
@@ -256,12 +253,7 @@ fn rows_that_are_not_whole_blocks_fall_back_as_tensor_type_fallback_says() {
         n_vocab: 512,
     };
     let tensors = qwen3_tensors(&s);
-    let model = MixModel {
-        architecture: "qwen3".into(),
-        block_count: 8,
-        head_count: 3,
-        head_count_kv: 1,
-    };
+    let model = s.model("qwen3");
     let mix: Vec<MixTensor<'_>> = tensors
         .iter()
         .map(|t| MixTensor {
