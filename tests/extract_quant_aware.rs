@@ -14,19 +14,22 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-/// A tiny synth pair: (guard, base, merged).
-fn tiny(seed: u64) -> (tempfile::TempDir, PathBuf, PathBuf) {
+/// A tiny synth pair (`extra`: more `loraq synth` arguments): (guard, base, merged).
+fn tiny(seed: u64, extra: &[&str]) -> (tempfile::TempDir, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let pair = dir.path().join("pair");
-    ok(loraq(&[
+    let seed = seed.to_string();
+    let mut args = vec![
         "synth",
         "--preset",
         "tiny",
         "--out",
         s(&pair),
         "--seed",
-        &seed.to_string(),
-    ]));
+        &seed,
+    ];
+    args.extend_from_slice(extra);
+    ok(loraq(&args));
     (dir, pair.join("base"), pair.join("merged"))
 }
 
@@ -151,7 +154,7 @@ fn modules(report: &Value) -> &Vec<Value> {
 
 #[test]
 fn an_exactly_low_rank_quantization_error_is_recovered_to_the_floor() {
-    let (dir, base, merged) = tiny(11);
+    let (dir, base, merged) = tiny(11, &[]);
     let target = dir.path().join("target");
     let planted = plant_low_rank_error(&base, &target);
     assert!(planted.len() > 10, "{planted:?}");
@@ -222,7 +225,7 @@ fn an_exactly_low_rank_quantization_error_is_recovered_to_the_floor() {
 
 #[test]
 fn a_target_equal_to_the_base_gives_the_plain_adapter_byte_for_byte() {
-    let (dir, base, merged) = tiny(12);
+    let (dir, base, merged) = tiny(12, &[]);
     let plain = dir.path().join("plain");
     let qa = dir.path().join("qa");
     extract_ok(&merged, &base, &plain, &["--rank", "8"]);
@@ -246,7 +249,7 @@ fn a_target_equal_to_the_base_gives_the_plain_adapter_byte_for_byte() {
 
 #[test]
 fn a_scheme_target_equals_its_quantized_checkpoint_and_verify_agrees() {
-    let (dir, base, merged) = tiny(13);
+    let (dir, base, merged) = tiny(13, &[]);
     let fp8 = dir.path().join("fp8");
     ok(loraq(&[
         "quantize",
@@ -393,7 +396,7 @@ fn measure(adapter: &loraq_io::LoraAdapter, module: &str, delta: &[f32], w: &[f6
 
 #[test]
 fn calibration_weighting_minimizes_the_weighted_error() {
-    let (dir, base, merged) = tiny(14);
+    let (dir, base, merged) = tiny(14, &[]);
     let mods = linear_modules(&base);
     let (uniform, skewed) = (dir.path().join("uniform.st"), dir.path().join("skewed.st"));
     write_activation_stats(&uniform, &mods, &|_| 1.0, &keep_all);
@@ -476,7 +479,7 @@ fn calibration_weighting_minimizes_the_weighted_error() {
 
 #[test]
 fn bad_targets_and_statistics_are_refused_with_no_output() {
-    let (dir, base, merged) = tiny(15);
+    let (dir, base, merged) = tiny(15, &[]);
     let out = dir.path().join("out");
     let mods = linear_modules(&base);
     let victim = mods
@@ -580,20 +583,7 @@ fn bad_targets_and_statistics_are_refused_with_no_output() {
 
 #[test]
 fn all_layers_corrects_the_modules_the_lora_leaves_alone() {
-    let dir = tempfile::tempdir().unwrap();
-    let pair = dir.path().join("pair");
-    ok(loraq(&[
-        "synth",
-        "--preset",
-        "tiny",
-        "--out",
-        s(&pair),
-        "--seed",
-        "16",
-        "--lora-layers",
-        "2-3",
-    ]));
-    let (base, merged) = (pair.join("base"), pair.join("merged"));
+    let (dir, base, merged) = tiny(16, &["--lora-layers", "2-3"]);
     let out = dir.path().join("qa");
     let report = extract_ok(
         &merged,
