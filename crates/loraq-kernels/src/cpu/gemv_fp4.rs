@@ -181,6 +181,31 @@ pub(crate) fn reorder_activation(
     out
 }
 
+/// The 128 weights whose 4-bit codes are the 64 bytes at `codes`, looked up in the
+/// 16-entry `table`, in the AVX-512 step order ([`avx512_source`]): vector `q` holds
+/// nibble `q` of each of the 16 dword lanes (`vpermps` reads only the low 4 bits of
+/// each index, so a shift by `4q` is all the unpacking).
+///
+/// # Safety
+/// The CPU has AVX-512F; 64 bytes are readable at `codes`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+pub(crate) unsafe fn decode128_avx512(codes: *const u8, table: __m512) -> [__m512; 8] {
+    // SAFETY: 64 readable bytes (caller).
+    let raw = unsafe { _mm512_loadu_si512(codes.cast()) };
+    [
+        _mm512_permutexvar_ps(raw, table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(raw), table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(raw), table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(raw), table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(raw), table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(raw), table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(raw), table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(raw), table),
+    ]
+}
+
 /// The low and high bytes of the bf16 encodings of 16 values that bf16 holds exactly:
 /// the `vpshufb` tables of [`decode32_avx2`].
 pub(crate) const fn bf16_byte_tables(values: [f32; 16]) -> [[u8; 16]; 2] {
@@ -372,17 +397,7 @@ impl<const BLOCK: usize> PairedRows for PairedFp4Rows<'_, BLOCK> {
                     super::prefetch_ahead(pp.wrapping_add((row0 + r) * row_bytes + c * 64));
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate() {
-                    let raw = _mm512_loadu_si512(pp.add((row0 + r) * row_bytes + c * 64).cast());
-                    let w = [
-                        _mm512_permutexvar_ps(raw, table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(raw), table),
-                    ];
+                    let w = decode128_avx512(pp.add((row0 + r) * row_bytes + c * 64), table);
                     let s = self.step_scales(row0 + r, c);
                     for (t, a) in acc_r.iter_mut().enumerate() {
                         let x = xp.add(t * cols + c * STEP);

@@ -18,7 +18,8 @@
 
 use super::decode::{Int4Rows, RowDecode};
 use super::gemv_fp4::{
-    AVX2_STEP, PairedRows, add_scaled_avx2, bf16_byte_tables, decode32_avx2, load_byte_tables,
+    AVX2_STEP, PairedRows, add_scaled_avx2, bf16_byte_tables, decode32_avx2, decode128_avx512,
+    load_byte_tables,
 };
 #[cfg(target_arch = "x86_64")]
 use super::lanes::{Avx512, add_plain_steps};
@@ -88,17 +89,7 @@ impl PairedRows for Int4TableRows<'_> {
                         _mm512_cvtepi32_ps(_mm512_sub_epi32(codes, zero)),
                         _mm512_set1_ps(*d.scales.get_unchecked(g)),
                     );
-                    let raw = _mm512_loadu_si512(pp.add((row0 + r) * row_bytes + c * 64).cast());
-                    let w = [
-                        _mm512_permutexvar_ps(raw, table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(raw), table),
-                        _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(raw), table),
-                    ];
+                    let w = decode128_avx512(pp.add((row0 + r) * row_bytes + c * 64), table);
                     for (t, a) in acc_r.iter_mut().enumerate() {
                         let x = xp.add(t * cols + c * INT4_GROUP);
                         for (q, &wq) in w.iter().enumerate() {
