@@ -53,6 +53,14 @@ fn edit_tensor(file: &Path, suffix: &str, edit: impl FnOnce(&mut [u8])) -> Strin
     name
 }
 
+/// Rewrites the JSON file at `path` with `edit` applied.
+fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(path, value.to_string()).unwrap();
+}
+
 /// bf16 NaN in the first element.
 fn first_bf16_nan(bytes: &mut [u8]) {
     bytes[..2].copy_from_slice(&0x7FC0u16.to_le_bytes());
@@ -117,13 +125,11 @@ fn verify_refuses_a_rank_zero_adapter() {
     drop(ckpt);
     let empty: Vec<(TensorSpec, &[u8])> = specs.into_iter().map(|s| (s, &[][..])).collect();
     write_safetensors_file(&weights, &empty, &BTreeMap::new()).unwrap();
-    let config_path = adapter.join("adapter_config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["r"] = 0.into();
-    config["rank_pattern"] = serde_json::json!({});
-    config["alpha_pattern"] = serde_json::json!({});
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    edit_json(&adapter.join("adapter_config.json"), |config| {
+        config["r"] = 0.into();
+        config["rank_pattern"] = serde_json::json!({});
+        config["alpha_pattern"] = serde_json::json!({});
+    });
     let o = verify(&adapter, &base, &merged, &[]);
     assert_refused(&o, &["adapter_model.safetensors", "rank 0"]);
 }
@@ -255,12 +261,10 @@ fn inspect_run_and_extract_refuse_2_pow_40_layers() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     copy_dir(&data().join("qwen3_5"), &model);
-    let config_path = model.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config["num_hidden_layers"] = (1u64 << 40).into();
-    config.as_object_mut().unwrap().remove("layer_types");
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    edit_json(&model.join("config.json"), |config| {
+        config["num_hidden_layers"] = (1u64 << 40).into();
+        config.as_object_mut().unwrap().remove("layer_types");
+    });
     let out = dir.path().join("answers.jsonl");
     let records = data().join("records.jsonl");
     for o in [
@@ -388,14 +392,12 @@ fn run_refuses_a_prompt_longer_than_the_token_limit() {
     let model = dir.path().join("model");
     copy_dir(&data().join("qwen3_5"), &model);
     // Without max_position_embeddings, only loraq's own limit stands.
-    let config_path = model.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-    config
-        .as_object_mut()
-        .unwrap()
-        .remove("max_position_embeddings");
-    std::fs::write(&config_path, config.to_string()).unwrap();
+    edit_json(&model.join("config.json"), |config| {
+        config
+            .as_object_mut()
+            .unwrap()
+            .remove("max_position_embeddings");
+    });
     let records = dir.path().join("records.jsonl");
     let tokens = vec![1u32; loraq_io::limits::MAX_PROMPT_TOKENS + 1];
     std::fs::write(
@@ -525,11 +527,9 @@ fn fan_in_fan_out_and_untargeted_modules_are_refused() {
     for (field, value, needle) in edits {
         let adapter = dir.path().join(field);
         copy_dir(&data().join("qwen3_5-lora"), &adapter);
-        let config_path = adapter.join("adapter_config.json");
-        let mut config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
-        config[field] = value;
-        std::fs::write(&config_path, config.to_string()).unwrap();
+        edit_json(&adapter.join("adapter_config.json"), |config| {
+            config[field] = value
+        });
         let mut args = run_args(&model, &records, &out);
         args.extend(["--adapter", s(&adapter)]);
         let o = loraq(&args);
