@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{extract, extract_ok, loraq, s as path, stderr};
+use common::{extract, extract_ok, loraq, rewrite, s as path, stderr};
 use loraq_io::{Checkpoint, DType, LoraAdapter, TensorSpec, write_safetensors_file};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -47,42 +47,13 @@ fn assert_refused(o: &Output, out: &Path, needle: &str) {
     assert!(leftovers.is_empty(), "temporary directory left behind");
 }
 
-/// A rewritten tensor: dtype, shape, bytes.
-type Tensor = (DType, Vec<usize>, Vec<u8>);
-
-/// Maps (name, dtype, shape, bytes) to the tensor to write, or None to drop it.
-type Edit<'a> = &'a dyn Fn(&str, DType, &[usize], &[u8]) -> Option<Tensor>;
-
-/// `dst` = `src` with every tensor passed through `edit` (None drops it) plus `extra`,
-/// as one model.safetensors, with the same config.json.
-fn rewrite(src: &Path, dst: &Path, edit: Edit<'_>, extra: Vec<(TensorSpec, Vec<u8>)>) {
-    std::fs::create_dir_all(dst).unwrap();
-    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(src).unwrap();
-    let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();
-    for info in ckpt.tensors() {
-        let bytes = ckpt.bytes(&info.name).unwrap();
-        if let Some((dtype, shape, bytes)) = edit(&info.name, info.dtype, &info.shape, bytes) {
-            tensors.push((TensorSpec::new(info.name.clone(), dtype, shape), bytes));
-        }
-    }
-    tensors.extend(extra);
-    tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, b)| (s.clone(), b.as_slice()))
-        .collect();
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors_file(&dst.join("model.safetensors"), &refs, &metadata).unwrap();
-}
-
 /// `dst` = `src` with `patch` applied to the bytes of the tensor named `target`, every
 /// other tensor as it is.
 fn rewrite_one(src: &Path, dst: &Path, target: &str, patch: impl Fn(&mut [u8])) {
     rewrite(
         src,
         dst,
-        &|name, dtype, shape, bytes| {
+        &mut |name, dtype, shape, bytes| {
             let mut bytes = bytes.to_vec();
             if name == target {
                 patch(&mut bytes);
@@ -428,7 +399,7 @@ fn a_merged_only_tensor_is_refused() {
     rewrite(
         &root.join("merged"),
         &merged,
-        &keep,
+        &mut keep,
         vec![(
             TensorSpec::new(extra, DType::BF16, vec![2, 2]),
             vec![0u8; 8],
@@ -467,7 +438,7 @@ fn a_shape_mismatch_is_refused() {
     rewrite(
         &root.join("merged"),
         &merged,
-        &|name, dtype, shape, bytes| {
+        &mut |name, dtype, shape, bytes| {
             let shape = if name == target {
                 vec![shape[0] * 2, shape[1] / 2]
             } else {
@@ -791,7 +762,7 @@ fn pair_with_late_difference(
         rewrite(
             &root.join(side),
             &dst,
-            &keep,
+            &mut keep,
             vec![(
                 TensorSpec::new(name, DType::BF16, shape.to_vec()),
                 bf16_bytes(values),

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{extract, extract_ok, loraq, ok, s, stderr};
+use common::{extract, extract_ok, loraq, ok, rewrite, s, stderr};
 use loraq_io::{Checkpoint, DType, ModuleName, TensorSpec, write_safetensors_file};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -64,36 +64,8 @@ impl Normals {
     }
 }
 
-/// A rewritten tensor: dtype, shape, bytes.
-type Tensor = (DType, Vec<usize>, Vec<u8>);
-
-/// Maps (name, dtype, shape, bytes) to the tensor to write, or None to drop it.
-type Edit<'a> = &'a mut dyn FnMut(&str, DType, &[usize], &[u8]) -> Option<Tensor>;
-
 /// Changes a module's statistics (None drops them).
 type StatsEdit<'a> = dyn Fn(&str, Vec<f32>) -> Option<Vec<f32>> + 'a;
-
-/// Writes `dst` = every tensor of `src` through `edit` (name, dtype, shape, bytes) ->
-/// (dtype, shape, bytes), one model.safetensors with src's config.json.
-fn rewrite(src: &Path, dst: &Path, edit: Edit<'_>) {
-    std::fs::create_dir_all(dst).unwrap();
-    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(src).unwrap();
-    let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();
-    for info in ckpt.tensors() {
-        let bytes = ckpt.bytes(&info.name).unwrap();
-        if let Some((dtype, shape, bytes)) = edit(&info.name, info.dtype, &info.shape, bytes) {
-            tensors.push((TensorSpec::new(info.name.clone(), dtype, shape), bytes));
-        }
-    }
-    tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, b)| (s.clone(), b.as_slice()))
-        .collect();
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors_file(&dst.join("model.safetensors"), &refs, &metadata).unwrap();
-}
 
 fn bf16_to_f32(bytes: &[u8]) -> Vec<f32> {
     bytes
@@ -119,32 +91,37 @@ const ERROR_OVER_FLOOR: f64 = 10.0;
 fn plant_low_rank_error(base: &Path, target: &Path) -> Vec<String> {
     let mut rng = Normals(0x9e37_79b9_7f4a_7c15);
     let mut planted = Vec::new();
-    rewrite(base, target, &mut |name, dtype, shape, bytes| {
-        let linear = ModuleName::parse(name).is_some_and(|n| n.is_linear_weight());
-        if !linear || shape.len() != 2 || shape[0].min(shape[1]) < 32 {
-            return Some((dtype, shape.to_vec(), bytes.to_vec()));
-        }
-        assert_eq!(dtype, DType::BF16);
-        let (rows, cols) = (shape[0], shape[1]);
-        let w = bf16_to_f32(bytes);
-        // Per-entry floor of the weights ~ ulp / sqrt(12); scale E to a multiple of it.
-        let rms = (w.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / w.len() as f64).sqrt();
-        let entry_floor = rms * 2f64.powi(-8) / 12f64.sqrt();
-        let sigma = (ERROR_OVER_FLOOR * entry_floor / (ERROR_RANK as f64).sqrt()).sqrt();
-        let u: Vec<f64> = (0..rows * ERROR_RANK).map(|_| sigma * rng.next()).collect();
-        let v: Vec<f64> = (0..ERROR_RANK * cols).map(|_| sigma * rng.next()).collect();
-        let t: Vec<f32> = (0..rows * cols)
-            .map(|idx| {
-                let (i, j) = (idx / cols, idx % cols);
-                let e: f64 = (0..ERROR_RANK)
-                    .map(|l| u[i * ERROR_RANK + l] * v[l * cols + j])
-                    .sum();
-                (w[idx] as f64 - e) as f32
-            })
-            .collect();
-        planted.push(name.trim_end_matches(".weight").to_string());
-        Some((DType::F32, shape.to_vec(), f32_bytes(&t)))
-    });
+    rewrite(
+        base,
+        target,
+        &mut |name, dtype, shape, bytes| {
+            let linear = ModuleName::parse(name).is_some_and(|n| n.is_linear_weight());
+            if !linear || shape.len() != 2 || shape[0].min(shape[1]) < 32 {
+                return Some((dtype, shape.to_vec(), bytes.to_vec()));
+            }
+            assert_eq!(dtype, DType::BF16);
+            let (rows, cols) = (shape[0], shape[1]);
+            let w = bf16_to_f32(bytes);
+            // Per-entry floor of the weights ~ ulp / sqrt(12); scale E to a multiple of it.
+            let rms = (w.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / w.len() as f64).sqrt();
+            let entry_floor = rms * 2f64.powi(-8) / 12f64.sqrt();
+            let sigma = (ERROR_OVER_FLOOR * entry_floor / (ERROR_RANK as f64).sqrt()).sqrt();
+            let u: Vec<f64> = (0..rows * ERROR_RANK).map(|_| sigma * rng.next()).collect();
+            let v: Vec<f64> = (0..ERROR_RANK * cols).map(|_| sigma * rng.next()).collect();
+            let t: Vec<f32> = (0..rows * cols)
+                .map(|idx| {
+                    let (i, j) = (idx / cols, idx % cols);
+                    let e: f64 = (0..ERROR_RANK)
+                        .map(|l| u[i * ERROR_RANK + l] * v[l * cols + j])
+                        .sum();
+                    (w[idx] as f64 - e) as f32
+                })
+                .collect();
+            planted.push(name.trim_end_matches(".weight").to_string());
+            Some((DType::F32, shape.to_vec(), f32_bytes(&t)))
+        },
+        Vec::new(),
+    );
     planted
 }
 
@@ -535,13 +512,18 @@ fn bad_targets_and_statistics_are_refused_with_no_output() {
     // A target directory from another model: a tensor of another shape, one missing.
     let norm = "model.language_model.norm.weight";
     let wrong_shape = dir.path().join("wrong-shape");
-    rewrite(&base, &wrong_shape, &mut |name, dtype, shape, bytes| {
-        if name == norm {
-            Some((dtype, vec![shape[0] / 2], bytes[..bytes.len() / 2].to_vec()))
-        } else {
-            Some((dtype, shape.to_vec(), bytes.to_vec()))
-        }
-    });
+    rewrite(
+        &base,
+        &wrong_shape,
+        &mut |name, dtype, shape, bytes| {
+            if name == norm {
+                Some((dtype, vec![shape[0] / 2], bytes[..bytes.len() / 2].to_vec()))
+            } else {
+                Some((dtype, shape.to_vec(), bytes.to_vec()))
+            }
+        },
+        Vec::new(),
+    );
     let o = extract(
         &merged,
         &base,
@@ -551,9 +533,14 @@ fn bad_targets_and_statistics_are_refused_with_no_output() {
     assert_refused(&o, &out, &[norm, s(&wrong_shape)]);
     let missing = dir.path().join("missing");
     let gone = format!("{victim}.weight");
-    rewrite(&base, &missing, &mut |name, dtype, shape, bytes| {
-        (name != gone).then(|| (dtype, shape.to_vec(), bytes.to_vec()))
-    });
+    rewrite(
+        &base,
+        &missing,
+        &mut |name, dtype, shape, bytes| {
+            (name != gone).then(|| (dtype, shape.to_vec(), bytes.to_vec()))
+        },
+        Vec::new(),
+    );
     let o = extract(
         &merged,
         &base,

@@ -2,6 +2,8 @@
 //! outcome.
 #![allow(dead_code)] // each test file uses its own subset
 
+use loraq_io::{Checkpoint, DType, TensorSpec, write_safetensors_file};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -117,4 +119,33 @@ pub fn run_oracle(python: &Path, script: &str, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A rewritten tensor: dtype, shape, bytes.
+pub type Tensor = (DType, Vec<usize>, Vec<u8>);
+
+/// Maps (name, dtype, shape, bytes) to the tensor to write, or None to drop it.
+pub type Edit<'a> = &'a mut dyn FnMut(&str, DType, &[usize], &[u8]) -> Option<Tensor>;
+
+/// Writes `dst` = every tensor of `src` through `edit` (None drops it) plus `extra`,
+/// one model.safetensors (tensors sorted by name) with src's config.json.
+pub fn rewrite(src: &Path, dst: &Path, edit: Edit<'_>, extra: Vec<(TensorSpec, Vec<u8>)>) {
+    std::fs::create_dir_all(dst).unwrap();
+    std::fs::copy(src.join("config.json"), dst.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(src).unwrap();
+    let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();
+    for info in ckpt.tensors() {
+        let bytes = ckpt.bytes(&info.name).unwrap();
+        if let Some((dtype, shape, bytes)) = edit(&info.name, info.dtype, &info.shape, bytes) {
+            tensors.push((TensorSpec::new(info.name.clone(), dtype, shape), bytes));
+        }
+    }
+    tensors.extend(extra);
+    tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+    let refs: Vec<(TensorSpec, &[u8])> = tensors
+        .iter()
+        .map(|(s, b)| (s.clone(), b.as_slice()))
+        .collect();
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    write_safetensors_file(&dst.join("model.safetensors"), &refs, &metadata).unwrap();
 }
