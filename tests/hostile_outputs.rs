@@ -357,27 +357,16 @@ fn stale_temporaries_of_a_killed_run_are_reported_and_removed() {
     assert!(!stale.exists());
     let quantized = dir.path().join("q");
     let base = out.join("base");
-    ok(loraq(&[
-        "quantize",
-        "--in",
-        s(&base),
-        "--out",
-        s(&quantized),
-        "--scheme",
-        "fp8-tensor",
-    ]));
+    let quantize = |extra: &[&str]| {
+        let mut args = vec!["quantize", "--in", s(&base), "--out", s(&quantized)];
+        args.extend_from_slice(&["--scheme", "fp8-tensor"]);
+        args.extend_from_slice(extra);
+        ok(loraq(&args))
+    };
+    quantize(&[]);
     let stale = dir.path().join(".q.loraq-old-4999999-9");
     std::fs::create_dir(&stale).unwrap();
-    let o = ok(loraq(&[
-        "quantize",
-        "--in",
-        s(&base),
-        "--out",
-        s(&quantized),
-        "--scheme",
-        "fp8-tensor",
-        "--force",
-    ]));
+    let o = quantize(&["--force"]);
     assert!(
         stderr(&o).contains("left by loraq process 4999999"),
         "{}",
