@@ -974,11 +974,7 @@ impl Model {
         let rows = all_tokens.len();
         let c = &self.config;
         let h = c.hidden;
-        let ids = Tensor::from_vec(all_tokens, rows, &self.device).ctx("token ids")?;
-        let mut x = to_vec(
-            &self.embed.index_select(&ids, 0).ctx("embedding")?,
-            "embedding",
-        )?;
+        let mut x = self.embed_rows(all_tokens)?;
         let rope = self.rope_table(&segments);
         // One set of activation buffers for the whole pass, reused by every layer (and
         // by the next batch).
@@ -1067,6 +1063,42 @@ impl Model {
                 Tensor::from_vec(last, h, &self.device).ctx("final norm")
             })
             .collect()
+    }
+
+    /// The embedding rows of `tokens` (`[tokens, hidden]`; every id below the vocabulary
+    /// size, as [`Model::forward`] checked). On the CPU the rows are copied straight
+    /// from the table in parallel pieces: candle's `index_select` gathers them on the
+    /// calling thread, and the copy out of its tensor is a second serial pass, a
+    /// stretch of every batch in which the pool's threads wait. Other devices go
+    /// through candle. The same values either way.
+    fn embed_rows(&self, tokens: Vec<u32>) -> Result<Vec<f32>> {
+        let h = self.config.hidden;
+        {
+            let (storage, layout) = self.embed.storage_and_layout();
+            if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+                (&*storage, layout.contiguous_offsets())
+                && let Ok(table) = cpu.as_slice::<f32>()
+            {
+                let table = &table[start..end];
+                let mut x = vec![0f32; tokens.len() * h];
+                let piece = crate::small_matmul::ELEMENTWISE_PIECE.div_ceil(h).max(1);
+                x.par_chunks_mut(piece * h)
+                    .zip(tokens.par_chunks(piece))
+                    .for_each(|(rows, ids)| {
+                        for (row, &id) in rows.chunks_exact_mut(h).zip(ids) {
+                            let id = id as usize;
+                            row.copy_from_slice(&table[id * h..(id + 1) * h]);
+                        }
+                    });
+                return Ok(x);
+            }
+        }
+        let n = tokens.len();
+        let ids = Tensor::from_vec(tokens, n, &self.device).ctx("token ids")?;
+        to_vec(
+            &self.embed.index_select(&ids, 0).ctx("embedding")?,
+            "embedding",
+        )
     }
 
     /// The MLP of `rows` rows of `normed` into `out`: `down(silu(gate(x)) * up(x))`.
