@@ -143,55 +143,22 @@ pub(crate) fn mirror_lower<T: Copy>(mut m: MatMut<'_, T>) {
 }
 
 /// $X W^2 Y^\top$ in f64 for `k x count` row-major f32 matrices (`w`: column weights);
-/// $X W^2 X^\top$ when `y` is `None`, its lower triangle computed and mirrored (half the
-/// products, and X widened once).
-fn wide_cross_f64(
-    x: &[f32],
-    y: Option<&[f32]>,
-    k: usize,
-    weights: Option<&[f32]>,
-    par: Par,
-) -> Mat<f64> {
+/// $X W^2 X^\top$ when `y` is `None`, its lower triangle computed and mirrored. As
+/// [`tall_cross_f64`]: the transposes are tall (`count x k`), and a `k x k` output has
+/// too few blocks for faer's parallel GEMM (at two threads it took more wall time than
+/// on one), so the products run on fixed row ranges ([`crate::gram`]), whatever the
+/// thread count.
+fn wide_cross_f64(x: &[f32], y: Option<&[f32]>, k: usize, weights: Option<&[f32]>) -> Mat<f64> {
     let count = x.len() / k.max(1);
-    let widen = |src: &[f32], weights: Option<&[f32]>| -> Vec<f64> {
-        let mut out = vec![0f64; src.len()];
-        out.par_chunks_mut(count.max(1))
-            .zip(src.par_chunks(count.max(1)))
-            .for_each(|(d, s)| match weights {
-                Some(w) => d
-                    .iter_mut()
-                    .zip(s)
-                    .zip(w)
-                    .for_each(|((d, &s), &w)| *d = s as f64 * w as f64),
-                None => d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f64),
-            });
-        out
-    };
-    let mut out = Mat::<f64>::zeros(k, k);
+    let xm = MatRef::from_row_major_slice(x, k, count).transpose();
     match y {
-        Some(y) => {
-            let (xw, yw) = (widen(x, weights), widen(y, weights));
-            matmul(
-                out.as_mut(),
-                Accum::Replace,
-                MatRef::from_row_major_slice(&xw, k, count),
-                MatRef::from_row_major_slice(&yw, k, count).transpose(),
-                1.0,
-                par,
-            );
-        }
-        None => {
-            // X W (X W)^T: each column weighted once.
-            let xw = widen(x, weights);
-            lower_gram_add(
-                out.as_mut(),
-                MatRef::from_row_major_slice(&xw, k, count),
-                par,
-            );
-            mirror_lower(out.as_mut());
-        }
+        Some(y) => gram::tall_cross_f64_weighted(
+            xm,
+            MatRef::from_row_major_slice(y, k, count).transpose(),
+            weights,
+        ),
+        None => gram::tall_gram_f64_weighted(xm, weights),
     }
-    out
 }
 
 /// `(k x k) \ rhs` for a symmetric positive definite `h` (Cholesky in f64), or `None`.
@@ -276,14 +243,15 @@ enum Vectors {
 /// error feedback through the upper Cholesky factor of $H^{-1}$, then `sweeps` sweeps
 /// of single-ulp moves that lower the loss. Without feedback (plain round-to-nearest)
 /// when $H$ is not positive definite to f64 precision. Tasks of [`VECTORS_PER_TASK`]
-/// vectors run in parallel.
+/// vectors run in parallel. Also returns the loss $\sum e H e^\top$ over the vectors
+/// as the rounding tracked it ([`round_block`]), `None` without feedback.
 fn round_vectors(
     x: &[f32],
     k: usize,
     layout: Vectors,
     h: MatRef<'_, f64>,
     sweeps: usize,
-) -> Vec<bf16> {
+) -> (Vec<bf16>, Option<f64>) {
     let count = x.len() / k.max(1);
     // Upper Cholesky factor of H^-1: H^-1 = U^T U, U = L^T with L L^T = H^-1.
     let feedback: Option<Mat<f32>> = (|| {
@@ -293,7 +261,7 @@ fn round_vectors(
         (0..k).all(|i| u[(i, i)] > 0.0).then_some(u)
     })();
     let h32 = narrow(h);
-    let tasks: Vec<(usize, Vec<f32>)> = (0..count.div_ceil(VECTORS_PER_TASK))
+    let tasks: Vec<(usize, Vec<f32>, f64)> = (0..count.div_ceil(VECTORS_PER_TASK))
         .into_par_iter()
         .map(|task| {
             let start = task * VECTORS_PER_TASK;
@@ -314,7 +282,7 @@ fn round_vectors(
                     }
                 }
             }
-            let rounded = round_block(
+            let (rounded, loss) = round_block(
                 &block,
                 k,
                 len,
@@ -322,15 +290,19 @@ fn round_vectors(
                 h32.as_ref(),
                 sweeps,
             );
-            (start, rounded)
+            (start, rounded, loss)
         })
         .collect();
+    // Summed in task order: the same figure whatever the thread count.
+    let loss = feedback
+        .is_some()
+        .then(|| tasks.iter().map(|(_, _, loss)| loss).sum::<f64>());
     let mut out = vec![bf16::ZERO; x.len()];
     match layout {
         Vectors::Rows => {
             out.par_chunks_mut(VECTORS_PER_TASK * k)
                 .zip(&tasks)
-                .for_each(|(dst, (_, rounded))| {
+                .for_each(|(dst, (_, rounded, _))| {
                     let len = dst.len() / k;
                     for (i, row) in dst.chunks_exact_mut(k).enumerate() {
                         for (l, v) in row.iter_mut().enumerate() {
@@ -343,7 +315,7 @@ fn round_vectors(
             out.par_chunks_mut(count.max(1))
                 .enumerate()
                 .for_each(|(l, dst)| {
-                    for (start, rounded) in &tasks {
+                    for (start, rounded, _) in &tasks {
                         let len = rounded.len() / k;
                         for (d, &v) in dst[*start..start + len]
                             .iter_mut()
@@ -355,14 +327,16 @@ fn round_vectors(
                 });
         }
     }
-    out
+    (out, loss)
 }
 
 /// [`round_vectors`] on one task's `k x len` block (vectors as columns): returns the
-/// bf16 values (as f32) in the same layout. The loops over the vectors (rounding,
-/// feedback, single-ulp moves) are compiled for AVX-512 where the CPU has it: the build
-/// targets baseline x86-64, whose SSE2 loops are four lanes wide (the products are
-/// faer's, which picks its kernels at run time either way).
+/// bf16 values (as f32) in the same layout, and the block's loss $\sum_j e_j H e_j^\top$
+/// as tracked by the rounding (meaningful with `feedback` only; [`round_block_body`]).
+/// The loops over the vectors (rounding, feedback, single-ulp moves) are compiled for
+/// AVX-512 where the CPU has it: the build targets baseline x86-64, whose SSE2 loops are
+/// four lanes wide (the products are faer's, which picks its kernels at run time either
+/// way).
 fn round_block(
     x: &[f32],
     k: usize,
@@ -370,7 +344,7 @@ fn round_block(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
     sweeps: usize,
-) -> Vec<f32> {
+) -> (Vec<f32>, f64) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has the feature the function is compiled for.
@@ -389,7 +363,7 @@ unsafe fn round_block_avx512(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
     sweeps: usize,
-) -> Vec<f32> {
+) -> (Vec<f32>, f64) {
     round_block_body(x, k, len, feedback, h, sweeps)
 }
 
@@ -399,6 +373,19 @@ unsafe fn round_block_avx512(
 /// stays in L1), instead of the block as the inner dimension and every later entry as
 /// the output (`k x 32 x len`, an output read and written again for each block): the
 /// same sums, taken when a block needs them rather than when a block is done.
+///
+/// The loss $\sum_j e_j H e_j^\top$ comes with the rounding at no product's cost. After
+/// the sequential rounding with feedback through $U$ ($H^{-1} = U^\top U$) a vector's
+/// error is $e = -U^\top \varepsilon$ for its scaled errors
+/// $\varepsilon_l = (w_l - q_l) / U_{ll}$, so $e H e^\top = \|\varepsilon\|^2$
+/// ($U H U^\top = I$); each single-ulp move $d$ of entry $l$ then changes the loss by
+/// $2 d g_l + d^2 H_{ll}$, the quantity its acceptance test computes. Both are summed
+/// per vector in f64. The f32 arithmetic leaves the figure within about $10^{-6}$ of
+/// the loss of the bf16 values returned: $U$ and $H$ rounded to f32 make
+/// $U H U^\top = I + O(\kappa(H)\, 2^{-24})$, the feedback's f32 sums put $e$ off
+/// $-U^\top \varepsilon$ by about $2^{-24} \sqrt k$ of the entries, $2^{-15}$ of a
+/// bf16 rounding error and of random sign over the entries, and the gradients are
+/// those the moves are chosen by, accurate to f32.
 #[inline(always)]
 fn round_block_body(
     x: &[f32],
@@ -407,9 +394,11 @@ fn round_block_body(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
     sweeps: usize,
-) -> Vec<f32> {
+) -> (Vec<f32>, f64) {
     let round = round_to_bf16_f32;
     let mut q = vec![0f32; k * len];
+    // Each vector's loss, as the rounding changes it (module doc of this function).
+    let mut loss = vec![0f64; len];
     // The block's entries with the feedback of every earlier entry's error.
     let mut work = vec![0f32; FEEDBACK_BLOCK * len];
     // Every rounded entry's error over its pivot, (w - q) / U_ll: what the feedback of
@@ -445,8 +434,9 @@ fn round_block_body(
             let Some(u) = feedback else { continue };
             let ull = u[(l, l)];
             let el = &mut scaled[l * len..(l + 1) * len];
-            for ((ev, &wv), &qv) in el.iter_mut().zip(wl).zip(ql.iter()) {
+            for (((ev, &wv), &qv), lv) in el.iter_mut().zip(wl).zip(ql.iter()).zip(&mut loss) {
                 *ev = (wv - qv) / ull;
+                *lv += f64::from(*ev) * f64::from(*ev);
             }
             for (l2, w2) in (l + 1..end).zip(later.chunks_exact_mut(len)) {
                 let coefficient = u[(l, l2)];
@@ -459,7 +449,7 @@ fn round_block_body(
     drop(scaled);
     if sweeps == 0 || q.iter().any(|v| !v.is_finite()) {
         // Nothing to polish, or refused by the caller's finite check.
-        return q;
+        return (q, loss.iter().sum());
     }
     // Every vector's error e = q - x, kept current as entries move.
     let mut errors: Vec<f32> = q.iter().zip(x).map(|(&r, &v)| r - v).collect();
@@ -490,20 +480,23 @@ fn round_block_body(
                 let xl = &x[l * len..(l + 1) * len];
                 let dl = &mut moves[..len];
                 let mut any = false;
-                for ((((qv, ev), &xv), dv), &gv) in ql
+                for (((((qv, ev), &xv), dv), &gv), lv) in ql
                     .iter_mut()
                     .zip(el.iter_mut())
                     .zip(xl)
                     .zip(dl.iter_mut())
                     .zip(gl)
+                    .zip(&mut loss)
                 {
                     // Only a step against the gradient can lower the loss.
                     let (c, finite) = bf16_step_f32(*qv, gv < 0.0);
                     let d = c - *qv;
-                    let accept = (gv != 0.0) & finite & (2.0 * d * gv + d * d * hll < 0.0);
+                    let change = 2.0 * d * gv + d * d * hll;
+                    let accept = (gv != 0.0) & finite & (change < 0.0);
                     *qv = if accept { c } else { *qv };
                     *ev = *qv - xv;
                     *dv = if accept { d } else { 0.0 };
+                    *lv += if accept { f64::from(change) } else { 0.0 };
                     any |= accept;
                 }
                 if !any {
@@ -522,7 +515,7 @@ fn round_block_body(
             break;
         }
     }
-    q
+    (q, loss.iter().sum())
 }
 
 /// bf16 values widened to f32.
@@ -543,6 +536,11 @@ pub(crate) struct CastPair {
     pub(crate) a0: Vec<f32>,
     /// $B_0^\top B_0$ in f64.
     pub(crate) b0tb0: Mat<f64>,
+    /// $\|B_q A_q - B_0 A_0\|_F^2$ where the last B refit gives it without a pass over
+    /// the factors ([`refit_cast_error_sq`]); `None` with column weights (the refit is
+    /// then orthogonal in the weighted norm only) or where the refit or its feedback
+    /// failed.
+    pub(crate) error_sq: Option<f64>,
 }
 
 /// The cast-aware bf16 pair of B and A (module doc).
@@ -604,9 +602,9 @@ pub(crate) fn cast_aware(
     let b0tb0 = tall_cross_f64(&b0, None, k);
     let (first_a, first_b) = POLISH_SWEEPS_FIRST;
     let (alternation_a, alternation_b) = POLISH_SWEEPS_ALTERNATION;
-    let mut aq = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a);
+    let (mut aq, _) = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a);
     finite(WHAT_A, &aq)?;
-    let mut bq = refit_and_round_b(&b0, &a0, &aq, k, weights, par, first_b);
+    let RoundedB { mut bq, mut refit } = refit_and_round_b(&b0, &a0, &aq, k, weights, par, first_b);
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
@@ -619,23 +617,26 @@ pub(crate) fn cast_aware(
             MatRef::from_row_major_slice(&a0, k, in_features),
             par,
         );
-        let aq1 = round_vectors(&a1, k, Vectors::Columns, btb.as_ref(), alternation_a);
+        let (aq1, _) = round_vectors(&a1, k, Vectors::Columns, btb.as_ref(), alternation_a);
         if finite(WHAT_A, &aq1).is_err() {
             break;
         }
         let bq1 = refit_and_round_b(&b0, &a0, &aq1, k, weights, par, alternation_b);
-        if finite(WHAT_B, &bq1).is_err() {
+        if finite(WHAT_B, &bq1.bq).is_err() {
             break;
         }
         aq = aq1;
-        bq = bq1;
+        bq = bq1.bq;
+        refit = bq1.refit;
     }
+    let error_sq = refit.map(|figures| refit_cast_error_sq(&figures, &a0, b0tb0.as_ref(), k));
     Ok(CastPair {
         bq,
         aq,
         b0,
         a0,
         b0tb0,
+        error_sq,
     })
 }
 
@@ -687,6 +688,27 @@ fn rounded_grams(
     (btb, btb0)
 }
 
+/// A rounded B and, where its rounding allows, the two parts of its cast error
+/// ([`refit_and_round_b`]).
+struct RoundedB {
+    /// $B_q$, `out_features x k` row-major.
+    bq: Vec<bf16>,
+    /// The refit's figures, `None` where the cast error is measured from the factors
+    /// instead (column weights, a singular refit, rounding without feedback).
+    refit: Option<RefitFigures>,
+}
+
+/// What the cast error of an unweighted refit B needs beyond the factors themselves.
+struct RefitFigures {
+    /// $\sum_i (b_{q,i} - b_i) H (b_{q,i} - b_i)^\top$ over the rows, $b_i$ the refit's
+    /// rows and $H = A_q A_q^\top$, as the rounding tracked it.
+    loss: f64,
+    /// $C = A_0 A_q^\top$ (f64).
+    cross: Mat<f64>,
+    /// $G^{-1} C^\top$ for $G = A_q A_q^\top$ (f64): the refit is $B_0 (G^{-1} C^\top)^\top$.
+    t: Mat<f64>,
+}
+
 /// B refit against $L = B_0 A_0$ for the rounded A, then rounded row by row with
 /// $H = A_q W^2 A_q^\top$. Falls back to rounding $B_0$ when the refit is singular.
 fn refit_and_round_b(
@@ -697,22 +719,65 @@ fn refit_and_round_b(
     weights: Option<&[f32]>,
     par: Par,
     sweeps: usize,
-) -> Vec<bf16> {
+) -> RoundedB {
     let aqf = widen(aq);
-    let gram = wide_cross_f64(&aqf, None, k, weights, par);
-    let cross = wide_cross_f64(a0, Some(&aqf), k, weights, par);
+    let gram = wide_cross_f64(&aqf, None, k, weights);
+    let cross = wide_cross_f64(a0, Some(&aqf), k, weights);
     drop(aqf);
     // B = B0 (A0 W^2 Aq^T) (Aq W^2 Aq^T)^-1 = B0 T, T = cross G^-1 = (G^-1 cross^T)^T.
-    let refit = spd_solve(gram.as_ref(), cross.transpose()).map(|t| {
-        let t = narrow(t.transpose());
-        product(
-            MatRef::from_row_major_slice(b0, b0.len() / k, k),
-            t.as_ref(),
-            par,
-        )
-    });
-    let target = refit.as_deref().unwrap_or(b0);
-    round_vectors(target, k, Vectors::Rows, gram.as_ref(), sweeps)
+    let Some(t) = spd_solve(gram.as_ref(), cross.transpose()) else {
+        let (bq, _) = round_vectors(b0, k, Vectors::Rows, gram.as_ref(), sweeps);
+        return RoundedB { bq, refit: None };
+    };
+    let target = product(
+        MatRef::from_row_major_slice(b0, b0.len() / k, k),
+        narrow(t.transpose()).as_ref(),
+        par,
+    );
+    let (bq, loss) = round_vectors(&target, k, Vectors::Rows, gram.as_ref(), sweeps);
+    let refit = match (weights, loss) {
+        (None, Some(loss)) => Some(RefitFigures { loss, cross, t }),
+        _ => None,
+    };
+    RoundedB { bq, refit }
+}
+
+/// $\|B_q A_q - B_0 A_0\|_F^2$ for a $B_q$ rounded from the unweighted refit
+/// $B^* = B_0 C G^{-1}$ ($C = A_0 A_q^\top$, $G = A_q A_q^\top$), without a product over
+/// the rows. The refit's residual is orthogonal to the rows of $A_q$
+/// ($(B_0 A_0 - B^* A_q) A_q^\top = B_0 C - B_0 C = 0$), so
+/// $\|B_q A_q - B_0 A_0\|^2 = \|(B_q - B^*) A_q\|^2 + \|B^* A_q - B_0 A_0\|^2$: the first
+/// term is the rounding's own loss $\sum_i e_i G e_i^\top$ (tracked by [`round_block`];
+/// the rounding started from $B^*$ in f32, whose difference from $B^*$, about $2^{-24}$
+/// of B, enters the sum only through a cross term of random sign), the second
+/// $\langle B_0^\top B_0,\ A_0 A_0^\top - C G^{-1} C^\top\rangle$ from `k x k` f64
+/// matrices. That difference, about $10^{-6}$ of $A_0 A_0^\top$ (the square of A's
+/// relative cast error), is taken between two matrices of exact products summed in f64
+/// and a Cholesky solve with $G$ (condition about $s_0 / s_k$), which leave it
+/// accurate to some $10^{-9}$ of itself.
+fn refit_cast_error_sq(
+    figures: &RefitFigures,
+    a0: &[f32],
+    b0tb0: MatRef<'_, f64>,
+    k: usize,
+) -> f64 {
+    let a0a0 = wide_cross_f64(a0, None, k, None);
+    let mut fitted = Mat::<f64>::zeros(k, k);
+    matmul(
+        fitted.as_mut(),
+        Accum::Replace,
+        figures.cross.as_ref(),
+        figures.t.as_ref(),
+        1.0,
+        Par::Seq,
+    );
+    let mut fit_sq = 0f64;
+    for j in 0..k {
+        for i in 0..k {
+            fit_sq += b0tb0[(i, j)] * (a0a0[(i, j)] - fitted[(i, j)]);
+        }
+    }
+    (figures.loss + fit_sq).max(0.0)
 }
 
 #[cfg(test)]
@@ -863,6 +928,30 @@ mod tests {
         );
     }
 
+    /// The cast error from the last refit's orthogonality (the rounding's tracked loss
+    /// plus the refit's residual from `k x k` matrices) against the difference of the
+    /// products entry by entry in f64; with column weights the refit is orthogonal in
+    /// the weighted norm only, and the pair leaves the error to the factors' Gram
+    /// identity ([`crate::split`]).
+    #[test]
+    fn refit_cast_error_matches_the_dense_difference() {
+        let (rows, cols, k) = (384usize, 192usize, 32usize);
+        for decay in [30.0, 1.0] {
+            let (b, a) = decaying_factors(rows, cols, k, decay);
+            let pair = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            let estimate = pair.error_sq.expect("an unweighted refit").sqrt();
+            let dense = dense_error(&pair.bq, &pair.aq, &pair.b0, &pair.a0, rows, cols, k);
+            assert!(
+                (estimate / dense - 1.0).abs() < 1e-5,
+                "decay {decay}: {estimate} vs {dense}"
+            );
+        }
+        let (b, a) = decaying_factors(rows, cols, k, 30.0);
+        let weights: Vec<f32> = (0..cols).map(|j| 1.0 + (j % 5) as f32).collect();
+        let pair = cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
+        assert!(pair.error_sq.is_none());
+    }
+
     /// Column weights: the weighted error of the product is what the rounding lowers.
     #[test]
     fn weighted_cast_lowers_the_weighted_error() {
@@ -954,11 +1043,12 @@ mod tests {
                 round_one_by_one(&row.iter().map(|&v| v as f64).collect::<Vec<_>>(), &h)
             })
             .collect();
-        let by_rows = round_vectors(&b, k, Vectors::Rows, h.as_ref(), POLISH_SWEEPS);
+        let (by_rows, _) = round_vectors(&b, k, Vectors::Rows, h.as_ref(), POLISH_SWEEPS);
         let columns: Vec<f32> = (0..k * count)
             .map(|i| b[(i % count) * k + i / count])
             .collect();
-        let by_columns = round_vectors(&columns, k, Vectors::Columns, h.as_ref(), POLISH_SWEEPS);
+        let (by_columns, _) =
+            round_vectors(&columns, k, Vectors::Columns, h.as_ref(), POLISH_SWEEPS);
         let mut differ = 0;
         for i in 0..count {
             for l in 0..k {

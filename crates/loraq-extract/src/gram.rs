@@ -60,11 +60,23 @@ where
     out
 }
 
-/// Widens `src` into the column-major `dst` (same shape).
-fn widen_into(mut dst: MatMut<'_, f64>, src: MatRef<'_, f32>) {
-    for j in 0..src.ncols() {
-        for i in 0..src.nrows() {
-            dst[(i, j)] = src[(i, j)] as f64;
+/// Widens `src` into the column-major `dst` (same shape), row `i` multiplied by
+/// `weights[i]` when given (the product of two f32 values is exact in f64).
+fn widen_into(mut dst: MatMut<'_, f64>, src: MatRef<'_, f32>, weights: Option<&[f32]>) {
+    match weights {
+        None => {
+            for j in 0..src.ncols() {
+                for i in 0..src.nrows() {
+                    dst[(i, j)] = src[(i, j)] as f64;
+                }
+            }
+        }
+        Some(w) => {
+            for j in 0..src.ncols() {
+                for i in 0..src.nrows() {
+                    dst[(i, j)] = src[(i, j)] as f64 * w[i] as f64;
+                }
+            }
         }
     }
 }
@@ -73,6 +85,13 @@ fn widen_into(mut dst: MatMut<'_, f64>, src: MatRef<'_, f32>) {
 /// exact (f32 values widened), the sums f64; the lower triangle computed, then
 /// mirrored.
 pub(crate) fn tall_gram_f64(x: MatRef<'_, f32>) -> Mat<f64> {
+    tall_gram_f64_weighted(x, None)
+}
+
+/// $X^\top W^2 X$ in f64 for row weights `weights` (`count` of them; $X^\top X$ when
+/// `None`), as [`tall_gram_f64`] forms it: each row widened and multiplied by its
+/// weight once.
+pub(crate) fn tall_gram_f64_weighted(x: MatRef<'_, f32>, weights: Option<&[f32]>) -> Mat<f64> {
     let k = x.ncols();
     let mut out = sum_over_ranges(x.nrows(), k, k, |start, len| {
         let mut sum = Mat::<f64>::zeros(k, k);
@@ -80,7 +99,8 @@ pub(crate) fn tall_gram_f64(x: MatRef<'_, f32>) -> Mat<f64> {
         for first in (0..len).step_by(BLOCK_ROWS) {
             let rows = BLOCK_ROWS.min(len - first);
             let mut view = block.as_mut().subrows_mut(0, rows);
-            widen_into(view.as_mut(), x.subrows(start + first, rows));
+            let w = weights.map(|w| &w[start + first..start + first + rows]);
+            widen_into(view.as_mut(), x.subrows(start + first, rows), w);
             lower_gram_add(sum.as_mut(), view.as_ref().transpose(), Par::Seq);
         }
         sum
@@ -92,6 +112,17 @@ pub(crate) fn tall_gram_f64(x: MatRef<'_, f32>) -> Mat<f64> {
 /// $X^\top Y$ in f64 of tall f32 matrices `x` (`count x kx`) and `y` (`count x ky`), as
 /// [`tall_gram_f64`] forms it.
 pub(crate) fn tall_cross_f64(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f64> {
+    tall_cross_f64_weighted(x, y, None)
+}
+
+/// $X^\top W^2 Y$ in f64 for row weights `weights` ($X^\top Y$ when `None`), as
+/// [`tall_cross_f64`] forms it: the rows of both operands widened and multiplied by
+/// their weight.
+pub(crate) fn tall_cross_f64_weighted(
+    x: MatRef<'_, f32>,
+    y: MatRef<'_, f32>,
+    weights: Option<&[f32]>,
+) -> Mat<f64> {
     let (kx, ky) = (x.ncols(), y.ncols());
     sum_over_ranges(x.nrows(), kx, ky, |start, len| {
         let mut sum = Mat::<f64>::zeros(kx, ky);
@@ -101,8 +132,9 @@ pub(crate) fn tall_cross_f64(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f64>
             let rows = BLOCK_ROWS.min(len - first);
             let mut xv = xb.as_mut().subrows_mut(0, rows);
             let mut yv = yb.as_mut().subrows_mut(0, rows);
-            widen_into(xv.as_mut(), x.subrows(start + first, rows));
-            widen_into(yv.as_mut(), y.subrows(start + first, rows));
+            let w = weights.map(|w| &w[start + first..start + first + rows]);
+            widen_into(xv.as_mut(), x.subrows(start + first, rows), w);
+            widen_into(yv.as_mut(), y.subrows(start + first, rows), w);
             matmul(
                 sum.as_mut(),
                 Accum::Add,

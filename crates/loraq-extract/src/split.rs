@@ -127,7 +127,10 @@ pub fn cast_pair(
         });
     }
     let pair = cast_aware(module, b, a, rows, cols, k, weights, par)?;
-    let cast_error = cast_error(&pair, rows, cols, k);
+    let cast_error = match pair.error_sq {
+        Some(error_sq) => error_sq.sqrt(),
+        None => cast_error(&pair, rows, cols, k),
+    };
     Ok(CastFactors {
         rank: k,
         b_bf16: to_bytes(&pair.bq),
@@ -147,6 +150,7 @@ fn cast_error(pair: &CastPair, rows: usize, cols: usize, k: usize) -> f64 {
         b0: b,
         a0: a,
         b0tb0,
+        ..
     } = pair;
     let mut eb = vec![0f32; rows * k];
     eb.par_chunks_mut(k * 64)
