@@ -61,20 +61,31 @@ where
 }
 
 /// Widens `src` into the column-major `dst` (same shape), row `i` multiplied by
-/// `weights[i]` when given (the product of two f32 values is exact in f64).
+/// `weights[i]` when given (the product of two f32 values is exact in f64). Columns
+/// stored contiguously (the transposes of the cast's `k x count` factors, faer's
+/// column-major blocks) are converted as slices, which vectorizes.
 fn widen_into(mut dst: MatMut<'_, f64>, src: MatRef<'_, f32>, weights: Option<&[f32]>) {
-    match weights {
-        None => {
-            for j in 0..src.ncols() {
-                for i in 0..src.nrows() {
-                    dst[(i, j)] = src[(i, j)] as f64;
+    for j in 0..src.ncols() {
+        let column = src.col(j);
+        match (
+            column.try_as_col_major(),
+            dst.as_mut().col_mut(j).try_as_col_major_mut(),
+        ) {
+            (Some(s), Some(d)) => {
+                let (s, d) = (s.as_slice(), d.as_slice_mut());
+                match weights {
+                    None => d.iter_mut().zip(s).for_each(|(d, &s)| *d = s as f64),
+                    Some(w) => d
+                        .iter_mut()
+                        .zip(s)
+                        .zip(w)
+                        .for_each(|((d, &s), &w)| *d = s as f64 * w as f64),
                 }
             }
-        }
-        Some(w) => {
-            for j in 0..src.ncols() {
+            _ => {
                 for i in 0..src.nrows() {
-                    dst[(i, j)] = src[(i, j)] as f64 * w[i] as f64;
+                    let w = weights.map_or(1.0, |w| w[i] as f64);
+                    dst[(i, j)] = column[i] as f64 * w;
                 }
             }
         }
