@@ -377,12 +377,12 @@ unsafe fn round_block_avx512(
 /// The loss $\sum_j e_j H e_j^\top$ comes with the rounding at no product's cost. After
 /// the sequential rounding with feedback through $U$ ($H^{-1} = U^\top U$) a vector's
 /// error is $e = -U^\top \varepsilon$ for its scaled errors
-/// $\varepsilon_l = (w_l - q_l) / U_{ll}$, so $e H e^\top = \|\varepsilon\|^2$
+/// $\varepsilon_l = (w_l - q_l) / U_{ll}$, so $e H e^\top = \\|\varepsilon\\|^2$
 /// ($U H U^\top = I$); each single-ulp move $d$ of entry $l$ then changes the loss by
 /// $2 d g_l + d^2 H_{ll}$, the quantity its acceptance test computes. Both are summed
 /// per vector in f64. The f32 arithmetic leaves the figure within about $10^{-6}$ of
 /// the loss of the bf16 values returned: $U$ and $H$ rounded to f32 make
-/// $U H U^\top = I + O(\kappa(H)\, 2^{-24})$, the feedback's f32 sums put $e$ off
+/// $U H U^\top = I + O(\kappa(H)\\, 2^{-24})$, the feedback's f32 sums put $e$ off
 /// $-U^\top \varepsilon$ by about $2^{-24} \sqrt k$ of the entries, $2^{-15}$ of a
 /// bf16 rounding error and of random sign over the entries, and the gradients are
 /// those the moves are chosen by, accurate to f32.
@@ -536,7 +536,7 @@ pub(crate) struct CastPair {
     pub(crate) a0: Vec<f32>,
     /// $B_0^\top B_0$ in f64.
     pub(crate) b0tb0: Mat<f64>,
-    /// $\|B_q A_q - B_0 A_0\|_F^2$ where the last B refit gives it without a pass over
+    /// $\\|B_q A_q - B_0 A_0\\|_F^2$ where the last B refit gives it without a pass over
     /// the factors ([`refit_cast_error_sq`]); `None` with column weights (the refit is
     /// then orthogonal in the weighted norm only) or where the refit or its feedback
     /// failed.
@@ -742,13 +742,13 @@ fn refit_and_round_b(
     RoundedB { bq, refit }
 }
 
-/// $\|B_q A_q - B_0 A_0\|_F^2$ for a $B_q$ rounded from the unweighted refit
-/// $B^* = B_0 C G^{-1}$ ($C = A_0 A_q^\top$, $G = A_q A_q^\top$), without a product over
+/// $\\|B_q A_q - B_0 A_0\\|_F^2$ for a $B_q$ rounded from the unweighted refit
+/// $B^{\ast} = B_0 C G^{-1}$ ($C = A_0 A_q^\top$, $G = A_q A_q^\top$), without a product over
 /// the rows. The refit's residual is orthogonal to the rows of $A_q$
-/// ($(B_0 A_0 - B^* A_q) A_q^\top = B_0 C - B_0 C = 0$), so
-/// $\|B_q A_q - B_0 A_0\|^2 = \|(B_q - B^*) A_q\|^2 + \|B^* A_q - B_0 A_0\|^2$: the first
+/// ($(B_0 A_0 - B^{\ast} A_q) A_q^\top = B_0 C - B_0 C = 0$), so
+/// $\\|B_q A_q - B_0 A_0\\|^2 = \\|(B_q - B^{\ast}) A_q\\|^2 + \\|B^{\ast} A_q - B_0 A_0\\|^2$: the first
 /// term is the rounding's own loss $\sum_i e_i G e_i^\top$ (tracked by [`round_block`];
-/// the rounding started from $B^*$ in f32, whose difference from $B^*$, about $2^{-24}$
+/// the rounding started from $B^{\ast}$ in f32, whose difference from $B^{\ast}$, about $2^{-24}$
 /// of B, enters the sum only through a cross term of random sign), the second
 /// $\langle B_0^\top B_0,\ A_0 A_0^\top - C G^{-1} C^\top\rangle$ from `k x k` f64
 /// matrices. That difference, about $10^{-6}$ of $A_0 A_0^\top$ (the square of A's
