@@ -251,6 +251,7 @@ fn round_vectors(
     layout: Vectors,
     h: MatRef<'_, f64>,
     sweeps: usize,
+    transform: Option<MatRef<'_, f32>>,
 ) -> (Vec<bf16>, Option<f64>) {
     let count = x.len() / k.max(1);
     // Upper Cholesky factor of H^-1: H^-1 = U^T U, U = L^T with L L^T = H^-1.
@@ -269,13 +270,27 @@ fn round_vectors(
             // The task's vectors as the columns of a k x len row-major block.
             let mut block = vec![0f32; k * len];
             match layout {
-                Vectors::Rows => {
-                    for (i, row) in x[start * k..(start + len) * k].chunks_exact(k).enumerate() {
-                        for (l, &v) in row.iter().enumerate() {
-                            block[l * len + i] = v;
+                Vectors::Rows => match transform {
+                    // The task's rows of x T, formed here as (T^T x_rows^T): no
+                    // product of all the rows first, no transposition.
+                    Some(t) => matmul(
+                        MatMut::from_row_major_slice_mut(&mut block, k, len),
+                        Accum::Replace,
+                        t.transpose(),
+                        MatRef::from_row_major_slice(&x[start * k..(start + len) * k], len, k)
+                            .transpose(),
+                        1.0,
+                        Par::Seq,
+                    ),
+                    None => {
+                        for (i, row) in x[start * k..(start + len) * k].chunks_exact(k).enumerate()
+                        {
+                            for (l, &v) in row.iter().enumerate() {
+                                block[l * len + i] = v;
+                            }
                         }
                     }
-                }
+                },
                 Vectors::Columns => {
                     for (l, dst) in block.chunks_exact_mut(len).enumerate() {
                         dst.copy_from_slice(&x[l * count + start..l * count + start + len]);
@@ -602,9 +617,9 @@ pub(crate) fn cast_aware(
     let b0tb0 = tall_cross_f64(&b0, None, k);
     let (first_a, first_b) = POLISH_SWEEPS_FIRST;
     let (alternation_a, alternation_b) = POLISH_SWEEPS_ALTERNATION;
-    let (mut aq, _) = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a);
+    let (mut aq, _) = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a, None);
     finite(WHAT_A, &aq)?;
-    let RoundedB { mut bq, mut refit } = refit_and_round_b(&b0, &a0, &aq, k, weights, par, first_b);
+    let RoundedB { mut bq, mut refit } = refit_and_round_b(&b0, &a0, &aq, k, weights, first_b);
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
@@ -617,11 +632,11 @@ pub(crate) fn cast_aware(
             MatRef::from_row_major_slice(&a0, k, in_features),
             par,
         );
-        let (aq1, _) = round_vectors(&a1, k, Vectors::Columns, btb.as_ref(), alternation_a);
+        let (aq1, _) = round_vectors(&a1, k, Vectors::Columns, btb.as_ref(), alternation_a, None);
         if finite(WHAT_A, &aq1).is_err() {
             break;
         }
-        let bq1 = refit_and_round_b(&b0, &a0, &aq1, k, weights, par, alternation_b);
+        let bq1 = refit_and_round_b(&b0, &a0, &aq1, k, weights, alternation_b);
         if finite(WHAT_B, &bq1.bq).is_err() {
             break;
         }
@@ -717,7 +732,6 @@ fn refit_and_round_b(
     aq: &[bf16],
     k: usize,
     weights: Option<&[f32]>,
-    par: Par,
     sweeps: usize,
 ) -> RoundedB {
     let aqf = widen(aq);
@@ -726,15 +740,18 @@ fn refit_and_round_b(
     drop(aqf);
     // B = B0 (A0 W^2 Aq^T) (Aq W^2 Aq^T)^-1 = B0 T, T = cross G^-1 = (G^-1 cross^T)^T.
     let Some(t) = spd_solve(gram.as_ref(), cross.transpose()) else {
-        let (bq, _) = round_vectors(b0, k, Vectors::Rows, gram.as_ref(), sweeps);
+        let (bq, _) = round_vectors(b0, k, Vectors::Rows, gram.as_ref(), sweeps, None);
         return RoundedB { bq, refit: None };
     };
-    let target = product(
-        MatRef::from_row_major_slice(b0, b0.len() / k, k),
-        narrow(t.transpose()).as_ref(),
-        par,
+    let refit = narrow(t.transpose());
+    let (bq, loss) = round_vectors(
+        b0,
+        k,
+        Vectors::Rows,
+        gram.as_ref(),
+        sweeps,
+        Some(refit.as_ref()),
     );
-    let (bq, loss) = round_vectors(&target, k, Vectors::Rows, gram.as_ref(), sweeps);
     let refit = match (weights, loss) {
         (None, Some(loss)) => Some(RefitFigures { loss, cross, t }),
         _ => None,
@@ -1043,12 +1060,18 @@ mod tests {
                 round_one_by_one(&row.iter().map(|&v| v as f64).collect::<Vec<_>>(), &h)
             })
             .collect();
-        let (by_rows, _) = round_vectors(&b, k, Vectors::Rows, h.as_ref(), POLISH_SWEEPS);
+        let (by_rows, _) = round_vectors(&b, k, Vectors::Rows, h.as_ref(), POLISH_SWEEPS, None);
         let columns: Vec<f32> = (0..k * count)
             .map(|i| b[(i % count) * k + i / count])
             .collect();
-        let (by_columns, _) =
-            round_vectors(&columns, k, Vectors::Columns, h.as_ref(), POLISH_SWEEPS);
+        let (by_columns, _) = round_vectors(
+            &columns,
+            k,
+            Vectors::Columns,
+            h.as_ref(),
+            POLISH_SWEEPS,
+            None,
+        );
         let mut differ = 0;
         for i in 0..count {
             for l in 0..k {
@@ -1093,6 +1116,39 @@ mod tests {
             nearest * 10 > count * k,
             "the rule moved only {nearest} entries off nearest"
         );
+    }
+
+    /// Rows rounded from `x T` formed by each task (the B refit's way) are the rows
+    /// rounded from the product formed first: the same values in the same blocks.
+    #[test]
+    fn rows_transformed_by_the_tasks_round_as_the_product() {
+        let (count, k) = (600usize, 40usize);
+        let (x, _) = decaying_factors(count, 64, k, 20.0);
+        let t = Mat::<f32>::from_fn(k, k, |i, j| {
+            if i == j {
+                1.0
+            } else {
+                ((i * 13 + j * 7) % 11) as f32 * 1e-3 - 5e-3
+            }
+        });
+        let g = Mat::<f64>::from_fn(k + 5, k, |i, j| {
+            ((i * 31 + j * 17) % 23) as f64 / 23.0 - 0.5 + if i == j { 2.0 } else { 0.0 }
+        });
+        let h = g.transpose() * &g;
+        let (fused, fused_loss) =
+            round_vectors(&x, k, Vectors::Rows, h.as_ref(), 2, Some(t.as_ref()));
+        let target = product(
+            MatRef::from_row_major_slice(&x, count, k),
+            t.as_ref(),
+            Par::Seq,
+        );
+        let (plain, plain_loss) = round_vectors(&target, k, Vectors::Rows, h.as_ref(), 2, None);
+        let differ = fused.iter().zip(&plain).filter(|(a, b)| a != b).count();
+        // Equal, unless the two products round a value differently in its last f32 bit
+        // and that settles a near tie the other way.
+        assert!(differ * 1000 <= count * k, "{differ} entries differ");
+        let (a, b) = (fused_loss.unwrap(), plain_loss.unwrap());
+        assert!((a / b - 1.0).abs() < 1e-3, "loss {a} vs {b}");
     }
 
     #[test]
