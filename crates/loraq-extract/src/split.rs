@@ -86,9 +86,11 @@ pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<
 }
 
 /// Splits and casts to bf16 cast-aware ([`crate::cast`]), and measures the cast error
-/// $\\|B_{bf16} A_{bf16} - BA\\|_F$ exactly without touching the delta: with
+/// $\\|B_{bf16} A_{bf16} - BA\\|_F$ without touching the delta: from the last B
+/// refit's orthogonality and the rounding's tracked loss (`k x k` matrices only), or,
+/// where that is not available (column weights, a singular refit), with
 /// $E_B = B_{bf16} - B$ and $E_A = A_{bf16} - A$ (both exact in f32),
-/// $B_{bf16}A_{bf16} - BA = [E_B\ B]\\,[A_{bf16};\ E_A]$ and its squared norm is
+/// $B_{bf16}A_{bf16} - BA = [E_B\ B]\\,[A_{bf16};\ E_A]$ and its squared norm
 /// $\langle P^\top P, Q Q^\top\rangle$ for $P = [E_B\ B]$, $Q = [A_{bf16}; E_A]$.
 pub fn split_and_cast(
     module: &str,
