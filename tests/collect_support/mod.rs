@@ -300,16 +300,8 @@ pub fn run_answers(
     out: &Path,
     extra: &[&str],
 ) -> HashMap<String, Vec<f64>> {
-    use crate::common::{loraq, ok, s};
-    let mut args = vec![
-        "run",
-        "--model",
-        s(model),
-        "--records",
-        s(records),
-        "--out",
-        s(out),
-    ];
+    use crate::common::{loraq, ok, run_args};
+    let mut args = run_args(model, records, out);
     args.extend_from_slice(extra);
     ok(loraq(&args));
     read_answers(out)

@@ -1739,20 +1739,11 @@ impl SimdBlock for Iq4XsBlock {
         // Code bytes 64 step .. + 64 (groups 4 step .. + 4) as 16 dword lanes: nibble q
         // of every lane, by a shift of 4q, indexes the IQ4 table (`vpermps` reads only
         // the low 4 bits of an index), as NVFP4's loop does (gemv_fp4.rs).
-        // SAFETY: 136 readable bytes at `block`, step < 2 (caller); 16 f32 in the table.
+        // SAFETY: 136 readable bytes at `block`, step < 2 (caller): the 64 code bytes
+        // of the step are readable; 16 f32 in the table.
         unsafe {
-            let raw = _mm512_loadu_si512(block.add(8 + 64 * step).cast());
             let table = _mm512_loadu_ps(IQ4_F32_VALUES.as_ptr());
-            [
-                _mm512_permutexvar_ps(raw, table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(raw), table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(raw), table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(raw), table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(raw), table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(raw), table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(raw), table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(raw), table),
-            ]
+            super::gemv_fp4::decode128_avx512(block.add(8 + 64 * step), table)
         }
     }
     #[cfg(target_arch = "x86_64")]
