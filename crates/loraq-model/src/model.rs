@@ -921,23 +921,7 @@ impl Model {
         }
     }
 
-    /// The forward pass of a batch, run on a thread of rayon's pool (the calling
-    /// thread itself when it is one). From any other thread, every parallel region of
-    /// the pass (a few hundred a batch: each linear, mixer and elementwise pass) was
-    /// injected into the pool by a caller that then slept until the region ended and
-    /// was woken again (about 220 sleeps a batch of the 16 x 512 records): a wake-up's
-    /// latency per region. On a pool thread the regions are plain fork-joins. Which
-    /// thread runs what changes no arithmetic.
     fn forward(
-        &self,
-        prompts: &[&[u32]],
-        per_layer: Option<&mut Vec<Vec<Vec<f32>>>>,
-    ) -> Result<Vec<Tensor>> {
-        rayon::scope(|_| self.forward_on_pool(prompts, per_layer))
-    }
-
-    /// [`Model::forward`]'s body.
-    fn forward_on_pool(
         &self,
         prompts: &[&[u32]],
         mut per_layer: Option<&mut Vec<Vec<Vec<f32>>>>,
