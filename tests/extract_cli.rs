@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::{extract, extract_ok, loraq, rewrite, s as path, stderr};
-use loraq_io::{Checkpoint, DType, LoraAdapter, TensorSpec, write_safetensors_file};
+use common::{extract, extract_ok, loraq, rewrite, s as path, stderr, write_owned};
+use loraq_io::{Checkpoint, DType, LoraAdapter, TensorSpec};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -359,12 +359,12 @@ fn a_factor_pair_with_negated_components_is_equal_up_to_sign() {
             bytes,
         ));
     }
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, b)| (s.clone(), b.as_slice()))
-        .collect();
     let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors_file(&flipped.join("adapter_model.safetensors"), &refs, &metadata).unwrap();
+    write_owned(
+        &flipped.join("adapter_model.safetensors"),
+        &tensors,
+        &metadata,
+    );
     let o = loraq(&["check", path(&out), path(&flipped), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();

@@ -7,8 +7,8 @@
 
 mod common;
 
-use common::{extract, extract_ok, loraq, ok, rewrite, s, stderr};
-use loraq_io::{Checkpoint, DType, ModuleName, TensorSpec, write_safetensors_file};
+use common::{extract, extract_ok, loraq, ok, rewrite, s, stderr, write_owned};
+use loraq_io::{Checkpoint, DType, ModuleName, TensorSpec};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -331,17 +331,13 @@ fn write_activation_stats(
         }
     }
     tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, b)| (s.clone(), b.as_slice()))
-        .collect();
     let metadata = BTreeMap::from([
         ("format".to_string(), "loraq-calibration".to_string()),
         ("version".to_string(), "1".to_string()),
         ("tokens".to_string(), "1000".to_string()),
         ("records".to_string(), "10".to_string()),
     ]);
-    write_safetensors_file(path, &refs, &metadata).unwrap();
+    write_owned(path, &tensors, &metadata);
 }
 
 fn keep_all(_: &str, v: Vec<f32>) -> Option<Vec<f32>> {

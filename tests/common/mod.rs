@@ -142,10 +142,20 @@ pub fn rewrite(src: &Path, dst: &Path, edit: Edit<'_>, extra: Vec<(TensorSpec, V
     }
     tensors.extend(extra);
     tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    write_owned(&dst.join("model.safetensors"), &tensors, &metadata);
+}
+
+/// Writes `tensors` (each spec with its owned bytes, in the order given) and `metadata`
+/// to the safetensors file `path`.
+pub fn write_owned(
+    path: &Path,
+    tensors: &[(TensorSpec, Vec<u8>)],
+    metadata: &BTreeMap<String, String>,
+) {
     let refs: Vec<(TensorSpec, &[u8])> = tensors
         .iter()
         .map(|(s, b)| (s.clone(), b.as_slice()))
         .collect();
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors_file(&dst.join("model.safetensors"), &refs, &metadata).unwrap();
+    write_safetensors_file(path, &refs, metadata).unwrap();
 }
