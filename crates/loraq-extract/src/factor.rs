@@ -29,7 +29,7 @@ use crate::error::{ExtractError, Result};
 use crate::floor::expected_floor_ratio;
 use crate::gram::tall_gram_f64;
 use faer::linalg::matmul::matmul;
-use faer::{Accum, Mat, MatRef, Par, Side};
+use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
 use loraq_amx::{Accumulate, Amx, MatrixMut, MatrixRef, Operand, Planes};
 use rand::{Rng, SeedableRng, seq::index::sample};
 use rand_chacha::ChaCha8Rng;
@@ -106,7 +106,90 @@ impl Default for FactorParams {
     }
 }
 
-/// The singular triplets of a delta up to `max_rank`, in f64.
+/// Singular vectors, column-major: f32 where the method forms them in f32 (the
+/// randomized method's long side, $Q C$ with C a small f64 matrix rounded to f32: the
+/// values are f32 products, so storing them wider would only double the memory, 35.6 MB
+/// instead of 17.8 MB at 17408 x 256, and cost a widening pass), f64 otherwise. Read
+/// through [`Basis::get`] or [`Basis::col`], either is the same f64 value (an f32
+/// widens exactly).
+#[derive(Debug, Clone)]
+pub enum Basis {
+    /// f32 values, `rows x cols` column-major in one buffer (`values.len() == rows *
+    /// cols`).
+    F32 {
+        /// The values, column by column.
+        values: Vec<f32>,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+    /// f64 values.
+    F64(Mat<f64>),
+}
+
+/// One column of a [`Basis`].
+#[derive(Debug, Clone, Copy)]
+pub enum BasisCol<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// f64 values.
+    F64(&'a [f64]),
+}
+
+impl BasisCol<'_> {
+    /// Entry `i`, widened to f64.
+    #[inline]
+    pub fn get(&self, i: usize) -> f64 {
+        match self {
+            BasisCol::F32(c) => f64::from(c[i]),
+            BasisCol::F64(c) => c[i],
+        }
+    }
+}
+
+impl Basis {
+    /// Rows.
+    pub fn nrows(&self) -> usize {
+        match self {
+            Basis::F32 { rows, .. } => *rows,
+            Basis::F64(m) => m.nrows(),
+        }
+    }
+
+    /// Columns.
+    pub fn ncols(&self) -> usize {
+        match self {
+            Basis::F32 { cols, .. } => *cols,
+            Basis::F64(m) => m.ncols(),
+        }
+    }
+
+    /// Column `j`.
+    #[inline]
+    pub fn col(&self, j: usize) -> BasisCol<'_> {
+        match self {
+            Basis::F32 { values, rows, .. } => BasisCol::F32(&values[j * rows..(j + 1) * rows]),
+            Basis::F64(m) => BasisCol::F64(m.col_as_slice(j)),
+        }
+    }
+
+    /// Entry `(i, j)`, widened to f64.
+    #[inline]
+    pub fn get(&self, i: usize, j: usize) -> f64 {
+        self.col(j).get(i)
+    }
+
+    /// Whether every entry is finite.
+    pub fn is_finite(&self) -> bool {
+        match self {
+            Basis::F32 { values, .. } => values.iter().all(|x| x.is_finite()),
+            Basis::F64(m) => m.col_iter().all(|c| c.iter().all(|x| x.is_finite())),
+        }
+    }
+}
+
+/// The singular triplets of a delta up to `max_rank` (singular values in f64).
 #[derive(Debug, Clone)]
 pub struct Factorization {
     /// Rows of the delta (output features).
@@ -114,18 +197,15 @@ pub struct Factorization {
     /// Columns of the delta (input features).
     pub cols: usize,
     /// Left singular vectors, `rows x kept` column-major.
-    pub u: Mat<f64>,
+    pub u: Basis,
     /// Singular values, non-increasing, all above the numerical-rank tolerance.
     pub s: Vec<f64>,
     /// Right singular vectors, `cols x kept` column-major.
-    pub v: Mat<f64>,
+    pub v: Basis,
     /// The largest singular value computed but not kept (by rank or tolerance), if any.
     pub first_dropped: Option<f64>,
     /// $\\|D\\|_F^2$ in f64.
     pub delta_norm_sq: f64,
-    /// `(U^T D) ` restricted to the kept directions, `kept x cols` (row-major, f64):
-    /// what the certificate needs, from the last pass.
-    ut_d: Mat<f64>,
     /// $U^\top U$ (the identity up to rounding), from the small matrices.
     u_gram: Mat<f64>,
     /// $V^\top V$.
@@ -184,12 +264,17 @@ impl Factorization {
     /// evaluated from $\\|D\\|^2 - 2\langle B^\top D, A\rangle + \langle B^\top B, AA^\top\rangle$.
     pub fn certificate(&self, k: usize) -> Certificate {
         let k = k.min(self.kept());
-        // B = U_k S^1/2, A = S^1/2 V_k^T. <B^T D, A> = sum_i s_i <u_i^T D, v_i>.
+        // B = U_k S^1/2, A = S^1/2 V_k^T. <B^T D, A> = sum_i s_i <u_i^T D, v_i>, where
+        // U^T D restricted to the kept directions comes from the last pass: U^T X =
+        // S W^T for the randomized method (`project`), S V^T for the exact one, so row i
+        // is s_i v_i^T (not stored: formed here, the same f64 products).
         let mut cross = 0.0f64;
         for i in 0..k {
+            let v = self.v.col(i);
             let mut dot = 0.0f64;
             for j in 0..self.cols {
-                dot += self.ut_d[(i, j)] * self.v[(j, i)];
+                let vji = v.get(j);
+                dot += (self.s[i] * vji) * vji;
             }
             cross += self.s[i] * dot;
         }
@@ -442,10 +527,8 @@ fn factorize_checked(
 impl Factorization {
     /// The factorization of $D^\top$.
     fn transpose(self) -> Factorization {
-        // D^T = V S U^T; U^T D^T = (D U)^T = (V S)^T = S V^T restricted... we keep
-        // ut_d consistent: for D^T the left vectors are V, and V^T D^T = (D V)^T = (U S)^T.
-        let k = self.kept();
-        let ut_d = Mat::from_fn(k, self.rows, |i, j| self.u[(j, i)] * self.s[i]);
+        // D^T = V S U^T: for D^T the left vectors are V, and V^T D^T = (D V)^T = (U S)^T,
+        // which is what the certificate forms from the new V (the old U).
         Factorization {
             rows: self.cols,
             cols: self.rows,
@@ -454,7 +537,6 @@ impl Factorization {
             v: self.u,
             first_dropped: self.first_dropped,
             delta_norm_sq: self.delta_norm_sq,
-            ut_d,
             u_gram: self.v_gram,
             v_gram: self.u_gram,
             method_used: self.method_used,
@@ -483,13 +565,21 @@ fn numerical_rank(s: &[f64], max_rank: usize) -> usize {
 /// is below `1e-6` of the largest are dropped: they carry no energy that matters next
 /// to any rounding floor). Returns `None` when `w` is zero.
 fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
+    let m = orthonormalizer(w)?;
+    Some(f32_product(w, m.as_ref(), par))
+}
+
+/// The `q x q'` matrix M ($q' \le q$) for which $W M$ is [`orthonormalize`]'s basis;
+/// `None` when `w` is zero.
+fn orthonormalizer(w: MatRef<'_, f32>) -> Option<Mat<f32>> {
     let g = tall_gram_f64(w);
     // Fast path: Cholesky-QR, Q = W L^-T with G = L L^T, when no direction of W is
     // below 1e-5 of its largest (every pivot above 1e-10 of the largest diagonal);
     // otherwise the eigendecomposition, which drops the negligible directions.
     if let Some(l_inv_t) = cholesky_inverse_transpose(g.as_ref(), 1e-10) {
-        let m = Mat::<f32>::from_fn(w.ncols(), w.ncols(), |i, j| l_inv_t[(i, j)] as f32);
-        return Some(f32_product(w, m.as_ref(), par));
+        return Some(Mat::<f32>::from_fn(w.ncols(), w.ncols(), |i, j| {
+            l_inv_t[(i, j)] as f32
+        }));
     }
     let eig = g.self_adjoint_eigen(Side::Lower).ok()?;
     let lambda = eig.S().column_vector();
@@ -503,10 +593,9 @@ fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
         .filter(|&i| lambda[i] > lambda_max * 1e-12)
         .collect();
     let p = eig.U();
-    let m = Mat::<f32>::from_fn(n, keep.len(), |i, j| {
+    Some(Mat::<f32>::from_fn(n, keep.len(), |i, j| {
         (p[(i, keep[j])] / lambda[keep[j]].sqrt()) as f32
-    });
-    Some(f32_product(w, m.as_ref(), par))
+    }))
 }
 
 /// A thin SVD $Z = U_z \\,\mathrm{diag}(s)\\, V_z^\top$: `left` $U_z$ (`n x q`), `right`
@@ -659,25 +748,70 @@ fn amx_view(m: MatRef<'_, f32>) -> Option<MatrixRef<'_>> {
 /// exact where an entry needs at most 16 significant bits) against the bf16 rounding of
 /// `rhs` (a range finder's basis, which may be any basis), the sums in f32. For the range
 /// products only: docs/extraction.md, "Numerics", says why pass Z is not one.
-fn amx_product(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>) -> Option<Mat<f32>> {
+/// The product is written column-major into `out` (resized to hold it); `None` leaves
+/// `out`'s values unspecified.
+fn amx_product_into(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, out: &mut Vec<f32>) -> Option<()> {
     let amx = Amx::detect()?;
     let (a, b) = (amx_view(lhs)?, amx_view(rhs)?);
     let (rows, cols) = (lhs.nrows(), rhs.ncols());
-    let mut out = vec![0f32; rows.checked_mul(cols)?];
+    out.resize(rows.checked_mul(cols)?, 0.0);
     amx.matmul(
-        MatrixMut::col_major(&mut out, rows, cols, rows).ok()?,
+        MatrixMut::col_major(out, rows, cols, rows).ok()?,
         Operand::new(a, Planes::Two),
         Operand::new(b, Planes::One),
         Accumulate::Replace,
     )
-    .ok()?;
-    Some(Mat::from_fn(rows, cols, |i, j| out[i + j * rows]))
+    .ok()
 }
 
 fn f32_product(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, par: Par) -> Mat<f32> {
     let mut out = Mat::<f32>::zeros(lhs.nrows(), rhs.ncols());
     matmul(out.as_mut(), Accum::Replace, lhs, rhs, 1.0, par);
     out
+}
+
+/// `lhs rhs` in f32, written column-major into `out` (resized to hold it; its old
+/// values are not read: every entry is written).
+fn f32_product_into<'a>(
+    lhs: MatRef<'_, f32>,
+    rhs: MatRef<'_, f32>,
+    par: Par,
+    out: &'a mut Vec<f32>,
+) -> MatRef<'a, f32> {
+    let (rows, cols) = (lhs.nrows(), rhs.ncols());
+    out.resize(rows * cols, 0.0);
+    matmul(
+        MatMut::from_column_major_slice_mut(out, rows, cols),
+        Accum::Replace,
+        lhs,
+        rhs,
+        1.0,
+        par,
+    );
+    MatRef::from_column_major_slice(out, rows, cols)
+}
+
+/// Large f32 buffers handed from one stage of a factorization to the next (the row
+/// sample, W, Q, U: 17-22 MB each at 17408 x 5120): a buffer the allocator takes
+/// fresh from the kernel has every page faulted in and zeroed on first touch, which
+/// on the development VM costs about 0.5 ms per MB, a warm memset 0.04 ms.
+#[derive(Default)]
+struct Buffers {
+    free: Vec<Vec<f32>>,
+}
+
+impl Buffers {
+    /// The free buffer with the largest capacity (empty when there is none), its
+    /// values unspecified.
+    fn take(&mut self) -> Vec<f32> {
+        let largest = (0..self.free.len()).max_by_key(|&i| self.free[i].capacity());
+        largest.map_or_else(Vec::new, |i| self.free.swap_remove(i))
+    }
+
+    /// Hands a buffer back.
+    fn give(&mut self, buffer: Vec<f32>) {
+        self.free.push(buffer);
+    }
 }
 
 /// Power iteration on a row sample `xs` (or the whole matrix): an orthonormal basis of
@@ -691,9 +825,12 @@ fn row_space_estimate(
     par: Par,
 ) -> Option<Mat<f32>> {
     let mut vs = gaussian(xs.ncols(), q, rng);
+    let mut buffer = Vec::new();
     for _ in 0..iterations {
-        let qs = orthonormalize(range_product(xs, vs.as_ref(), par).as_ref(), par)?;
-        vs = orthonormalize(transposed_product(xs, qs.as_ref(), par).as_ref(), par)?;
+        let w = range_product(xs, vs.as_ref(), par, &mut buffer);
+        let qs = orthonormalize(w, par)?;
+        let z = transposed_product(xs, qs.as_ref(), par);
+        vs = orthonormalize(z.as_ref(), par)?;
     }
     Some(vs)
 }
@@ -716,55 +853,53 @@ fn transposed_product(x: MatRef<'_, f32>, q: MatRef<'_, f32>, par: Par) -> Mat<f
     }
 }
 
-/// $W = X V$: on AMX tiles where available ([`amx_product`]), otherwise with the large
-/// $X$ as a column-major operand: $(V^\top X^\top)^\top$ when X is
-/// row-major (0.36-0.46 s single-threaded against 0.46-0.50 s for $X V$), $X V$ when it
-/// is column-major (0.46-0.54 s against 0.97-1.26 s).
-fn range_product(x: MatRef<'_, f32>, v: MatRef<'_, f32>, par: Par) -> Mat<f32> {
-    if let Some(w) = amx_product(x, v) {
-        return w;
+/// $W = X V$, written into `out` (resized to hold it): on AMX tiles where available
+/// ([`amx_product_into`]), otherwise with the large $X$ as a column-major operand:
+/// $(V^\top X^\top)^\top$ when X is row-major (0.36-0.46 s single-threaded against
+/// 0.46-0.50 s for $X V$), $X V$ when it is column-major (0.46-0.54 s against 0.97-1.26
+/// s). W comes back column-major, or row-major (the transpose of the column-major
+/// $V^\top X^\top$, not copied) for a row-major X on faer's path.
+fn range_product<'a>(
+    x: MatRef<'_, f32>,
+    v: MatRef<'_, f32>,
+    par: Par,
+    out: &'a mut Vec<f32>,
+) -> MatRef<'a, f32> {
+    if amx_product_into(x, v, out).is_some() {
+        return MatRef::from_column_major_slice(out, x.nrows(), v.ncols());
     }
     if column_major(x) {
-        f32_product(x, v, par)
+        f32_product_into(x, v, par, out)
     } else {
-        f32_product(v.transpose(), x.transpose(), par)
-            .transpose()
-            .to_owned()
+        f32_product_into(v.transpose(), x.transpose(), par, out).transpose()
     }
 }
 
-/// A row sample of the delta, stored in the layout of the delta it was drawn from.
-enum Sample {
-    /// Rows of a column-major matrix.
-    ColumnMajor(Mat<f32>),
-    /// Rows of a row-major matrix, `rows x cols` row-major.
-    RowMajor(Vec<f32>),
-}
-
-/// The rows `picked` (sorted) of `x`, as a `picked.len() x x.ncols()` matrix: copied row
-/// by row when x's rows are contiguous, column by column (the sorted rows of one column
-/// read with the previous columns' cache lines still resident) when its columns are.
-fn gather_rows(x: MatRef<'_, f32>, picked: &[usize]) -> Sample {
-    let cols = x.ncols();
+/// The rows `picked` (sorted) of `x`, as a `picked.len() x x.ncols()` matrix in `out`
+/// (resized to hold it), stored in the layout of `x`: copied row by row when x's rows
+/// are contiguous, column by column (the sorted rows of one column read with the
+/// previous columns' cache lines still resident) when its columns are.
+fn gather_rows<'a>(x: MatRef<'_, f32>, picked: &[usize], out: &'a mut Vec<f32>) -> MatRef<'a, f32> {
+    let (rows, cols) = (picked.len(), x.ncols());
+    out.resize(rows * cols, 0.0);
     if column_major(x) {
-        let mut xs = Mat::<f32>::zeros(picked.len(), cols);
-        xs.par_col_iter_mut().enumerate().for_each(|(j, mut col)| {
-            for (i, &row) in picked.iter().enumerate() {
-                col[i] = x[(row, j)];
-            }
-        });
-        Sample::ColumnMajor(xs)
+        out.par_chunks_mut(rows.max(1))
+            .enumerate()
+            .for_each(|(j, col)| {
+                for (value, &row) in col.iter_mut().zip(picked) {
+                    *value = x[(row, j)];
+                }
+            });
+        MatRef::from_column_major_slice(out, rows, cols)
     } else {
-        let mut buffer = vec![0f32; picked.len() * cols];
-        buffer
-            .par_chunks_mut(cols)
+        out.par_chunks_mut(cols.max(1))
             .zip(picked.par_iter())
             .for_each(|(dst, &row)| {
                 for (j, value) in dst.iter_mut().enumerate() {
                     *value = x[(row, j)];
                 }
             });
-        Sample::RowMajor(buffer)
+        MatRef::from_row_major_slice(out, rows, cols)
     }
 }
 
@@ -781,6 +916,7 @@ fn randomized(
     let q = (k_target + params.oversample).min(small);
     let par = params.par;
     let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
+    let mut buffers = Buffers::default();
 
     // Row-space estimate from a sample of rows: enough rows (4q) that the sample's row
     // space carries every direction of the delta's; one power iteration on it (two
@@ -798,13 +934,13 @@ fn randomized(
     } else {
         let mut picked = sample(&mut rng, big, sample_rows).into_vec();
         picked.sort_unstable();
-        let sample_matrix = gather_rows(x, &picked);
-        let xs = match &sample_matrix {
-            Sample::ColumnMajor(m) => m.as_ref(),
-            Sample::RowMajor(buffer) => MatRef::from_row_major_slice(buffer, sample_rows, small),
-        };
+        // The sample's buffer becomes W's, then U's (`Buffers`).
+        let mut buffer = buffers.take();
+        let xs = gather_rows(x, &picked, &mut buffer);
         passes = 2.0 * sample_rows as f64 / big as f64;
-        row_space_estimate(xs, q, SAMPLE_ITERATIONS, &mut rng, par)
+        let estimate = row_space_estimate(xs, q, SAMPLE_ITERATIONS, &mut rng, par);
+        buffers.give(buffer);
+        estimate
     };
     let mut v0 = match estimate {
         Some(v) => v,
@@ -817,27 +953,34 @@ fn randomized(
     let mut iteration = 0usize;
     loop {
         // Two full passes: W = X V0, Q = orth(W), Z = X^T Q.
-        let w = range_product(x, v0.as_ref(), par);
+        let mut w_buffer = buffers.take();
+        let w = range_product(x, v0.as_ref(), par, &mut w_buffer);
         clock.lap("pass_w");
-        let qw = orthonormalize(w.as_ref(), par).ok_or_else(|| ExtractError::Linalg {
+        let m = orthonormalizer(w).ok_or_else(|| ExtractError::Linalg {
             module: module.to_string(),
             what: "range of the sketch",
             detail: "the sketch of a non-zero delta is zero".into(),
         })?;
-        drop(w);
+        let mut q_buffer = buffers.take();
+        let qw = f32_product_into(w, m.as_ref(), par, &mut q_buffer);
+        // W's buffer is free now: U is formed in it (`project`).
+        buffers.give(w_buffer);
         clock.lap("orthonormalize");
-        let z = transposed_product(x, qw.as_ref(), par);
+        let z = transposed_product(x, qw, par);
         clock.lap("pass_z");
         passes += 2.0;
         let current = project(
             module,
-            qw.as_ref(),
+            qw,
             z.as_ref(),
             delta_norm_sq,
             k_target,
             passes,
             par,
+            buffers.take(),
         )?;
+        let q_cols = qw.ncols();
+        buffers.give(q_buffer);
         clock.lap("project");
         let k = current.kept();
         let residual = current.truncation_residual(k);
@@ -852,9 +995,19 @@ fn randomized(
             .as_ref()
             .is_none_or(|b| residual < b.truncation_residual(b.kept()));
         // A basis that spans the whole small side makes the projection exact.
-        let converged = at_floor || improved_little || residual == 0.0 || qw.ncols() == small;
-        if better {
-            best = Some(current);
+        let converged = at_floor || improved_little || residual == 0.0 || q_cols == small;
+        // The result not kept hands its U's buffer back for the next iteration's W.
+        let discarded = if better {
+            best.replace(current)
+        } else {
+            Some(current)
+        };
+        if let Some(Factorization {
+            u: Basis::F32 { values, .. },
+            ..
+        }) = discarded
+        {
+            buffers.give(values);
         }
         if converged || iteration >= params.max_extra_iterations {
             let mut result = best.expect("at least one iteration ran");
@@ -874,6 +1027,8 @@ fn randomized(
 /// The SVD of the projection $\tilde Q \tilde Q^\top X$ from $Q$ (`big x q`, orthonormal to
 /// f32 precision) and $Z = X^\top Q$, with $G = Q^\top Q = L L^\top$ in f64 correcting the
 /// basis: $\tilde Q = Q L^{-\top}$ is orthonormal in exact arithmetic whatever Q's rounding.
+/// U is formed in `u_buffer`'s allocation.
+#[allow(clippy::too_many_arguments)]
 fn project(
     module: &str,
     qw: MatRef<'_, f32>,
@@ -882,6 +1037,7 @@ fn project(
     k_target: usize,
     passes: f64,
     par: Par,
+    mut u_buffer: Vec<f32>,
 ) -> Result<Factorization> {
     let (big, q) = (qw.nrows(), qw.ncols());
     let small = z.nrows();
@@ -948,7 +1104,12 @@ fn project(
     // U = Q coeff, formed in f32 (it becomes an f32 factor); its Gram matrix is known
     // exactly from the small matrices: U^T U = coeff^T G coeff.
     let coeff32 = Mat::<f32>::from_fn(q, k, |i, j| coeff[(i, j)] as f32);
-    let u = to_f64(f32_product(qw, coeff32.as_ref(), par).as_ref());
+    f32_product_into(qw, coeff32.as_ref(), par, &mut u_buffer);
+    let u = Basis::F32 {
+        values: u_buffer,
+        rows: big,
+        cols: k,
+    };
     let mut g_coeff = Mat::<f64>::zeros(q, k);
     matmul(
         g_coeff.as_mut(),
@@ -967,19 +1128,18 @@ fn project(
         1.0,
         Par::Seq,
     );
-    let v = left.subcols(0, k).to_owned();
+    // The kept columns, in place.
+    let mut v = left;
+    v.truncate(small, k);
     let v_gram = left_gram.submatrix(0, 0, k, k).to_owned();
-    // U^T X = X_z^T L^-1 Q^T X = X_z^T L^-1 Z^T = (Z~ X_z)^T = S W^T.
-    let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
     Ok(Factorization {
         rows: big,
         cols: small,
         u,
         s: s_all[..k].to_vec(),
-        v,
+        v: Basis::F64(v),
         first_dropped,
         delta_norm_sq,
-        ut_d,
         u_gram,
         v_gram,
         method_used: Method::Randomized,
@@ -1078,19 +1238,17 @@ fn exact(
         1.0,
         Par::Seq,
     );
-    let ut_d = Mat::<f64>::from_fn(k, small, |i, j| s_all[i] * v[(j, i)]);
     let u_gram = gram(u.as_ref(), k);
     let v_gram = gram(v.as_ref(), k);
     clock.lap("reproject");
     Ok(Factorization {
         rows: big,
         cols: small,
-        u,
+        u: Basis::F64(u),
         s: s_all[..k].to_vec(),
-        v,
+        v: Basis::F64(v),
         first_dropped,
         delta_norm_sq,
-        ut_d,
         u_gram,
         v_gram,
         method_used: Method::Exact,
@@ -1214,7 +1372,9 @@ mod tests {
             let mut direct = 0f64;
             for i in 0..rows {
                 for j in 0..cols {
-                    let approx: f64 = (0..rank).map(|l| f.u[(i, l)] * f.s[l] * f.v[(j, l)]).sum();
+                    let approx: f64 = (0..rank)
+                        .map(|l| f.u.get(i, l) * f.s[l] * f.v.get(j, l))
+                        .sum();
                     direct += (delta[i * cols + j] as f64 - approx).powi(2);
                 }
             }
@@ -1248,7 +1408,7 @@ mod tests {
         for method in [Method::Randomized, Method::Exact, Method::Auto] {
             let f = factorize("down_proj", &delta, rows, cols, &params(16, method, 1e-6)).unwrap();
             assert_eq!(f.kept(), 2, "{method:?}");
-            assert!(f.u.col_iter().all(|c| c.iter().all(|x| x.is_finite())));
+            assert!(f.u.is_finite());
             assert!(f.truncation_residual(2) < 1e-6 * f.delta_norm());
         }
     }
@@ -1336,7 +1496,7 @@ mod rank_deficient_tests {
         let f = factorize("down_proj", &delta, rows, cols, &params).unwrap();
         assert_eq!(f.method_used, Method::Randomized);
         assert_eq!(f.kept(), 2);
-        assert!(f.u.col_iter().all(|c| c.iter().all(|x| x.is_finite())));
+        assert!(f.u.is_finite());
         assert!(f.truncation_residual(2) < 1e-3 * f.delta_norm());
     }
 }

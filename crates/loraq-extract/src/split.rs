@@ -72,14 +72,14 @@ pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<
             for (l, &w) in wb.iter().enumerate() {
                 let column = f.u.col(l);
                 for r in 0..len {
-                    rows[r * k + l] = (column[first + r] * w) as f32;
+                    rows[r * k + l] = (column.get(first + r) * w) as f32;
                 }
             }
         });
     let mut a = vec![0f32; k * f.cols];
     a.par_chunks_mut(f.cols).enumerate().for_each(|(l, row)| {
         for (j, x) in row.iter_mut().enumerate() {
-            *x = (wa[l] * f.v[(j, l)]) as f32;
+            *x = (wa[l] * f.v.get(j, l)) as f32;
         }
     });
     (b, a)
