@@ -1113,21 +1113,26 @@ fn project(
 ) -> Result<Factorization> {
     let (big, q) = (qw.nrows(), qw.ncols());
     let small = z.nrows();
-    let g = tall_gram_f64(qw);
     // Q~ = Q L^-T with G = L L^T is orthonormal in exact arithmetic. Q is orthonormal
     // to f32 precision, so every pivot must be near 1: one below 0.5 means the basis
     // lost its orthonormality.
-    let l_inv_t =
-        cholesky_inverse_transpose(g.as_ref(), 0.5).ok_or_else(|| ExtractError::Linalg {
-            module: module.to_string(),
-            what: "orthonormal basis of the sketch",
-            detail: "the Gram matrix of the basis has a pivot below 0.5".into(),
-        })?;
     // Z~ = Z L^-T = X^T Q~ = W S X_z^T  =>  Q~ Q~^T X = (Q L^-T X_z) S W^T. Z~ is not
     // formed: its SVD comes from Z's Gram matrix (f32 values widened: exact products,
-    // f64 sums) and one product with Z.
-    let z64 = to_f64(z);
-    let zz = tall_gram_f64(z);
+    // f64 sums) and one product with Z. G and its Cholesky factor (serial, `q x q`)
+    // are formed beside Z's widening and Gram matrix.
+    let ((g, l_inv_t), (z64, zz)) = rayon::join(
+        || {
+            let g = tall_gram_f64(qw);
+            let l_inv_t = cholesky_inverse_transpose(g.as_ref(), 0.5);
+            (g, l_inv_t)
+        },
+        || (to_f64(z), tall_gram_f64(z)),
+    );
+    let l_inv_t = l_inv_t.ok_or_else(|| ExtractError::Linalg {
+        module: module.to_string(),
+        what: "orthonormal basis of the sketch",
+        detail: "the Gram matrix of the basis has a pivot below 0.5".into(),
+    })?;
     let svd = match tall_svd(z64.as_ref(), l_inv_t.as_ref(), zz.as_ref(), par) {
         Some(svd) => svd,
         None => {
