@@ -13,7 +13,7 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use faer::Par;
 use half::bf16;
-use loraq_extract::factor::{FactorParams, FactorScratch, Method, factorize_prechecked_in};
+use loraq_extract::factor::{FactorParams, Method, factorize_prechecked};
 use loraq_extract::floor::{DeltaFigures, PairBytes, expected_floor_ratio};
 use loraq_extract::split::{Split, split_and_cast};
 use loraq_io::DType;
@@ -26,14 +26,9 @@ const RANK: usize = 256;
 /// merged - base to the bf16 factors of rank `RANK`, as `loraq extract` does it once the
 /// two tensors' bytes are read: one pass for the delta, its norm and the floor, then the
 /// factorization of the checked delta and the cast. The delta is written into `spare`'s
-/// buffer and the buffer left there, and the factorization's buffers in `scratch`, as
-/// `loraq extract` hands each module's delta buffer and factorization buffers to the
-/// next.
-fn extract_projection(
-    pair: &PairBytes,
-    spare: &mut Vec<f32>,
-    scratch: &mut FactorScratch,
-) -> (f64, f64) {
+/// buffer and the buffer left there, as `loraq extract` hands each module's delta
+/// buffer to the next.
+fn extract_projection(pair: &PairBytes, spare: &mut Vec<f32>) -> (f64, f64) {
     let DeltaFigures {
         delta,
         floor,
@@ -47,15 +42,13 @@ fn extract_projection(
         floor: Some(floor),
         ..FactorParams::default()
     };
-    let factors = factorize_prechecked_in(NAME, &delta, ROWS, COLS, norm_sq, &params, scratch)
-        .expect("factorize");
+    let factors =
+        factorize_prechecked(NAME, &delta, ROWS, COLS, norm_sq, &params).expect("factorize");
     *spare = delta;
     let cast =
         split_and_cast(NAME, &factors, RANK, Split::Balanced, Par::rayon(0)).expect("bf16 factors");
     black_box(&cast);
-    let residual = factors.truncation_residual(RANK);
-    factors.recycle(scratch);
-    (residual, floor)
+    (factors.truncation_residual(RANK), floor)
 }
 
 /// Little-endian bf16 bytes of values that are bf16 already (the synthetic checkpoints').
@@ -78,8 +71,8 @@ fn bench(c: &mut Criterion) {
     )
     .expect("a pair of equal lengths");
     drop(pair);
-    let (mut spare, mut scratch) = (Vec::new(), FactorScratch::default());
-    let (residual, floor) = extract_projection(&bytes, &mut spare, &mut scratch);
+    let mut spare = Vec::new();
+    let (residual, floor) = extract_projection(&bytes, &mut spare);
     eprintln!(
         "{ROWS}x{COLS} rank {RANK}: residual / floor {:.5} (a perfect fit: {:.5})",
         residual / floor,
@@ -92,7 +85,7 @@ fn bench(c: &mut Criterion) {
     // Bytes of the two bf16 weights an extraction reads.
     group.throughput(Throughput::Bytes((2 * ROWS * COLS * 2) as u64));
     group.bench_function("delta_factor_cast", |b| {
-        b.iter(|| extract_projection(black_box(&bytes), &mut spare, &mut scratch))
+        b.iter(|| extract_projection(black_box(&bytes), &mut spare))
     });
     group.finish();
 }

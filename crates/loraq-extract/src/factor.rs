@@ -443,17 +443,7 @@ pub fn factorize(
     let mut clock = StageClock::start();
     let delta_norm_sq = check_delta(module, delta, rows, cols)?;
     clock.lap("check");
-    let mut scratch = FactorScratch::default();
-    factorize_checked(
-        module,
-        delta,
-        rows,
-        cols,
-        delta_norm_sq,
-        params,
-        clock,
-        &mut scratch,
-    )
+    factorize_checked(module, delta, rows, cols, delta_norm_sq, params, clock)
 }
 
 /// [`factorize`] of a delta the caller has already checked with [`check_delta`] (or
@@ -466,42 +456,6 @@ pub fn factorize_prechecked(
     cols: usize,
     delta_norm_sq: f64,
     params: &FactorParams,
-) -> Result<Factorization> {
-    let mut scratch = FactorScratch::default();
-    factorize_prechecked_in(
-        module,
-        delta,
-        rows,
-        cols,
-        delta_norm_sq,
-        params,
-        &mut scratch,
-    )
-}
-
-/// Buffers one factorization leaves for the next ([`factorize_prechecked_in`],
-/// [`Factorization::recycle`]): the randomized method's large f32 blocks (the row
-/// sample, W, Q and U, 17-22 MB each at 17408 x 5120), which a fresh allocation would
-/// have the kernel fault in and zero page by page on every call (about 0.5 ms per MB on
-/// the development VM against 0.04 ms for a warm memset). It holds at most the blocks
-/// one factorization uses at once, so a caller that factors one module after another
-/// keeps no more than one module's needs.
-#[derive(Default)]
-pub struct FactorScratch {
-    buffers: Buffers,
-}
-
-/// [`factorize_prechecked`] with the large buffers taken from `scratch` and left there
-/// for the next call (U's with the result: [`Factorization::recycle`] hands it back).
-/// The result is the same as without the scratch.
-pub fn factorize_prechecked_in(
-    module: &str,
-    delta: &[f32],
-    rows: usize,
-    cols: usize,
-    delta_norm_sq: f64,
-    params: &FactorParams,
-    scratch: &mut FactorScratch,
 ) -> Result<Factorization> {
     if delta_norm_sq == 0.0 {
         return Err(ExtractError::AllZeroDelta {
@@ -522,11 +476,9 @@ pub fn factorize_prechecked_in(
         delta_norm_sq,
         params,
         StageClock::start(),
-        scratch,
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 fn factorize_checked(
     module: &str,
     delta: &[f32],
@@ -535,7 +487,6 @@ fn factorize_checked(
     delta_norm_sq: f64,
     params: &FactorParams,
     mut clock: StageClock,
-    scratch: &mut FactorScratch,
 ) -> Result<Factorization> {
     if params.max_rank == 0 {
         return Err(ExtractError::InvalidParameter {
@@ -554,14 +505,13 @@ fn factorize_checked(
     let method = if narrow { Method::Exact } else { params.method };
     let mut result = match method {
         Method::Exact => exact(module, x, delta_norm_sq, params, &mut clock)?,
-        Method::Randomized => randomized(module, x, delta_norm_sq, params, &mut clock, scratch)?,
+        Method::Randomized => randomized(module, x, delta_norm_sq, params, &mut clock)?,
         Method::Auto => {
-            let r = randomized(module, x, delta_norm_sq, params, &mut clock, scratch)?;
+            let r = randomized(module, x, delta_norm_sq, params, &mut clock)?;
             let ok = r.converged && r.certificate_consistent(r.kept());
             if ok {
                 r
             } else {
-                r.recycle(scratch);
                 exact(module, x, delta_norm_sq, params, &mut clock)?
             }
         }
@@ -575,16 +525,6 @@ fn factorize_checked(
 }
 
 impl Factorization {
-    /// Hands the f32 singular vectors' buffer (U, or V of a transposed result) to
-    /// `scratch` for the next factorization.
-    pub fn recycle(self, scratch: &mut FactorScratch) {
-        for basis in [self.u, self.v] {
-            if let Basis::F32 { values, .. } = basis {
-                scratch.buffers.give(values);
-            }
-        }
-    }
-
     /// The factorization of $D^\top$.
     fn transpose(self) -> Factorization {
         // D^T = V S U^T: for D^T the left vectors are V, and V^T D^T = (D V)^T = (U S)^T,
@@ -814,7 +754,7 @@ fn amx_product_into(lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, out: &mut Vec<f3
     let amx = Amx::detect()?;
     let (a, b) = (amx_view(lhs)?, amx_view(rhs)?);
     let (rows, cols) = (lhs.nrows(), rhs.ncols());
-    fit(out, rows.checked_mul(cols)?);
+    out.resize(rows.checked_mul(cols)?, 0.0);
     amx.matmul(
         MatrixMut::col_major(out, rows, cols, rows).ok()?,
         Operand::new(a, Planes::Two),
@@ -839,7 +779,7 @@ fn f32_product_into<'a>(
     out: &'a mut Vec<f32>,
 ) -> MatRef<'a, f32> {
     let (rows, cols) = (lhs.nrows(), rhs.ncols());
-    fit(out, rows * cols);
+    out.resize(rows * cols, 0.0);
     matmul(
         MatMut::from_column_major_slice_mut(out, rows, cols),
         Accum::Replace,
@@ -849,17 +789,6 @@ fn f32_product_into<'a>(
         par,
     );
     MatRef::from_column_major_slice(out, rows, cols)
-}
-
-/// Makes `out` `len` values long without copying its old values: those within its
-/// capacity are kept (the callers overwrite every value), a buffer too small is
-/// replaced by a fresh zeroed one (the kernel's zero pages, not a memset).
-fn fit(out: &mut Vec<f32>, len: usize) {
-    if out.capacity() < len {
-        *out = vec![0.0; len];
-    } else {
-        out.resize(len, 0.0);
-    }
 }
 
 /// Large f32 buffers handed from one stage of a factorization to the next (the row
@@ -873,7 +802,7 @@ struct Buffers {
 
 impl Buffers {
     /// The free buffer with the largest capacity (empty when there is none), its
-    /// values unspecified: the `*_into` functions resize it to what they write.
+    /// values unspecified.
     fn take(&mut self) -> Vec<f32> {
         let largest = (0..self.free.len()).max_by_key(|&i| self.free[i].capacity());
         largest.map_or_else(Vec::new, |i| self.free.swap_remove(i))
@@ -952,7 +881,7 @@ fn range_product<'a>(
 /// previous columns' cache lines still resident) when its columns are.
 fn gather_rows<'a>(x: MatRef<'_, f32>, picked: &[usize], out: &'a mut Vec<f32>) -> MatRef<'a, f32> {
     let (rows, cols) = (picked.len(), x.ncols());
-    fit(out, rows * cols);
+    out.resize(rows * cols, 0.0);
     if column_major(x) {
         out.par_chunks_mut(rows.max(1))
             .enumerate()
@@ -981,14 +910,13 @@ fn randomized(
     delta_norm_sq: f64,
     params: &FactorParams,
     clock: &mut StageClock,
-    scratch: &mut FactorScratch,
 ) -> Result<Factorization> {
     let (big, small) = (x.nrows(), x.ncols());
     let k_target = params.max_rank.min(small);
     let q = (k_target + params.oversample).min(small);
     let par = params.par;
     let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
-    let buffers = &mut scratch.buffers;
+    let mut buffers = Buffers::default();
 
     // Row-space estimate from a sample of rows: enough rows (4q) that the sample's row
     // space carries every direction of the delta's; one power iteration on it (two

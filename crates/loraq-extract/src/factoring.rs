@@ -4,7 +4,7 @@
 //! thresholds checked before anything is written.
 
 use crate::error::{ExtractError, Result};
-use crate::factor::{FactorParams, FactorScratch, Factorization, factorize_prechecked_in};
+use crate::factor::{FactorParams, Factorization, factorize_prechecked};
 use crate::floor::{DeltaFigures, PairBytes, expected_floor_ratio};
 use crate::options::{AUTO_RANK_CAP, AUTO_RANK_SLACK, ExtractOptions, RankChoice};
 use crate::plan::{ExtractionPlan, MAX_MODULE_RANK, ModuleRole, PlannedModule};
@@ -166,10 +166,8 @@ fn factor_in_order(
     zero_delta: &mut Vec<String>,
 ) -> Result<()> {
     let total = plan.modules.len();
-    // The last module's delta buffer, for the next delta (`PairBytes::delta_into`), and
-    // its factorization's buffers, for the next factorization.
+    // The last module's delta buffer, for the next delta (`PairBytes::delta_into`).
     let mut spare = Vec::new();
-    let mut scratch = FactorScratch::default();
     for (index, planned) in plan.modules.iter().enumerate() {
         let pair = pairs.next_pair();
         progress(Progress::ModuleStarted {
@@ -181,15 +179,8 @@ fn factor_in_order(
         let factored = match planned.role {
             ModuleRole::Lora => {
                 let pair = pair.expect("the reader reads every LoRA module")?;
-                let factored = factor_lora_module(
-                    pair,
-                    planned,
-                    options,
-                    qa_context,
-                    par,
-                    &mut spare,
-                    &mut scratch,
-                )?;
+                let factored =
+                    factor_lora_module(pair, planned, options, qa_context, par, &mut spare)?;
                 if factored.is_none() {
                     zero_delta.push(planned.projection.tensor.clone());
                 }
@@ -231,10 +222,8 @@ fn factor_in_order(
 /// target at rank + extra are what is written, and the plain ones are measured on
 /// the target beside them. `None` when the delta is zero (signed zeros only). The
 /// delta is formed in `spare`'s allocation and its buffer left there for the next
-/// module, the factorization's buffers in `scratch` (not with a target: the
-/// quantization-aware factors form a delta of their own, which should not find this
-/// one still held).
-#[allow(clippy::too_many_arguments)]
+/// module (not with a target: the quantization-aware factors form a delta of their
+/// own, which should not find this one still held).
 fn factor_lora_module(
     pair: PairBytes,
     planned: &PlannedModule,
@@ -242,7 +231,6 @@ fn factor_lora_module(
     qa_context: Option<&QaContext<'_>>,
     par: Par,
     spare: &mut Vec<f32>,
-    scratch: &mut FactorScratch,
 ) -> Result<Option<(ModuleFigures, CastFactors)>> {
     let projection = &planned.projection;
     let (rows, cols) = (projection.out_features, projection.in_features);
@@ -263,14 +251,13 @@ fn factor_lora_module(
         par,
         ..FactorParams::default()
     };
-    let f = match factorize_prechecked_in(
+    let f = match factorize_prechecked(
         &projection.module_path,
         &delta,
         rows,
         cols,
         norm_sq,
         &params,
-        scratch,
     ) {
         Err(ExtractError::AllZeroDelta { .. }) => return Ok(None),
         other => other?,
@@ -279,7 +266,6 @@ fn factor_lora_module(
         *spare = delta;
     } else {
         drop(delta);
-        *scratch = FactorScratch::default();
     }
     let rank = match options.rank {
         RankChoice::Fixed(_) => f.kept(),
@@ -329,9 +315,6 @@ fn factor_lora_module(
         seconds: 0.0,
         target: qa.as_ref().map(|q| q.report.clone()),
     };
-    if qa_context.is_none() {
-        f.recycle(scratch);
-    }
     let written = qa.map_or(cast, |q| q.factors);
     Ok(Some((ModuleFigures::Lora(report), written)))
 }
