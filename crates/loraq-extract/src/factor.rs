@@ -569,7 +569,7 @@ fn orthonormalize(w: MatRef<'_, f32>, par: Par) -> Option<Mat<f32>> {
     Some(f32_product(w, m.as_ref(), par))
 }
 
-/// The `q x q'` matrix M ($q' \le q$) for which $W M$ is [`orthonormalize`]'s basis;
+/// The `q x p` matrix M ($p \le q$) for which $W M$ is [`orthonormalize`]'s basis;
 /// `None` when `w` is zero.
 fn orthonormalizer(w: MatRef<'_, f32>) -> Option<Mat<f32>> {
     let g = tall_gram_f64(w);
