@@ -710,11 +710,45 @@ pub(crate) struct CastPair {
     pub(crate) error_sq: Option<f64>,
 }
 
+/// The first factor handed to [`cast_aware`].
+pub(crate) enum FactorB<'a> {
+    /// B, `out_features x k` row-major, which the cast rotates ($B_0 = B M^\top$).
+    Rows(&'a [f32]),
+    /// $B_0 = B M^\top$, already formed ([`rotated_basis`]).
+    Rotated(Vec<f32>),
+}
+
+/// $B_0 = B M^\top$ for $B = U \mathrm{diag}(w)$ narrowed to f32 (`u`: the
+/// factorization's left basis, `scale`: $w$, `k` of them), without B itself: each task
+/// packs its 256 rows of B straight from U's columns into the kernel's panel and
+/// multiplies them by $M^\top$ ([`block_product`]). The entries of B are those of
+/// `split::f32_factors`, and each entry of $B_0$ is the same sum in the same order as
+/// the product of that B (faer's kernels also sum the 256 terms in order): bit for bit
+/// what [`cast_aware`] forms from [`FactorB::Rows`], less a 17.8 MB matrix written and
+/// read again on a 17408-row factor. `None` without the AVX-512 kernel.
+pub(crate) fn rotated_basis(u: MatRef<'_, f64>, scale: &[f64]) -> Option<Vec<f32>> {
+    let kernel = Kernel::detect()?;
+    let (rows, k) = (u.nrows(), scale.len());
+    let rotation = rotation_f32(k);
+    // M^T row-major: entry (m, l) is M's (l, m).
+    let mt: Vec<f32> = (0..k * k).map(|i| rotation[(i % k, i / k)]).collect();
+    let mut b0 = vec![0f32; rows * k];
+    b0.par_chunks_mut((VECTORS_PER_TASK * k).max(1))
+        .enumerate()
+        .for_each(|(task, out)| {
+            let first = task * VECTORS_PER_TASK;
+            let len = out.len() / k;
+            let panel = Panel::from_fn(len, k, |i, l| (u[(first + i, l)] * scale[l]) as f32);
+            kernel.product(out, &panel, &mt, k, Write::Replace);
+        });
+    Some(b0)
+}
+
 /// The cast-aware bf16 pair of B and A (module doc).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cast_aware(
     module: &str,
-    b: &[f32],
+    b: FactorB<'_>,
     a: &[f32],
     out_features: usize,
     in_features: usize,
@@ -724,11 +758,14 @@ pub(crate) fn cast_aware(
 ) -> Result<CastPair> {
     let rotation = rotation_f32(k);
     // B0 = B M^T, A0 = M A.
-    let b0 = product(
-        MatRef::from_row_major_slice(b, out_features, k),
-        rotation.transpose(),
-        par,
-    );
+    let b0 = match b {
+        FactorB::Rows(b) => product(
+            MatRef::from_row_major_slice(b, out_features, k),
+            rotation.transpose(),
+            par,
+        ),
+        FactorB::Rotated(b0) => b0,
+    };
     let a0 = product(
         rotation.as_ref().as_ref(),
         MatRef::from_row_major_slice(a, k, in_features),
@@ -1096,7 +1133,7 @@ mod tests {
         let nearest = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
         let CastPair { bq, aq, b0, a0, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         // The rotated f32 pair is the same product to f32 precision.
         let rotated = dense_error(&nearest(&b0), &nearest(&a0), &b, &a, rows, cols, k);
@@ -1109,7 +1146,7 @@ mod tests {
         let (b, a) = decaying_factors(rows, cols, k, 1.0);
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
         let CastPair { bq, aq, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         assert!(
             aware < plain,
@@ -1127,7 +1164,8 @@ mod tests {
         let (rows, cols, k) = (384usize, 192usize, 32usize);
         for decay in [30.0, 1.0] {
             let (b, a) = decaying_factors(rows, cols, k, decay);
-            let pair = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            let pair =
+                cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
             let estimate = pair.error_sq.expect("an unweighted refit").sqrt();
             let dense = dense_error(&pair.bq, &pair.aq, &pair.b0, &pair.a0, rows, cols, k);
             assert!(
@@ -1137,7 +1175,17 @@ mod tests {
         }
         let (b, a) = decaying_factors(rows, cols, k, 30.0);
         let weights: Vec<f32> = (0..cols).map(|j| 1.0 + (j % 5) as f32).collect();
-        let pair = cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
+        let pair = cast_aware(
+            "m",
+            FactorB::Rows(&b),
+            &a,
+            rows,
+            cols,
+            k,
+            Some(&weights),
+            Par::Seq,
+        )
+        .unwrap();
         assert!(pair.error_sq.is_none());
     }
 
@@ -1165,10 +1213,19 @@ mod tests {
             sum.sqrt()
         };
         let CastPair { bq, aq, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
         let unweighted = weighted_error(&bq, &aq);
-        let CastPair { bq, aq, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
+        let CastPair { bq, aq, .. } = cast_aware(
+            "m",
+            FactorB::Rows(&b),
+            &a,
+            rows,
+            cols,
+            k,
+            Some(&weights),
+            Par::Seq,
+        )
+        .unwrap();
         let weighted = weighted_error(&bq, &aq);
         assert!(weighted < unweighted, "{weighted} vs {unweighted}");
     }

@@ -35,14 +35,20 @@ pub(crate) struct Panel {
 impl Panel {
     /// Packs `a` (any strides).
     pub(crate) fn pack(a: MatRef<'_, f32>) -> Panel {
-        let (rows, inner) = (a.nrows(), a.ncols());
+        Panel::from_fn(a.nrows(), a.ncols(), |i, kk| a[(i, kk)])
+    }
+
+    /// Packs the `rows x inner` matrix of entries `value(i, kk)`, read a group of
+    /// [`MR`] rows at a time, column by column (consecutive rows of a column-major
+    /// source).
+    pub(crate) fn from_fn(rows: usize, inner: usize, value: impl Fn(usize, usize) -> f32) -> Panel {
         let groups = rows.div_ceil(MR);
         let mut data = vec![0f32; groups * inner * MR];
         for (g, group) in data.chunks_exact_mut((inner * MR).max(1)).enumerate() {
-            for t in 0..MR.min(rows - g * MR) {
-                let row = a.row(g * MR + t);
-                for (kk, dst) in group.chunks_exact_mut(MR).enumerate() {
-                    dst[t] = row[kk];
+            let live = MR.min(rows - g * MR);
+            for (kk, dst) in group.chunks_exact_mut(MR).enumerate() {
+                for (t, d) in dst[..live].iter_mut().enumerate() {
+                    *d = value(g * MR + t, kk);
                 }
             }
         }
