@@ -1400,6 +1400,31 @@ mod tests {
         assert!((a / b - 1.0).abs() < 1e-3, "loss {a} vs {b}");
     }
 
+    /// $B M^\top$ formed from the basis by the kernel is, bit for bit, each entry of the
+    /// f32 B (`split::f32_factors`'s rounding of $U_{il} w_l$) times $M^\top$ summed in
+    /// order with one rounding per multiply-add, on a row count that is not a multiple
+    /// of the tasks' 256 rows nor of the kernel's 8.
+    #[test]
+    fn rotated_basis_is_the_in_order_product() {
+        let (rows, k) = (300usize, 40usize);
+        let u = Mat::<f64>::from_fn(rows, k, |i, j| {
+            ((i * 31 + j * 17) % 97) as f64 / 97.0 - 0.5 + if i == j { 1.0 } else { 0.0 }
+        });
+        let w: Vec<f64> = (0..k).map(|l| 3.0 * 0.9f64.powi(l as i32)).collect();
+        let Some(b0) = rotated_basis(u.as_ref(), &w) else {
+            return;
+        };
+        let m = rotation_f32(k);
+        for i in 0..rows {
+            for l in 0..k {
+                let expected = (0..k).fold(0f32, |acc, j| {
+                    ((u[(i, j)] * w[j]) as f32).mul_add(m[(l, j)], acc)
+                });
+                assert_eq!(b0[i * k + l].to_bits(), expected.to_bits(), "({i}, {l})");
+            }
+        }
+    }
+
     #[test]
     fn the_rotation_is_orthogonal() {
         let m = mixing_rotation(37);

@@ -79,6 +79,8 @@ impl Kernel {
         if rows == 0 || len == 0 {
             return;
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("a Kernel exists only on x86_64 ({write:?})");
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a Kernel exists only where the CPU has AVX-512F; the lengths of `out`
         // and `b` are asserted above and the panel holds `rows.div_ceil(MR) * inner *
