@@ -718,17 +718,22 @@ pub(crate) enum FactorB<'a> {
     Rotated(Vec<f32>),
 }
 
-/// $B_0 = B M^\top$ for $B = U \mathrm{diag}(w)$ narrowed to f32 (`u`: the
-/// factorization's left basis, `scale`: $w$, `k` of them), without B itself: each task
+/// $B_0 = B M^\top$ for $B = U \mathrm{diag}(w)$ narrowed to f32 (`u(i, l)`: entry
+/// `(i, l)` of the factorization's left basis, `rows` of them per column; `scale`: $w$,
+/// `k` of them), without B itself: each task
 /// packs its 256 rows of B straight from U's columns into the kernel's panel and
 /// multiplies them by $M^\top$ ([`block_product`]). The entries of B are those of
 /// `split::f32_factors`, and each entry of $B_0$ is the same sum in the same order as
 /// the product of that B (faer's kernels also sum the 256 terms in order): bit for bit
 /// what [`cast_aware`] forms from [`FactorB::Rows`], less a 17.8 MB matrix written and
 /// read again on a 17408-row factor. `None` without the AVX-512 kernel.
-pub(crate) fn rotated_basis(u: MatRef<'_, f64>, scale: &[f64]) -> Option<Vec<f32>> {
+pub(crate) fn rotated_basis(
+    u: impl Fn(usize, usize) -> f64 + Sync,
+    rows: usize,
+    scale: &[f64],
+) -> Option<Vec<f32>> {
     let kernel = Kernel::detect()?;
-    let (rows, k) = (u.nrows(), scale.len());
+    let k = scale.len();
     let rotation = rotation_f32(k);
     // M^T row-major: entry (m, l) is M's (l, m).
     let mt: Vec<f32> = (0..k * k).map(|i| rotation[(i % k, i / k)]).collect();
@@ -738,7 +743,7 @@ pub(crate) fn rotated_basis(u: MatRef<'_, f64>, scale: &[f64]) -> Option<Vec<f32
         .for_each(|(task, out)| {
             let first = task * VECTORS_PER_TASK;
             let len = out.len() / k;
-            let panel = Panel::from_fn(len, k, |i, l| (u[(first + i, l)] * scale[l]) as f32);
+            let panel = Panel::from_fn(len, k, |i, l| (u(first + i, l) * scale[l]) as f32);
             kernel.product(out, &panel, &mt, k, Write::Replace);
         });
     Some(b0)
@@ -1411,7 +1416,7 @@ mod tests {
             ((i * 31 + j * 17) % 97) as f64 / 97.0 - 0.5 + if i == j { 1.0 } else { 0.0 }
         });
         let w: Vec<f64> = (0..k).map(|l| 3.0 * 0.9f64.powi(l as i32)).collect();
-        let Some(b0) = rotated_basis(u.as_ref(), &w) else {
+        let Some(b0) = rotated_basis(|i, l| u[(i, l)], rows, &w) else {
             return;
         };
         let m = rotation_f32(k);

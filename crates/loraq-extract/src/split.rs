@@ -124,7 +124,7 @@ pub fn split_and_cast(
     if k > 0 {
         let (wb, wa) = split_weights(f, k, split);
         // B M^T formed from U directly where the cast's kernel runs (the same values).
-        if let Some(b0) = rotated_basis(f.u.as_ref(), &wb) {
+        if let Some(b0) = rotated_basis(|i, l| f.u[(i, l)], f.rows, &wb) {
             let a = f32_a(f, &wa);
             return cast_factors(
                 module,
