@@ -38,6 +38,7 @@
 
 use crate::error::{ExtractError, Result};
 use crate::gram;
+use block_product::{Kernel, Panel, Write};
 use faer::linalg::matmul::matmul;
 use faer::linalg::solvers::{DenseSolveCore, Solve};
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
@@ -45,6 +46,9 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
+use std::sync::{Arc, Mutex};
+
+mod block_product;
 
 /// Seed of the mixing rotation (the factors are deterministic for a given rank).
 const ROTATION_SEED: u64 = 0x6c6f_7261_7163_6173;
@@ -84,6 +88,30 @@ pub(crate) fn mixing_rotation(k: usize) -> Mat<f64> {
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
     });
     g.qr().compute_thin_Q()
+}
+
+/// [`mixing_rotation`] narrowed to f32, formed once per rank in a process (a QR of a
+/// `k x k` Gaussian matrix, serial: some milliseconds of every cast otherwise, and the
+/// modules of a model share a few ranks).
+fn rotation_f32(k: usize) -> Arc<Mat<f32>> {
+    static ROTATIONS: Mutex<Vec<(usize, Arc<Mat<f32>>)>> = Mutex::new(Vec::new());
+    let cached = |rotations: &[(usize, Arc<Mat<f32>>)]| {
+        rotations
+            .iter()
+            .find(|(rank, _)| *rank == k)
+            .map(|(_, m)| Arc::clone(m))
+    };
+    // A poisoned lock only means another cast panicked; the list is still valid.
+    if let Some(m) = cached(&ROTATIONS.lock().unwrap_or_else(|e| e.into_inner())) {
+        return m;
+    }
+    let m = Arc::new(narrow(mixing_rotation(k).as_ref()));
+    let mut rotations = ROTATIONS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(existing) = cached(&rotations) {
+        return existing;
+    }
+    rotations.push((k, Arc::clone(&m)));
+    m
 }
 
 /// `x * y` in f32 as a row-major matrix.
@@ -238,101 +266,205 @@ enum Vectors {
     Columns,
 }
 
+/// The operands of a rounding's block products that every task shares, packed once for
+/// the AVX-512 kernel ([`block_product`]): per block of [`FEEDBACK_BLOCK`] entries the
+/// rows of $U^\top$ that carry the earlier entries' errors to the block and the rows of
+/// $H$ that give its gradients, and the refit's $T^\top$.
+struct Panels {
+    kernel: Kernel,
+    /// Block `b`: $U^\top$ rows `32 b..`, columns (earlier entries) `..32 b`; `None`
+    /// for the first block or without feedback.
+    feedback: Vec<Option<Panel>>,
+    /// Block `b`: $H$ rows `32 b..`, every column; empty without sweeps.
+    gradient: Vec<Panel>,
+    /// $T^\top$ (`k x k`) where the task forms its rows of $x T$.
+    transform: Option<Panel>,
+}
+
+impl Panels {
+    fn new(
+        kernel: Kernel,
+        feedback: Option<MatRef<'_, f32>>,
+        h: MatRef<'_, f32>,
+        sweeps: usize,
+        transform: Option<MatRef<'_, f32>>,
+    ) -> Panels {
+        let k = h.nrows();
+        let blocks = (0..k).step_by(FEEDBACK_BLOCK).map(|first| {
+            let width = FEEDBACK_BLOCK.min(k - first);
+            (first, width)
+        });
+        Panels {
+            kernel,
+            feedback: blocks
+                .clone()
+                .map(|(first, width)| {
+                    let u = feedback.filter(|_| first > 0)?;
+                    Some(Panel::pack(u.submatrix(0, first, first, width).transpose()))
+                })
+                .collect(),
+            gradient: if sweeps == 0 {
+                Vec::new()
+            } else {
+                blocks
+                    .map(|(first, width)| Panel::pack(h.submatrix(first, 0, width, k)))
+                    .collect()
+            },
+            transform: transform.map(|t| Panel::pack(t.transpose())),
+        }
+    }
+}
+
+/// `len` rows of `k` values (row-major) as the columns of a `k x len` row-major block.
+fn transpose_rows(rows: &[f32], k: usize, len: usize) -> Vec<f32> {
+    let mut block = vec![0f32; k * len];
+    // Eight rows at a time: each read row is sequential, each written row gets eight
+    // consecutive values.
+    for (c, chunk) in rows.chunks(8 * k).enumerate() {
+        for (l, dst) in block.chunks_exact_mut(len).enumerate() {
+            for (i, row) in chunk.chunks_exact(k).enumerate() {
+                dst[8 * c + i] = row[l];
+            }
+        }
+    }
+    block
+}
+
+/// What a rounding with the Gram matrix $H$ shares between its tasks: $H$ in f32 and the
+/// upper Cholesky factor $U$ of $H^{-1}$ ($H^{-1} = U^\top U$), `None` when $H$ is not
+/// positive definite to f64 precision. Formed apart from [`round_vectors`] so that the
+/// `k x k` factorizations can run alongside other `k x k` work.
+struct Rounding {
+    h32: Mat<f32>,
+    feedback: Option<Mat<f32>>,
+}
+
+impl Rounding {
+    fn new(h: MatRef<'_, f64>) -> Rounding {
+        let k = h.nrows();
+        // U = L^T with L L^T = H^-1.
+        let feedback: Option<Mat<f32>> = (|| {
+            let inverse = h.llt(Side::Lower).ok()?.inverse();
+            let l = inverse.llt(Side::Lower).ok()?;
+            let u = narrow(l.L().transpose());
+            (0..k).all(|i| u[(i, i)] > 0.0).then_some(u)
+        })();
+        Rounding {
+            h32: narrow(h),
+            feedback,
+        }
+    }
+}
+
 /// Rounds every vector of `x` (`k` entries each, laid out as `layout` says) to bf16 so
 /// that $e H e^\top$ is small for each vector's error $e$: sequential rounding with
 /// error feedback through the upper Cholesky factor of $H^{-1}$, then `sweeps` sweeps
 /// of single-ulp moves that lower the loss. Without feedback (plain round-to-nearest)
-/// when $H$ is not positive definite to f64 precision. Tasks of [`VECTORS_PER_TASK`]
-/// vectors run in parallel. Also returns the loss $\sum e H e^\top$ over the vectors
-/// as the rounding tracked it ([`round_block`]), `None` without feedback.
+/// when $H$ is not positive definite to f64 precision ([`Rounding`]). Tasks of
+/// [`VECTORS_PER_TASK`] vectors run in parallel; rows (`Vectors::Rows`) are written
+/// into the output by the task that rounds them. Also returns the loss $\sum e H
+/// e^\top$ over the vectors as the rounding tracked it ([`round_block`]), `None`
+/// without feedback.
 fn round_vectors(
     x: &[f32],
     k: usize,
     layout: Vectors,
-    h: MatRef<'_, f64>,
+    rounding: &Rounding,
     sweeps: usize,
     transform: Option<MatRef<'_, f32>>,
 ) -> (Vec<bf16>, Option<f64>) {
     let count = x.len() / k.max(1);
-    // Upper Cholesky factor of H^-1: H^-1 = U^T U, U = L^T with L L^T = H^-1.
-    let feedback: Option<Mat<f32>> = (|| {
-        let inverse = h.llt(Side::Lower).ok()?.inverse();
-        let l = inverse.llt(Side::Lower).ok()?;
-        let u = narrow(l.L().transpose());
-        (0..k).all(|i| u[(i, i)] > 0.0).then_some(u)
-    })();
-    let h32 = narrow(h);
-    let tasks: Vec<(usize, Vec<f32>, f64)> = (0..count.div_ceil(VECTORS_PER_TASK))
-        .into_par_iter()
-        .map(|task| {
-            let start = task * VECTORS_PER_TASK;
-            let len = VECTORS_PER_TASK.min(count - start);
-            // The task's vectors as the columns of a k x len row-major block.
-            let mut block = vec![0f32; k * len];
-            match layout {
-                Vectors::Rows => match transform {
+    let Rounding { h32, feedback } = rounding;
+    let panels = Kernel::detect().map(|kernel| {
+        Panels::new(
+            kernel,
+            feedback.as_ref().map(Mat::as_ref),
+            h32.as_ref(),
+            sweeps,
+            transform,
+        )
+    });
+    let round_task = |task: usize| -> (Vec<f32>, f64) {
+        let start = task * VECTORS_PER_TASK;
+        let len = VECTORS_PER_TASK.min(count - start);
+        // The task's vectors as the columns of a k x len row-major block.
+        let mut block = vec![0f32; k * len];
+        match layout {
+            Vectors::Rows => {
+                let rows = &x[start * k..(start + len) * k];
+                match (transform, &panels) {
                     // The task's rows of x T, formed here as (T^T x_rows^T): no
-                    // product of all the rows first, no transposition.
-                    Some(t) => matmul(
+                    // product of all the rows first.
+                    (Some(_), Some(panels)) => {
+                        let transposed = transpose_rows(rows, k, len);
+                        let t = panels
+                            .transform
+                            .as_ref()
+                            .expect("packed with the transform");
+                        panels
+                            .kernel
+                            .product(&mut block, t, &transposed, len, Write::Replace);
+                    }
+                    (Some(t), None) => matmul(
                         MatMut::from_row_major_slice_mut(&mut block, k, len),
                         Accum::Replace,
                         t.transpose(),
-                        MatRef::from_row_major_slice(&x[start * k..(start + len) * k], len, k)
-                            .transpose(),
+                        MatRef::from_row_major_slice(rows, len, k).transpose(),
                         1.0,
                         Par::Seq,
                     ),
-                    None => {
-                        for (i, row) in x[start * k..(start + len) * k].chunks_exact(k).enumerate()
-                        {
-                            for (l, &v) in row.iter().enumerate() {
-                                block[l * len + i] = v;
-                            }
-                        }
-                    }
-                },
-                Vectors::Columns => {
-                    for (l, dst) in block.chunks_exact_mut(len).enumerate() {
-                        dst.copy_from_slice(&x[l * count + start..l * count + start + len]);
-                    }
+                    (None, _) => block = transpose_rows(rows, k, len),
                 }
             }
-            let (rounded, loss) = round_block(
-                &block,
-                k,
-                len,
-                feedback.as_ref().map(Mat::as_ref),
-                h32.as_ref(),
-                sweeps,
-            );
-            (start, rounded, loss)
-        })
-        .collect();
-    // Summed in task order: the same figure whatever the thread count.
-    let loss = feedback
-        .is_some()
-        .then(|| tasks.iter().map(|(_, _, loss)| loss).sum::<f64>());
+            Vectors::Columns => {
+                for (l, dst) in block.chunks_exact_mut(len).enumerate() {
+                    dst.copy_from_slice(&x[l * count + start..l * count + start + len]);
+                }
+            }
+        }
+        round_block(
+            &block,
+            k,
+            len,
+            feedback.as_ref().map(Mat::as_ref),
+            h32.as_ref(),
+            sweeps,
+            panels.as_ref(),
+        )
+    };
     let mut out = vec![bf16::ZERO; x.len()];
-    match layout {
-        Vectors::Rows => {
-            out.par_chunks_mut(VECTORS_PER_TASK * k)
-                .zip(&tasks)
-                .for_each(|(dst, (_, rounded, _))| {
-                    let len = dst.len() / k;
-                    for (i, row) in dst.chunks_exact_mut(k).enumerate() {
-                        for (l, v) in row.iter_mut().enumerate() {
-                            *v = exact_bf16(rounded[l * len + i]);
+    let losses: Vec<f64> = match layout {
+        Vectors::Rows => out
+            .par_chunks_mut((VECTORS_PER_TASK * k).max(1))
+            .enumerate()
+            .map(|(task, dst)| {
+                let (rounded, loss) = round_task(task);
+                // Back to rows, eight at a time: each read is eight consecutive values
+                // of the block, each written row sequential.
+                let len = dst.len() / k;
+                for (c, chunk) in dst.chunks_mut(8 * k).enumerate() {
+                    for l in 0..k {
+                        let src = &rounded[l * len + 8 * c..];
+                        for (i, row) in chunk.chunks_exact_mut(k).enumerate() {
+                            row[l] = exact_bf16(src[i]);
                         }
                     }
-                });
-        }
+                }
+                loss
+            })
+            .collect(),
         Vectors::Columns => {
+            let tasks: Vec<(Vec<f32>, f64)> = (0..count.div_ceil(VECTORS_PER_TASK))
+                .into_par_iter()
+                .map(round_task)
+                .collect();
             out.par_chunks_mut(count.max(1))
                 .enumerate()
                 .for_each(|(l, dst)| {
-                    for (start, rounded, _) in &tasks {
+                    for (task, (rounded, _)) in tasks.iter().enumerate() {
+                        let start = task * VECTORS_PER_TASK;
                         let len = rounded.len() / k;
-                        for (d, &v) in dst[*start..start + len]
+                        for (d, &v) in dst[start..start + len]
                             .iter_mut()
                             .zip(&rounded[l * len..(l + 1) * len])
                         {
@@ -340,8 +472,11 @@ fn round_vectors(
                         }
                     }
                 });
+            tasks.into_iter().map(|(_, loss)| loss).collect()
         }
-    }
+    };
+    // Summed in task order: the same figure whatever the thread count.
+    let loss = feedback.is_some().then(|| losses.iter().sum::<f64>());
     (out, loss)
 }
 
@@ -359,13 +494,14 @@ fn round_block(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
     sweeps: usize,
+    panels: Option<&Panels>,
 ) -> (Vec<f32>, f64) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has the feature the function is compiled for.
-        return unsafe { round_block_avx512(x, k, len, feedback, h, sweeps) };
+        return unsafe { round_block_avx512(x, k, len, feedback, h, sweeps, panels) };
     }
-    round_block_body(x, k, len, feedback, h, sweeps)
+    round_block_body(x, k, len, feedback, h, sweeps, panels)
 }
 
 /// [`round_block_body`] compiled for AVX-512.
@@ -378,8 +514,9 @@ unsafe fn round_block_avx512(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
     sweeps: usize,
+    panels: Option<&Panels>,
 ) -> (Vec<f32>, f64) {
-    round_block_body(x, k, len, feedback, h, sweeps)
+    round_block_body(x, k, len, feedback, h, sweeps, panels)
 }
 
 /// The work of [`round_block`]. Both phases are ordered so that the products which
@@ -409,6 +546,7 @@ fn round_block_body(
     feedback: Option<MatRef<'_, f32>>,
     h: MatRef<'_, f32>,
     sweeps: usize,
+    panels: Option<&Panels>,
 ) -> (Vec<f32>, f64) {
     let round = round_to_bf16_f32;
     let mut q = vec![0f32; k * len];
@@ -430,14 +568,22 @@ fn round_block_body(
         if let Some(u) = feedback
             && first > 0
         {
-            matmul(
-                MatMut::from_row_major_slice_mut(work, width, len),
-                Accum::Add,
-                u.submatrix(0, first, first, width).transpose(),
-                MatRef::from_row_major_slice(&scaled[..first * len], first, len),
-                -1.0,
-                Par::Seq,
-            );
+            let earlier = &scaled[..first * len];
+            match panels
+                .and_then(|p| Some((p.kernel, p.feedback[first / FEEDBACK_BLOCK].as_ref()?)))
+            {
+                Some((kernel, panel)) => {
+                    kernel.product(work, panel, earlier, len, Write::Subtract);
+                }
+                None => matmul(
+                    MatMut::from_row_major_slice_mut(work, width, len),
+                    Accum::Add,
+                    u.submatrix(0, first, first, width).transpose(),
+                    MatRef::from_row_major_slice(earlier, first, len),
+                    -1.0,
+                    Par::Seq,
+                ),
+            }
         }
         for l in first..end {
             let (done, later) = work.split_at_mut((l - first + 1) * len);
@@ -478,14 +624,20 @@ fn round_block_body(
         for first in (0..k).step_by(FEEDBACK_BLOCK) {
             let end = (first + FEEDBACK_BLOCK).min(k);
             let width = end - first;
-            matmul(
-                MatMut::from_row_major_slice_mut(&mut local[..width * len], width, len),
-                Accum::Replace,
-                h.submatrix(first, 0, width, k),
-                MatRef::from_row_major_slice(&errors, k, len),
-                1.0,
-                Par::Seq,
-            );
+            let gradients = &mut local[..width * len];
+            match panels.and_then(|p| Some((p.kernel, p.gradient.get(first / FEEDBACK_BLOCK)?))) {
+                Some((kernel, panel)) => {
+                    kernel.product(gradients, panel, &errors, len, Write::Replace);
+                }
+                None => matmul(
+                    MatMut::from_row_major_slice_mut(gradients, width, len),
+                    Accum::Replace,
+                    h.submatrix(first, 0, width, k),
+                    MatRef::from_row_major_slice(&errors, k, len),
+                    1.0,
+                    Par::Seq,
+                ),
+            }
             for l in first..end {
                 let hll = h[(l, l)];
                 let (current, later) = local.split_at_mut((l - first + 1) * len);
@@ -558,11 +710,50 @@ pub(crate) struct CastPair {
     pub(crate) error_sq: Option<f64>,
 }
 
+/// The first factor handed to [`cast_aware`].
+pub(crate) enum FactorB<'a> {
+    /// B, `out_features x k` row-major, which the cast rotates ($B_0 = B M^\top$).
+    Rows(&'a [f32]),
+    /// $B_0 = B M^\top$, already formed ([`rotated_basis`]).
+    Rotated(Vec<f32>),
+}
+
+/// $B_0 = B M^\top$ for $B = U \mathrm{diag}(w)$ narrowed to f32 (`u(i, l)`: entry
+/// `(i, l)` of the factorization's left basis, `rows` of them per column; `scale`: $w$,
+/// `k` of them), without B itself: each task
+/// packs its 256 rows of B straight from U's columns into the kernel's panel and
+/// multiplies them by $M^\top$ ([`block_product`]). The entries of B are those of
+/// `split::f32_factors`, and each entry of $B_0$ is the same sum in the same order as
+/// the product of that B (faer's kernels also sum the 256 terms in order): bit for bit
+/// what [`cast_aware`] forms from [`FactorB::Rows`], less a 17.8 MB matrix written and
+/// read again on a 17408-row factor. `None` without the AVX-512 kernel.
+pub(crate) fn rotated_basis(
+    u: impl Fn(usize, usize) -> f64 + Sync,
+    rows: usize,
+    scale: &[f64],
+) -> Option<Vec<f32>> {
+    let kernel = Kernel::detect()?;
+    let k = scale.len();
+    let rotation = rotation_f32(k);
+    // M^T row-major: entry (m, l) is M's (l, m).
+    let mt: Vec<f32> = (0..k * k).map(|i| rotation[(i % k, i / k)]).collect();
+    let mut b0 = vec![0f32; rows * k];
+    b0.par_chunks_mut((VECTORS_PER_TASK * k).max(1))
+        .enumerate()
+        .for_each(|(task, out)| {
+            let first = task * VECTORS_PER_TASK;
+            let len = out.len() / k;
+            let panel = Panel::from_fn(len, k, |i, l| (u(first + i, l) * scale[l]) as f32);
+            kernel.product(out, &panel, &mt, k, Write::Replace);
+        });
+    Some(b0)
+}
+
 /// The cast-aware bf16 pair of B and A (module doc).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cast_aware(
     module: &str,
-    b: &[f32],
+    b: FactorB<'_>,
     a: &[f32],
     out_features: usize,
     in_features: usize,
@@ -570,15 +761,18 @@ pub(crate) fn cast_aware(
     weights: Option<&[f32]>,
     par: Par,
 ) -> Result<CastPair> {
-    let rotation = narrow(mixing_rotation(k).as_ref());
+    let rotation = rotation_f32(k);
     // B0 = B M^T, A0 = M A.
-    let b0 = product(
-        MatRef::from_row_major_slice(b, out_features, k),
-        rotation.transpose(),
-        par,
-    );
+    let b0 = match b {
+        FactorB::Rows(b) => product(
+            MatRef::from_row_major_slice(b, out_features, k),
+            rotation.transpose(),
+            par,
+        ),
+        FactorB::Rotated(b0) => b0,
+    };
     let a0 = product(
-        rotation.as_ref(),
+        rotation.as_ref().as_ref(),
         MatRef::from_row_major_slice(a, k, in_features),
         par,
     );
@@ -617,22 +811,37 @@ pub(crate) fn cast_aware(
     let b0tb0 = tall_cross_f64(&b0, None, k);
     let (first_a, first_b) = POLISH_SWEEPS_FIRST;
     let (alternation_a, alternation_b) = POLISH_SWEEPS_ALTERNATION;
-    let (mut aq, _) = round_vectors(&a0, k, Vectors::Columns, b0tb0.as_ref(), first_a, None);
+    let (mut aq, _) = round_vectors(
+        &a0,
+        k,
+        Vectors::Columns,
+        &Rounding::new(b0tb0.as_ref()),
+        first_a,
+        None,
+    );
     finite(WHAT_A, &aq)?;
     let RoundedB { mut bq, mut refit } = refit_and_round_b(&b0, &a0, &aq, k, weights, first_b);
     finite(WHAT_B, &bq)?;
     for _ in 0..ALTERNATIONS {
         // A = (Bq^T Bq)^-1 (Bq^T B0) A0, rounded with H = Bq^T Bq.
         let (btb, btb0) = rounded_grams(&bq, &b0, b0tb0.as_ref(), k);
-        let Some(t) = spd_solve(btb.as_ref(), btb0.as_ref()) else {
+        // The rounding's k x k factorizations (serial) alongside the solve and the
+        // product (parallel).
+        let (a1, rounding) = rayon::join(
+            || {
+                let t = spd_solve(btb.as_ref(), btb0.as_ref())?;
+                Some(product(
+                    narrow(t.as_ref()).as_ref(),
+                    MatRef::from_row_major_slice(&a0, k, in_features),
+                    par,
+                ))
+            },
+            || Rounding::new(btb.as_ref()),
+        );
+        let Some(a1) = a1 else {
             break;
         };
-        let a1 = product(
-            narrow(t.as_ref()).as_ref(),
-            MatRef::from_row_major_slice(&a0, k, in_features),
-            par,
-        );
-        let (aq1, _) = round_vectors(&a1, k, Vectors::Columns, btb.as_ref(), alternation_a, None);
+        let (aq1, _) = round_vectors(&a1, k, Vectors::Columns, &rounding, alternation_a, None);
         if finite(WHAT_A, &aq1).is_err() {
             break;
         }
@@ -738,9 +947,14 @@ fn refit_and_round_b(
     let gram = wide_cross_f64(&aqf, None, k, weights);
     let cross = wide_cross_f64(a0, Some(&aqf), k, weights);
     drop(aqf);
-    // B = B0 (A0 W^2 Aq^T) (Aq W^2 Aq^T)^-1 = B0 T, T = cross G^-1 = (G^-1 cross^T)^T.
-    let Some(t) = spd_solve(gram.as_ref(), cross.transpose()) else {
-        let (bq, _) = round_vectors(b0, k, Vectors::Rows, gram.as_ref(), sweeps, None);
+    // B = B0 (A0 W^2 Aq^T) (Aq W^2 Aq^T)^-1 = B0 T, T = cross G^-1 = (G^-1 cross^T)^T;
+    // the rounding's own factorizations of G alongside.
+    let (t, rounding) = rayon::join(
+        || spd_solve(gram.as_ref(), cross.transpose()),
+        || Rounding::new(gram.as_ref()),
+    );
+    let Some(t) = t else {
+        let (bq, _) = round_vectors(b0, k, Vectors::Rows, &rounding, sweeps, None);
         return RoundedB { bq, refit: None };
     };
     let refit = narrow(t.transpose());
@@ -748,7 +962,7 @@ fn refit_and_round_b(
         b0,
         k,
         Vectors::Rows,
-        gram.as_ref(),
+        &rounding,
         sweeps,
         Some(refit.as_ref()),
     );
@@ -924,7 +1138,7 @@ mod tests {
         let nearest = |x: &[f32]| -> Vec<bf16> { x.iter().map(|&v| bf16::from_f32(v)).collect() };
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
         let CastPair { bq, aq, b0, a0, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         // The rotated f32 pair is the same product to f32 precision.
         let rotated = dense_error(&nearest(&b0), &nearest(&a0), &b, &a, rows, cols, k);
@@ -937,7 +1151,7 @@ mod tests {
         let (b, a) = decaying_factors(rows, cols, k, 1.0);
         let plain = dense_error(&nearest(&b), &nearest(&a), &b, &a, rows, cols, k);
         let CastPair { bq, aq, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
         let aware = dense_error(&bq, &aq, &b, &a, rows, cols, k);
         assert!(
             aware < plain,
@@ -955,7 +1169,8 @@ mod tests {
         let (rows, cols, k) = (384usize, 192usize, 32usize);
         for decay in [30.0, 1.0] {
             let (b, a) = decaying_factors(rows, cols, k, decay);
-            let pair = cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            let pair =
+                cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
             let estimate = pair.error_sq.expect("an unweighted refit").sqrt();
             let dense = dense_error(&pair.bq, &pair.aq, &pair.b0, &pair.a0, rows, cols, k);
             assert!(
@@ -965,7 +1180,17 @@ mod tests {
         }
         let (b, a) = decaying_factors(rows, cols, k, 30.0);
         let weights: Vec<f32> = (0..cols).map(|j| 1.0 + (j % 5) as f32).collect();
-        let pair = cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
+        let pair = cast_aware(
+            "m",
+            FactorB::Rows(&b),
+            &a,
+            rows,
+            cols,
+            k,
+            Some(&weights),
+            Par::Seq,
+        )
+        .unwrap();
         assert!(pair.error_sq.is_none());
     }
 
@@ -993,10 +1218,19 @@ mod tests {
             sum.sqrt()
         };
         let CastPair { bq, aq, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, None, Par::Seq).unwrap();
+            cast_aware("m", FactorB::Rows(&b), &a, rows, cols, k, None, Par::Seq).unwrap();
         let unweighted = weighted_error(&bq, &aq);
-        let CastPair { bq, aq, .. } =
-            cast_aware("m", &b, &a, rows, cols, k, Some(&weights), Par::Seq).unwrap();
+        let CastPair { bq, aq, .. } = cast_aware(
+            "m",
+            FactorB::Rows(&b),
+            &a,
+            rows,
+            cols,
+            k,
+            Some(&weights),
+            Par::Seq,
+        )
+        .unwrap();
         let weighted = weighted_error(&bq, &aq);
         assert!(weighted < unweighted, "{weighted} vs {unweighted}");
     }
@@ -1060,7 +1294,14 @@ mod tests {
                 round_one_by_one(&row.iter().map(|&v| v as f64).collect::<Vec<_>>(), &h)
             })
             .collect();
-        let (by_rows, _) = round_vectors(&b, k, Vectors::Rows, h.as_ref(), POLISH_SWEEPS, None);
+        let (by_rows, _) = round_vectors(
+            &b,
+            k,
+            Vectors::Rows,
+            &Rounding::new(h.as_ref()),
+            POLISH_SWEEPS,
+            None,
+        );
         let columns: Vec<f32> = (0..k * count)
             .map(|i| b[(i % count) * k + i / count])
             .collect();
@@ -1068,7 +1309,7 @@ mod tests {
             &columns,
             k,
             Vectors::Columns,
-            h.as_ref(),
+            &Rounding::new(h.as_ref()),
             POLISH_SWEEPS,
             None,
         );
@@ -1135,20 +1376,58 @@ mod tests {
             ((i * 31 + j * 17) % 23) as f64 / 23.0 - 0.5 + if i == j { 2.0 } else { 0.0 }
         });
         let h = g.transpose() * &g;
-        let (fused, fused_loss) =
-            round_vectors(&x, k, Vectors::Rows, h.as_ref(), 2, Some(t.as_ref()));
+        let (fused, fused_loss) = round_vectors(
+            &x,
+            k,
+            Vectors::Rows,
+            &Rounding::new(h.as_ref()),
+            2,
+            Some(t.as_ref()),
+        );
         let target = product(
             MatRef::from_row_major_slice(&x, count, k),
             t.as_ref(),
             Par::Seq,
         );
-        let (plain, plain_loss) = round_vectors(&target, k, Vectors::Rows, h.as_ref(), 2, None);
+        let (plain, plain_loss) = round_vectors(
+            &target,
+            k,
+            Vectors::Rows,
+            &Rounding::new(h.as_ref()),
+            2,
+            None,
+        );
         let differ = fused.iter().zip(&plain).filter(|(a, b)| a != b).count();
         // Equal, unless the two products round a value differently in its last f32 bit
         // and that settles a near tie the other way.
         assert!(differ * 1000 <= count * k, "{differ} entries differ");
         let (a, b) = (fused_loss.unwrap(), plain_loss.unwrap());
         assert!((a / b - 1.0).abs() < 1e-3, "loss {a} vs {b}");
+    }
+
+    /// $B M^\top$ formed from the basis by the kernel is, bit for bit, each entry of the
+    /// f32 B (`split::f32_factors`'s rounding of $U_{il} w_l$) times $M^\top$ summed in
+    /// order with one rounding per multiply-add, on a row count that is not a multiple
+    /// of the tasks' 256 rows nor of the kernel's 8.
+    #[test]
+    fn rotated_basis_is_the_in_order_product() {
+        let (rows, k) = (300usize, 40usize);
+        let u = Mat::<f64>::from_fn(rows, k, |i, j| {
+            ((i * 31 + j * 17) % 97) as f64 / 97.0 - 0.5 + if i == j { 1.0 } else { 0.0 }
+        });
+        let w: Vec<f64> = (0..k).map(|l| 3.0 * 0.9f64.powi(l as i32)).collect();
+        let Some(b0) = rotated_basis(|i, l| u[(i, l)], rows, &w) else {
+            return;
+        };
+        let m = rotation_f32(k);
+        for i in 0..rows {
+            for l in 0..k {
+                let expected = (0..k).fold(0f32, |acc, j| {
+                    ((u[(i, j)] * w[j]) as f32).mul_add(m[(l, j)], acc)
+                });
+                assert_eq!(b0[i * k + l].to_bits(), expected.to_bits(), "({i}, {l})");
+            }
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! From singular triplets to LoRA factors: the split of $S$ between B and A, the bf16
 //! cast (cast-aware: [`crate::cast`]) with finite checks, and the error the cast adds.
 
-use crate::cast::{CastPair, cast_aware};
+use crate::cast::{CastPair, FactorB, cast_aware, rotated_basis};
 use crate::error::Result;
 use crate::factor::Factorization;
 use crate::gram::{tall_cross_f32, tall_lower_gram_f32};
@@ -42,24 +42,51 @@ pub struct CastFactors {
     pub cast_error: f64,
 }
 
-/// bf16 values as little-endian bytes.
+/// bf16 values as little-endian bytes, in parallel chunks of a preallocated buffer (a
+/// `flat_map` over the values grows its vector from zero, one serial pass and several
+/// copies of a 9 MB factor).
 fn to_bytes(values: &[bf16]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|x| x.to_bits().to_le_bytes())
-        .collect()
+    const CHUNK: usize = 1 << 14;
+    let mut bytes = vec![0u8; 2 * values.len()];
+    bytes
+        .par_chunks_mut(2 * CHUNK)
+        .zip(values.par_chunks(CHUNK))
+        .for_each(|(dst, src)| {
+            for (d, x) in dst.chunks_exact_mut(2).zip(src) {
+                d.copy_from_slice(&x.to_bits().to_le_bytes());
+            }
+        });
+    bytes
 }
 
-/// The f32 factors of the rank-`k` truncation: B `[rows, k]` and A `[k, cols]`, row-major.
-pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<f32>) {
-    let k = k.min(f.kept());
-    let (wb, wa): (Vec<f64>, Vec<f64>) = f.s[..k]
+/// The weights of the first `k` singular vectors in B and in A.
+fn split_weights(f: &Factorization, k: usize, split: Split) -> (Vec<f64>, Vec<f64>) {
+    f.s[..k]
         .iter()
         .map(|&s| match split {
             Split::Balanced => (s.sqrt(), s.sqrt()),
             Split::OrthonormalA => (s, 1.0),
         })
-        .unzip();
+        .unzip()
+}
+
+/// A `[k, cols]` row-major: row `l` is column `l` of V times `wa[l]`, in f32.
+fn f32_a(f: &Factorization, wa: &[f64]) -> Vec<f32> {
+    let mut a = vec![0f32; wa.len() * f.cols];
+    a.par_chunks_mut(f.cols.max(1))
+        .enumerate()
+        .for_each(|(l, row)| {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = (wa[l] * f.v.get(j, l)) as f32;
+            }
+        });
+    a
+}
+
+/// The f32 factors of the rank-`k` truncation: B `[rows, k]` and A `[k, cols]`, row-major.
+pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<f32>) {
+    let k = k.min(f.kept());
+    let (wb, wa) = split_weights(f, k, split);
     // U is column-major: blocks of rows, each filled column by column (reading U by
     // rows would touch one cache line per value).
     const BLOCK_ROWS: usize = 64;
@@ -76,13 +103,7 @@ pub fn f32_factors(f: &Factorization, k: usize, split: Split) -> (Vec<f32>, Vec<
                 }
             }
         });
-    let mut a = vec![0f32; k * f.cols];
-    a.par_chunks_mut(f.cols).enumerate().for_each(|(l, row)| {
-        for (j, x) in row.iter_mut().enumerate() {
-            *x = (wa[l] * f.v.get(j, l)) as f32;
-        }
-    });
-    (b, a)
+    (b, f32_a(f, &wa))
 }
 
 /// Splits and casts to bf16 cast-aware ([`crate::cast`]), and measures the cast error
@@ -100,6 +121,23 @@ pub fn split_and_cast(
     par: Par,
 ) -> Result<CastFactors> {
     let k = k.min(f.kept());
+    if k > 0 {
+        let (wb, wa) = split_weights(f, k, split);
+        // B M^T formed from U directly where the cast's kernel runs (the same values).
+        if let Some(b0) = rotated_basis(|i, l| f.u.get(i, l), f.rows, &wb) {
+            let a = f32_a(f, &wa);
+            return cast_factors(
+                module,
+                FactorB::Rotated(b0),
+                &a,
+                f.rows,
+                f.cols,
+                k,
+                None,
+                par,
+            );
+        }
+    }
     let (b, a) = f32_factors(f, k, split);
     cast_pair(module, &b, &a, f.rows, f.cols, k, None, par)
 }
@@ -113,6 +151,21 @@ pub fn split_and_cast(
 pub fn cast_pair(
     module: &str,
     b: &[f32],
+    a: &[f32],
+    rows: usize,
+    cols: usize,
+    k: usize,
+    weights: Option<&[f32]>,
+    par: Par,
+) -> Result<CastFactors> {
+    cast_factors(module, FactorB::Rows(b), a, rows, cols, k, weights, par)
+}
+
+/// [`cast_pair`] for either form of B ([`FactorB`]).
+#[allow(clippy::too_many_arguments)]
+fn cast_factors(
+    module: &str,
+    b: FactorB<'_>,
     a: &[f32],
     rows: usize,
     cols: usize,
