@@ -122,6 +122,56 @@ struct Loader<'a> {
     device: &'a Device,
     /// Where statistics-collecting linears register their sums; `None` when off.
     input_stats: Option<InputStatsRegistry>,
+    /// Build the kernels' CPU linears with their weights decoded once into the prefill
+    /// GEMM's f32 panels ([`PACKED_PANEL_BUDGET`]).
+    pack_panels: bool,
+}
+
+/// The most memory [`Model::load`] spends on the CPU linears' packed f32 panels
+/// (`loraq_kernels::QuantLoraLinear::with_packed_panels`): a model whose linears all
+/// fit as f32 within it has every weight decoded once at load, so that prefill reads
+/// the panels instead of decoding each block's again for every tile of tokens (2.5-3%
+/// of a 512-token prefill's time on the demo model, whose panels take 108 MB); a
+/// larger model (anything past a fraction of a billion parameters) keeps decoding per
+/// tile, at no memory cost. All or none: the results are the same bits either way.
+pub const PACKED_PANEL_BUDGET: usize = 512 << 20;
+
+/// The `[out, in]` shape of every linear [`Model::load`] builds for `c` (for the panel
+/// budget; the shapes are checked against the checkpoint as each is loaded).
+fn linear_shapes(c: &TextConfig) -> Vec<(usize, usize)> {
+    let h = c.hidden;
+    let mut shapes = Vec::new();
+    for layer_type in &c.layer_types {
+        match layer_type {
+            LayerType::LinearAttention => {
+                let key_dim = c.linear_key_heads * c.linear_key_dim;
+                let value_dim = c.linear_value_heads * c.linear_value_dim;
+                shapes.extend([
+                    (2 * key_dim + value_dim, h),
+                    (value_dim, h),
+                    (c.linear_value_heads, h),
+                    (c.linear_value_heads, h),
+                    (h, value_dim),
+                ]);
+            }
+            LayerType::FullAttention => {
+                let q_out = c.attention_heads * c.head_dim * if c.attn_output_gate { 2 } else { 1 };
+                let kv_out = c.kv_heads * c.head_dim;
+                shapes.extend([
+                    (q_out, h),
+                    (kv_out, h),
+                    (kv_out, h),
+                    (h, c.attention_heads * c.head_dim),
+                ]);
+            }
+        }
+        shapes.extend([
+            (c.intermediate, h),
+            (c.intermediate, h),
+            (h, c.intermediate),
+        ]);
+    }
+    shapes
 }
 
 impl Loader<'_> {
@@ -325,7 +375,13 @@ impl Loader<'_> {
                 })
                 .transpose()
                 .map_err(kernel_err)?;
-            let linear = backend.build(weight, lora, act_quant).map_err(kernel_err)?;
+            // Panels only where the kernels run the prefill (not the AMX tiles).
+            let linear = if self.pack_panels && amx_weight.is_none() {
+                backend.build_with_packed_panels(weight, lora, act_quant)
+            } else {
+                backend.build(weight, lora, act_quant)
+            }
+            .map_err(kernel_err)?;
             let linear: Linear = Box::new(KernelLinear::new(module_path.to_string(), linear));
             // A module with LoRA factors the tiles cannot take (f32) stays on the kernels.
             let amx = amx.filter(|_| amx_lora.is_some() || !has_adapter);
@@ -704,12 +760,22 @@ impl Model {
             .map(|dir| LoraAdapter::open_for(dir, checkpoint))
             .transpose()?;
         let prefix = backbone_prefix(checkpoint)?;
+        let kernels = options.backend.kernels()?;
+        let pack_panels = kernels.as_ref().is_some_and(|backend| {
+            linear_shapes(&config)
+                .iter()
+                .try_fold(0usize, |total, &(out, inp)| {
+                    total.checked_add(backend.packed_panel_bytes(out, inp)?)
+                })
+                .is_some_and(|total| total <= PACKED_PANEL_BUDGET)
+        });
         let mut loader = Loader {
             base: &base,
             checkpoint,
             act_quant: options.act_quant,
             backend: options.backend,
-            kernels: options.backend.kernels()?,
+            kernels,
+            pack_panels,
             linears_by_backend: std::collections::BTreeMap::new(),
             adapter: adapter.as_ref().zip(adapter_dir),
             used_adapter_modules: BTreeSet::new(),
