@@ -79,6 +79,47 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// Bytes the panels of [`Backend::build_with_packed_panels`] take for an
+    /// `out_features x in_features` weight on this backend: `Some` on the CPU backend
+    /// (the only one that packs them; also `None` on overflow).
+    pub fn packed_panel_bytes(&self, out_features: usize, in_features: usize) -> Option<usize> {
+        match self {
+            Self::Cpu(options) => crate::cpu::gemm::packed_panels_len(
+                options.resolved_isa(),
+                out_features,
+                in_features,
+            )?
+            .checked_mul(std::mem::size_of::<f32>()),
+            _ => None,
+        }
+    }
+
+    /// As [`Backend::build`], with the CPU backend's base weight decoded once into the
+    /// prefill GEMM's f32 panels ([`QuantLoraLinear::with_packed_panels`]: faster
+    /// prefill, [`Backend::packed_panel_bytes`] more memory, the same results); the
+    /// other backends build as [`Backend::build`] does.
+    pub fn build_with_packed_panels(
+        &self,
+        base: QuantizedWeight,
+        lora: Option<LoraAdapter>,
+        activation_quant: ActivationQuant,
+    ) -> Result<Box<dyn LoraLinear>> {
+        match self {
+            Self::Cpu(options) => {
+                let linear = QuantLoraLinear::new(base, lora)?
+                    .with_activation_quant(activation_quant)
+                    .with_packed_panels(*options);
+                Ok(Box::new(CpuLinear {
+                    linear,
+                    options: *options,
+                }))
+            }
+            _ => self.build(base, lora, activation_quant),
+        }
+    }
+}
+
 /// [`Backend::Reference`]'s linear.
 #[derive(Debug)]
 struct ReferenceLinear(QuantLoraLinear);

@@ -1,6 +1,6 @@
 //! The quantized-base + LoRA linear layer.
 
-use crate::cpu::{self, CpuOptions};
+use crate::cpu::{self, CpuOptions, Isa};
 use crate::error::{KernelError, Result};
 use crate::lora::LoraAdapter;
 use loraq_quant::{ActivationQuant, QuantizedWeight};
@@ -19,6 +19,27 @@ pub struct QuantLoraLinear {
     scale_table: Box<[f32; 256]>,
     /// fp8-block128: tile multipliers times 2^120 (`None`: some overflow, two-step decode).
     fp8_rebiased: Option<Vec<f32>>,
+    /// The base weight decoded once into the prefill GEMM's f32 panels
+    /// ([`QuantLoraLinear::with_packed_panels`]).
+    panels: Option<PackedPanels>,
+}
+
+/// A base weight decoded into the f32 panels of the prefill GEMM's micro-kernel for one
+/// instruction set (each block of output rows transposed, `[in_features, rows]`).
+#[derive(Clone)]
+struct PackedPanels {
+    isa: Isa,
+    values: Vec<f32>,
+}
+
+impl std::fmt::Debug for PackedPanels {
+    // Its size, not a hundred million values.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedPanels")
+            .field("isa", &self.isa)
+            .field("values", &self.values.len())
+            .finish()
+    }
 }
 
 impl QuantLoraLinear {
@@ -64,7 +85,39 @@ impl QuantLoraLinear {
             activation_quant: ActivationQuant::None,
             scale_table,
             fp8_rebiased,
+            panels: None,
         })
+    }
+
+    /// Bytes [`Self::with_packed_panels`] would hold for `opts`' instruction set: the
+    /// base weight as f32, its output rows rounded up to the micro-kernel's block
+    /// (`None` on overflow).
+    pub fn packed_panel_bytes(&self, opts: CpuOptions) -> Option<usize> {
+        cpu::gemm::packed_panels_len(opts.resolved_isa(), self.out_features(), self.in_features())?
+            .checked_mul(std::mem::size_of::<f32>())
+    }
+
+    /// Decodes the base weight once, now, into the f32 panels the prefill GEMM
+    /// (batches over [`cpu::GEMV_MAX_BATCH`] tokens on the CPU path with `opts`'
+    /// instruction set) multiplies, instead of decoding every block's panel again for
+    /// every tile of tokens: four bytes a weight ([`Self::packed_panel_bytes`]) beside
+    /// the stored codes, for a model whose weights fit in memory as f32. The panels
+    /// hold the values the per-tile decode writes, so the results are the same bits.
+    pub fn with_packed_panels(mut self, opts: CpuOptions) -> Self {
+        let isa = opts.resolved_isa();
+        self.panels = Some(PackedPanels {
+            isa,
+            values: cpu::pack_base_panels(&self, isa, opts.parallelism),
+        });
+        self
+    }
+
+    /// The packed panels, if they were packed for `isa`.
+    pub(crate) fn packed_panels(&self, isa: Isa) -> Option<&[f32]> {
+        self.panels
+            .as_ref()
+            .filter(|p| p.isa == isa)
+            .map(|p| p.values.as_slice())
     }
 
     /// Sets the activation fake-quant of the base path.

@@ -46,6 +46,9 @@ pub struct Model {
     /// batch faults in no fresh pages (a pass that finds them in use by another
     /// thread's pass allocates its own).
     scratch: Mutex<Activations>,
+    /// Whether linears on the same input may run at once (every backend but CUDA's,
+    /// whose linears share one stream).
+    concurrent_linears: bool,
 }
 
 /// The shared sums of every statistics-collecting linear, and what they were
@@ -122,6 +125,56 @@ struct Loader<'a> {
     device: &'a Device,
     /// Where statistics-collecting linears register their sums; `None` when off.
     input_stats: Option<InputStatsRegistry>,
+    /// Build the kernels' CPU linears with their weights decoded once into the prefill
+    /// GEMM's f32 panels ([`PACKED_PANEL_BUDGET`]).
+    pack_panels: bool,
+}
+
+/// The most memory [`Model::load`] spends on the CPU linears' packed f32 panels
+/// (`loraq_kernels::QuantLoraLinear::with_packed_panels`): a model whose linears all
+/// fit as f32 within it has every weight decoded once at load, so that prefill reads
+/// the panels instead of decoding each block's again for every tile of tokens (2.5-3%
+/// of a 512-token prefill's time on the demo model, whose panels take 108 MB); a
+/// larger model (anything past a fraction of a billion parameters) keeps decoding per
+/// tile, at no memory cost. All or none: the results are the same bits either way.
+pub const PACKED_PANEL_BUDGET: usize = 512 << 20;
+
+/// The `[out, in]` shape of every linear [`Model::load`] builds for `c` (for the panel
+/// budget; the shapes are checked against the checkpoint as each is loaded).
+fn linear_shapes(c: &TextConfig) -> Vec<(usize, usize)> {
+    let h = c.hidden;
+    let mut shapes = Vec::new();
+    for layer_type in &c.layer_types {
+        match layer_type {
+            LayerType::LinearAttention => {
+                let key_dim = c.linear_key_heads * c.linear_key_dim;
+                let value_dim = c.linear_value_heads * c.linear_value_dim;
+                shapes.extend([
+                    (2 * key_dim + value_dim, h),
+                    (value_dim, h),
+                    (c.linear_value_heads, h),
+                    (c.linear_value_heads, h),
+                    (h, value_dim),
+                ]);
+            }
+            LayerType::FullAttention => {
+                let q_out = c.attention_heads * c.head_dim * if c.attn_output_gate { 2 } else { 1 };
+                let kv_out = c.kv_heads * c.head_dim;
+                shapes.extend([
+                    (q_out, h),
+                    (kv_out, h),
+                    (kv_out, h),
+                    (h, c.attention_heads * c.head_dim),
+                ]);
+            }
+        }
+        shapes.extend([
+            (c.intermediate, h),
+            (c.intermediate, h),
+            (h, c.intermediate),
+        ]);
+    }
+    shapes
 }
 
 impl Loader<'_> {
@@ -325,7 +378,13 @@ impl Loader<'_> {
                 })
                 .transpose()
                 .map_err(kernel_err)?;
-            let linear = backend.build(weight, lora, act_quant).map_err(kernel_err)?;
+            // Panels only where the kernels run the prefill (not the AMX tiles).
+            let linear = if self.pack_panels && amx_weight.is_none() {
+                backend.build_with_packed_panels(weight, lora, act_quant)
+            } else {
+                backend.build(weight, lora, act_quant)
+            }
+            .map_err(kernel_err)?;
             let linear: Linear = Box::new(KernelLinear::new(module_path.to_string(), linear));
             // A module with LoRA factors the tiles cannot take (f32) stays on the kernels.
             let amx = amx.filter(|_| amx_lora.is_some() || !has_adapter);
@@ -704,12 +763,22 @@ impl Model {
             .map(|dir| LoraAdapter::open_for(dir, checkpoint))
             .transpose()?;
         let prefix = backbone_prefix(checkpoint)?;
+        let kernels = options.backend.kernels()?;
+        let pack_panels = kernels.as_ref().is_some_and(|backend| {
+            linear_shapes(&config)
+                .iter()
+                .try_fold(0usize, |total, &(out, inp)| {
+                    total.checked_add(backend.packed_panel_bytes(out, inp)?)
+                })
+                .is_some_and(|total| total <= PACKED_PANEL_BUDGET)
+        });
         let mut loader = Loader {
             base: &base,
             checkpoint,
             act_quant: options.act_quant,
             backend: options.backend,
-            kernels: options.backend.kernels()?,
+            kernels,
+            pack_panels,
             linears_by_backend: std::collections::BTreeMap::new(),
             adapter: adapter.as_ref().zip(adapter_dir),
             used_adapter_modules: BTreeSet::new(),
@@ -831,6 +900,7 @@ impl Model {
             linears_by_backend: std::mem::take(&mut loader.linears_by_backend),
             input_stats: loader.input_stats.take(),
             scratch: Mutex::new(Activations::default()),
+            concurrent_linears: options.backend != LinearBackend::Cuda,
         })
     }
 
@@ -1112,9 +1182,12 @@ impl Model {
     ) -> Result<()> {
         let width = mlp.gate_proj.out_features();
         let gate = sized(&mut arena.gate, rows * width);
-        mlp.gate_proj.forward(normed, rows, gate)?;
         let up = sized(&mut arena.up, rows * width);
-        mlp.up_proj.forward(normed, rows, up)?;
+        both(
+            self.concurrent_linears,
+            || mlp.gate_proj.forward(normed, rows, gate),
+            || mlp.up_proj.forward(normed, rows, up),
+        )?;
         crate::small_matmul::silu_mul(gate, up);
         mlp.down_proj.forward(gate, rows, out)
     }
@@ -1167,7 +1240,21 @@ impl Model {
         };
         let q_width = attn.q_proj.out_features();
         let q_full = sized(&mut arena.projected, q_rows * q_width);
-        attn.q_proj.forward(q_input, q_rows, q_full)?;
+        let key = sized(&mut arena.key, t * kv * hd);
+        let value = sized(&mut arena.value, t * kv * hd);
+        // The three projections at once (see `both`).
+        let concurrent = self.concurrent_linears;
+        both(
+            concurrent,
+            || attn.q_proj.forward(q_input, q_rows, q_full),
+            || {
+                both(
+                    concurrent,
+                    || attn.k_proj.forward(x, t, key),
+                    || attn.v_proj.forward(x, t, value),
+                )
+            },
+        )?;
         // transformers: view(T, heads, 2 * head_dim) then chunk(2, -1): per head, the
         // query comes first and its gate second.
         let query = sized(&mut arena.query, q_rows * heads * hd);
@@ -1197,11 +1284,7 @@ impl Model {
         } else {
             crate::small_matmul::rms_norm_rows_into(q_full, query, &attn.q_norm, c.rms_norm_eps);
         }
-        let key = sized(&mut arena.key, t * kv * hd);
-        attn.k_proj.forward(x, t, key)?;
         crate::small_matmul::rms_norm_rows(key, &attn.k_norm, c.rms_norm_eps);
-        let value = sized(&mut arena.value, t * kv * hd);
-        attn.v_proj.forward(x, t, value)?;
         for (p, seg) in segments.iter().enumerate() {
             let rows = seg.start..seg.start + seg.len;
             match kept {
@@ -1308,12 +1391,38 @@ impl Model {
         );
         let (key_dim, value_dim) = (nk * dk, nv * dv);
         let conv_dim = 2 * key_dim + value_dim;
+        // The output path's input rows: all, or the kept ones.
+        let (z_input, rows): (&[f32], usize) = match kept {
+            None => (x, t),
+            Some(kept) => {
+                let input = sized(&mut arena.kept_input, kept.padded * c.hidden);
+                kept.gather(x, c.hidden, input);
+                (&*input, kept.padded)
+            }
+        };
+        // The four projections of the layer's input at once (see `both`).
         let qkv = sized(&mut arena.projected, t * conv_dim);
-        net.in_proj_qkv.forward(x, t, qkv)?;
+        let z = sized(&mut arena.gate, rows * value_dim);
         let beta = sized(&mut arena.beta, t * nv);
-        net.in_proj_b.forward(x, t, beta)?;
         let decay = sized(&mut arena.decay, t * nv);
-        net.in_proj_a.forward(x, t, decay)?;
+        let concurrent = self.concurrent_linears;
+        both(
+            concurrent,
+            || net.in_proj_qkv.forward(x, t, qkv),
+            || {
+                both(
+                    concurrent,
+                    || net.in_proj_z.forward(z_input, rows, z),
+                    || {
+                        both(
+                            concurrent,
+                            || net.in_proj_b.forward(x, t, beta),
+                            || net.in_proj_a.forward(x, t, decay),
+                        )
+                    },
+                )
+            },
+        )?;
         // A sigmoid, an exp and a log1p per element: pieces of 2,048 elements.
         crate::small_matmul::par_rows_pair(beta, decay, nv, 2048, |_, beta, decay| {
             for v in beta.iter_mut() {
@@ -1391,18 +1500,14 @@ impl Model {
                 );
             });
         // The output path's rows: all, or the kept ones.
-        let (z_input, core, rows): (&[f32], &mut [f32], usize) = match kept {
-            None => (x, core, t),
+        let core: &mut [f32] = match kept {
+            None => core,
             Some(kept) => {
-                let input = sized(&mut arena.kept_input, kept.padded * c.hidden);
-                kept.gather(x, c.hidden, input);
                 let kept_core = sized(&mut arena.kept_core, kept.padded * value_dim);
                 kept.gather(core, value_dim, kept_core);
-                (&*input, kept_core, kept.padded)
+                kept_core
             }
         };
-        let z = sized(&mut arena.gate, rows * value_dim);
-        net.in_proj_z.forward(z_input, rows, z)?;
         // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
         crate::small_matmul::rms_norm_rows(core, &net.norm_weight, c.rms_norm_eps);
         // silu(z) * (w * norm(o)), in z's buffer.
@@ -1440,6 +1545,26 @@ struct Activations {
     kept_input: Vec<f32>,
     /// The last layer's kept rows of Gated DeltaNet's recurrence output.
     kept_core: Vec<f32>,
+}
+
+/// Runs two steps (linears on the same input) at once on rayon's pool when
+/// `concurrent`, else one after the other; the first error either way. Together they
+/// are one parallel region whose tasks the pool's threads share, instead of one region
+/// each, each ending with a thread waiting for the other's last task (and in Gated
+/// DeltaNet the 8-row `in_proj_a` and `in_proj_b`, three tasks each, fill the others'
+/// gaps). Each linear computes what it computes alone, so the results are the same bits.
+fn both(
+    concurrent: bool,
+    first: impl FnOnce() -> Result<()> + Send,
+    second: impl FnOnce() -> Result<()> + Send,
+) -> Result<()> {
+    if concurrent {
+        let (a, b) = rayon::join(first, second);
+        a.and(b)
+    } else {
+        first()?;
+        second()
+    }
 }
 
 /// `x` (`width` values a row) cut into each prompt's rows, in order: the segments are

@@ -2509,6 +2509,7 @@ mod tests {
                     if quantized {
                         let first = Segment {
                             weight: &d,
+                            packed: None,
                             x: &x,
                             x_stride: cols,
                         };
@@ -2523,6 +2524,7 @@ mod tests {
                     } else {
                         let first = Segment {
                             weight: &dense_rows,
+                            packed: None,
                             x: &x,
                             x_stride: cols,
                         };

@@ -45,6 +45,9 @@ pub(crate) fn tile_shape(isa: Isa) -> (usize, usize) {
 /// stride `x_stride`).
 pub(crate) struct Segment<'a, D: RowDecode> {
     pub weight: &'a D,
+    /// `weight` already decoded into panels ([`pack_panels`] for this ISA), read in
+    /// place of decoding a panel per block and token tile; `None` decodes them.
+    pub packed: Option<&'a [f32]>,
     pub x: &'a [f32],
     pub x_stride: usize,
 }
@@ -232,24 +235,36 @@ unsafe fn run_segment<D: RowDecode>(
     let k_total = seg.weight.cols();
     assert!(n_padded == 0 || (n_padded - 1) * seg.x_stride + k_total <= seg.x.len());
     assert_eq!(panel.len(), PANEL_K * nr);
+    // The block's packed panels: `k_total * nr` values from `o0 * k_total`.
+    let packed = seg.packed.map(|all| {
+        assert!(o0.is_multiple_of(nr));
+        &all[o0 * k_total..][..k_total * nr]
+    });
     let mut k0 = 0;
     while k0 < k_total {
         let span = PANEL_K.min(k_total - k0);
         let load = !(fresh && k0 == 0);
-        // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk], packed KC at a time.
-        let mut p0 = 0;
-        while p0 < span {
-            let kc = KC.min(span - p0);
-            pack_piece(
-                isa,
-                seg.weight,
-                o0,
-                nrows,
-                k0 + p0,
-                &mut panel[p0 * nr..(p0 + kc) * nr],
-            );
-            p0 += kc;
-        }
+        // Transposed panel: panel[kk * nr + j] = W[o0 + j, k0 + kk], packed KC at a time
+        // (or read where pack_panels put it).
+        let panel: &[f32] = match packed {
+            Some(block) => &block[k0 * nr..(k0 + span) * nr],
+            None => {
+                let mut p0 = 0;
+                while p0 < span {
+                    let kc = KC.min(span - p0);
+                    pack_piece(
+                        isa,
+                        seg.weight,
+                        o0,
+                        nrows,
+                        k0 + p0,
+                        &mut panel[p0 * nr..(p0 + kc) * nr],
+                    );
+                    p0 += kc;
+                }
+                &panel[..span * nr]
+            }
+        };
         let mut t0 = 0;
         while t0 < n_padded {
             let x_tile = &seg.x[t0 * seg.x_stride + k0..];
@@ -258,7 +273,6 @@ unsafe fn run_segment<D: RowDecode>(
                 ptr: out.ptr.wrapping_add(t0 * out.ld),
                 ld: out.ld,
             };
-            let panel = &panel[..span * nr];
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: detected ISA; x_tile holds mr rows of span elements (asserted
@@ -326,6 +340,49 @@ fn pack_piece<D: RowDecode>(
             }
         }
     }
+}
+
+/// `weight` decoded once into the panels [`run_segment`] multiplies, every block's:
+/// block `b` (rows `b * nr ..`) at `[b * nr * cols ..][.. cols * nr]`, `panel[kk * nr +
+/// j] = W[b * nr + j, kk]`, zero past the last row; the same values [`pack_piece`]
+/// writes per tile, so a product on them has the same bits. `rows.div_ceil(nr) * nr *
+/// cols` values ([`packed_panels_len`]). The blocks are decoded in parallel.
+pub(crate) fn pack_panels<D: RowDecode>(isa: Isa, par: Parallelism, weight: &D) -> Vec<f32> {
+    let (_, nr) = tile_shape(isa);
+    let (rows, cols) = (weight.rows(), weight.cols());
+    let mut out = vec![0f32; rows.div_ceil(nr) * nr * cols];
+    if cols == 0 {
+        return out;
+    }
+    let block = |(b, panels): (usize, &mut [f32])| {
+        let o0 = b * nr;
+        let nrows = nr.min(rows - o0);
+        let mut k0 = 0;
+        while k0 < cols {
+            let kc = KC.min(cols - k0);
+            pack_piece(
+                isa,
+                weight,
+                o0,
+                nrows,
+                k0,
+                &mut panels[k0 * nr..(k0 + kc) * nr],
+            );
+            k0 += kc;
+        }
+    };
+    match par {
+        Parallelism::Sequential => out.chunks_mut(nr * cols).enumerate().for_each(block),
+        Parallelism::Rayon => out.par_chunks_mut(nr * cols).enumerate().for_each(block),
+    }
+    out
+}
+
+/// Values [`pack_panels`] returns for a `rows x cols` weight on `isa`; `None` on
+/// overflow.
+pub(crate) fn packed_panels_len(isa: Isa, rows: usize, cols: usize) -> Option<usize> {
+    let (_, nr) = tile_shape(isa);
+    rows.div_ceil(nr).checked_mul(nr)?.checked_mul(cols)
 }
 
 /// Tokens per tile of [`gemm_rows`], a multiple of every ISA's `mr` (8, 6, 4): a block's
@@ -406,11 +463,13 @@ pub(crate) fn gemm_rows<D1: RowDecode, D2: RowDecode>(
         let nrows = nr.min(out_rows - o0);
         let first = Segment {
             weight: first.weight,
+            packed: first.packed,
             x: &first.x[t0 * first.x_stride..],
             x_stride: first.x_stride,
         };
         let second = second.map(|s| Segment {
             weight: s.weight,
+            packed: s.packed,
             x: &s.x[t0 * s.x_stride..],
             x_stride: s.x_stride,
         });
@@ -832,7 +891,8 @@ mod tests {
     /// blocks and an edge), `PANEL_K + 300` inputs (two panel spans, the second of
     /// pieces of 128, 128, 44), plus a second segment of 5 inputs (the LoRA expand's
     /// shape); both parallelisms; `y` starts as NaN. Tolerance: 2^-12 of the sum of
-    /// |products| (the f32 sum's rounding, far above it for a wrong product).
+    /// |products| (the f32 sum's rounding, far above it for a wrong product). Then again
+    /// on the first weight's panels packed beforehand: bit for bit the same.
     #[test]
     fn gemm_rows_equals_the_triple_loop() {
         use super::super::decode::F32Rows;
@@ -861,11 +921,13 @@ mod tests {
                 };
                 let first = Segment {
                     weight: &weight1,
+                    packed: None,
                     x: &x1,
                     x_stride: k1,
                 };
                 let second = Segment {
                     weight: &weight2,
+                    packed: None,
                     x: &x2,
                     x_stride: k2,
                 };
@@ -894,6 +956,33 @@ mod tests {
                             i % out_rows
                         );
                     }
+                    // On panels packed beforehand (the edge block's rows past the
+                    // weight's zero): the same bits as decoding them per tile.
+                    let panels = pack_panels(isa, par, &weight1);
+                    assert_eq!(
+                        Some(panels.len()),
+                        packed_panels_len(isa, out_rows, k1),
+                        "{isa:?}"
+                    );
+                    let packed_first = Segment {
+                        packed: Some(&panels),
+                        ..first
+                    };
+                    let mut y_packed = vec![f32::NAN; rows * out_rows];
+                    gemm_rows(
+                        isa,
+                        par,
+                        n_padded,
+                        &packed_first,
+                        Some(&second),
+                        &mut y_packed,
+                    );
+                    assert!(
+                        y.iter()
+                            .zip(&y_packed)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa:?} {par:?} rows {rows}: packed panels change the result"
+                    );
                 }
             }
         }

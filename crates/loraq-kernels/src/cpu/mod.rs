@@ -558,6 +558,8 @@ struct GemmVisitor<'a> {
     isa: Isa,
     par: Parallelism,
     n_padded: usize,
+    /// The base weight's panels for `isa`, if packed at load.
+    packed: Option<&'a [f32]>,
     xq: &'a [f32],
     in_features: usize,
     second: Option<gemm::Segment<'a, Bf16Rows<'a>>>,
@@ -570,6 +572,7 @@ impl DecoderVisitor for GemmVisitor<'_> {
     fn visit<D: RowDecode>(self, d: &D) {
         let first = gemm::Segment {
             weight: d,
+            packed: self.packed,
             x: self.xq,
             x_stride: self.in_features,
         };
@@ -619,6 +622,7 @@ fn forward_gemm(
         };
         let seg = gemm::Segment {
             weight: a,
+            packed: None,
             x: x_pad,
             x_stride: in_features,
         };
@@ -632,6 +636,7 @@ fn forward_gemm(
     let second = match (&views, &ts) {
         (Some((_, b, _)), Some(ts)) => Some(gemm::Segment {
             weight: b,
+            packed: None,
             x: ts.as_slice(),
             x_stride: b.cols,
         }),
@@ -644,6 +649,7 @@ fn forward_gemm(
             isa,
             par,
             n_padded,
+            packed: linear.packed_panels(isa),
             xq,
             in_features,
             second,
@@ -651,6 +657,24 @@ fn forward_gemm(
         },
     );
     Ok(())
+}
+
+/// [`gemm::pack_panels`] of a base weight.
+struct PackVisitor {
+    isa: Isa,
+    par: Parallelism,
+}
+
+impl DecoderVisitor for PackVisitor {
+    type Output = Vec<f32>;
+    fn visit<D: RowDecode>(self, d: &D) -> Vec<f32> {
+        gemm::pack_panels(self.isa, self.par, d)
+    }
+}
+
+/// The base weight of `linear` decoded into the prefill GEMM's panels for `isa`.
+pub(crate) fn pack_base_panels(linear: &QuantLoraLinear, isa: Isa, par: Parallelism) -> Vec<f32> {
+    visit_base(linear, PackVisitor { isa, par })
 }
 
 struct DequantVisitor<'a> {
@@ -737,6 +761,7 @@ impl DenseView<'_> {
                 x_pad[..batch * in_features].copy_from_slice(x);
                 let seg = gemm::Segment {
                     weight: &a,
+                    packed: None,
                     x: &x_pad,
                     x_stride: in_features,
                 };
@@ -745,6 +770,7 @@ impl DenseView<'_> {
                 transpose_into(&shrunk_t, a.rows, n_padded, &mut ts, scale);
                 let seg = gemm::Segment {
                     weight: &b,
+                    packed: None,
                     x: &ts,
                     x_stride: a.rows,
                 };
@@ -763,6 +789,7 @@ impl DenseView<'_> {
         } else {
             let seg = gemm::Segment {
                 weight: &d,
+                packed: None,
                 x: &xq,
                 x_stride: in_features,
             };
