@@ -635,7 +635,7 @@ fn tall_svd(
     let svd = l.transpose().svd().ok()?;
     let basis = small_product(t, small_product(l_inv_t.as_ref(), svd.U()).as_ref());
     let mut left = Mat::<f64>::zeros(z.nrows(), q);
-    matmul(left.as_mut(), Accum::Replace, z, basis.as_ref(), 1.0, par);
+    split_product(left.as_mut(), z, basis.as_ref(), par);
     let left_gram = small_product(
         basis.transpose(),
         small_product(zz, basis.as_ref()).as_ref(),
@@ -794,7 +794,12 @@ const SPLIT_TASKS_PER_THREAD: usize = 4;
 /// multiply-add per step) whatever the output's size, so neither the block boundaries
 /// nor the thread count change a value (checked against one single-threaded product
 /// on every shape the factorization uses).
-fn split_product(mut dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_, f32>, par: Par) {
+fn split_product<T: faer::traits::ComplexField>(
+    mut dst: MatMut<'_, T>,
+    lhs: MatRef<'_, T>,
+    rhs: MatRef<'_, T>,
+    par: Par,
+) {
     let (m, n) = (dst.nrows(), dst.ncols());
     let tasks = par.degree().saturating_mul(SPLIT_TASKS_PER_THREAD);
     let by_rows = m >= n;
@@ -805,7 +810,7 @@ fn split_product(mut dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_,
     };
     let per = len.div_ceil(tasks.max(1)).next_multiple_of(unit);
     if tasks <= SPLIT_TASKS_PER_THREAD || per >= len {
-        matmul(dst, Accum::Replace, lhs, rhs, 1.0, Par::Seq);
+        matmul(dst, Accum::Replace, lhs, rhs, T::one_impl(), Par::Seq);
         return;
     }
     if by_rows {
@@ -814,7 +819,7 @@ fn split_product(mut dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_,
             .enumerate()
             .for_each(|(i, block)| {
                 let rows = lhs.subrows(i * per, block.nrows());
-                matmul(block, Accum::Replace, rows, rhs, 1.0, Par::Seq);
+                matmul(block, Accum::Replace, rows, rhs, T::one_impl(), Par::Seq);
             });
     } else {
         dst.as_mut()
@@ -822,7 +827,7 @@ fn split_product(mut dst: MatMut<'_, f32>, lhs: MatRef<'_, f32>, rhs: MatRef<'_,
             .enumerate()
             .for_each(|(j, block)| {
                 let cols = rhs.subcols(j * per, block.ncols());
-                matmul(block, Accum::Replace, lhs, cols, 1.0, Par::Seq);
+                matmul(block, Accum::Replace, lhs, cols, T::one_impl(), Par::Seq);
             });
     }
 }
