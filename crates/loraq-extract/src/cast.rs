@@ -119,7 +119,9 @@ fn product(x: MatRef<'_, f32>, y: MatRef<'_, f32>, par: Par) -> Vec<f32> {
     let (m, n) = (x.nrows(), y.ncols());
     let mut out = vec![0f32; m * n];
     let om = MatMut::from_row_major_slice_mut(&mut out, m, n);
-    matmul(om, Accum::Replace, x, y, 1.0, par);
+    // Blocks of the output, each a single-threaded product (the same bits as faer's
+    // threaded product, at its single-threaded CPU time: `gram::split_product`).
+    gram::split_product(om, x, y, par);
     out
 }
 

@@ -187,6 +187,68 @@ pub(crate) fn tall_cross_f32(x: MatRef<'_, f32>, y: MatRef<'_, f32>) -> Mat<f32>
     })
 }
 
+/// Output rows per task of [`split_product`] at least (a multiple of the 96 rows of
+/// faer's f32 AVX-512 microkernel), and output columns (a multiple of its 4).
+const SPLIT_ROWS: usize = 96;
+const SPLIT_COLS: usize = 32;
+
+/// Tasks per thread of [`split_product`]: enough that a thread that finishes early (or
+/// one the OS gave less time on a shared machine) takes over the others' pieces.
+const SPLIT_TASKS_PER_THREAD: usize = 4;
+
+/// `dst = lhs rhs` in f32, the output cut into blocks of rows (a tall output) or of
+/// columns (a wide one), each block a single-threaded faer product of its own, the
+/// blocks run as rayon tasks.
+///
+/// faer's own multi-threaded f32 GEMM synchronizes its threads at every 512-deep slice
+/// of the inner dimension; on the products of a factorization (a `272 x 5120` by
+/// `5120 x 1088` range product of the row sample, the `17408 x 272` by `272 x 272`
+/// orthonormalization) it spent 1.3-2.5x the CPU time of the single-threaded product at
+/// two threads on the development VM (`RAYON_NUM_THREADS=2`, load 3), and gained little
+/// or no wall time; the blocks run at the single-threaded product's CPU time. The
+/// values are the same bits either way: faer's f32 kernels accumulate each output
+/// entry over the inner dimension in the same order (512-deep slices, one fused
+/// multiply-add per step) whatever the output's size, so neither the block boundaries
+/// nor the thread count change a value (checked against one single-threaded product
+/// on every shape the factorization uses).
+pub(crate) fn split_product<T: faer::traits::ComplexField>(
+    mut dst: MatMut<'_, T>,
+    lhs: MatRef<'_, T>,
+    rhs: MatRef<'_, T>,
+    par: Par,
+) {
+    let (m, n) = (dst.nrows(), dst.ncols());
+    let tasks = par.degree().saturating_mul(SPLIT_TASKS_PER_THREAD);
+    let by_rows = m >= n;
+    let (len, unit) = if by_rows {
+        (m, SPLIT_ROWS)
+    } else {
+        (n, SPLIT_COLS)
+    };
+    let per = len.div_ceil(tasks.max(1)).next_multiple_of(unit);
+    if tasks <= SPLIT_TASKS_PER_THREAD || per >= len {
+        matmul(dst, Accum::Replace, lhs, rhs, T::one_impl(), Par::Seq);
+        return;
+    }
+    if by_rows {
+        dst.as_mut()
+            .par_row_chunks_mut(per)
+            .enumerate()
+            .for_each(|(i, block)| {
+                let rows = lhs.subrows(i * per, block.nrows());
+                matmul(block, Accum::Replace, rows, rhs, T::one_impl(), Par::Seq);
+            });
+    } else {
+        dst.as_mut()
+            .par_col_chunks_mut(per)
+            .enumerate()
+            .for_each(|(j, block)| {
+                let cols = rhs.subcols(j * per, block.ncols());
+                matmul(block, Accum::Replace, lhs, cols, T::one_impl(), Par::Seq);
+            });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
