@@ -407,16 +407,17 @@ pub fn check_delta(module: &str, delta: &[f32], rows: usize, cols: usize) -> Res
             };
             (bad, sum)
         })
-        .reduce(
-            || (None, 0.0),
-            |a, b| {
-                (
-                    a.0.or(b.0)
-                        .map(|_| a.0.unwrap_or(usize::MAX).min(b.0.unwrap_or(usize::MAX))),
-                    a.1 + b.1,
-                )
-            },
-        );
+        // In chunk order, so that the f64 sum is the same from run to run (rayon's
+        // `reduce` pairs the parts as its work stealing split them).
+        .collect::<Vec<_>>()
+        .into_iter()
+        .fold((None, 0.0), |a, b| {
+            (
+                a.0.or(b.0)
+                    .map(|_| a.0.unwrap_or(usize::MAX).min(b.0.unwrap_or(usize::MAX))),
+                a.1 + b.1,
+            )
+        });
     if let Some(index) = first_bad {
         return Err(ExtractError::NonFinite {
             module: module.to_string(),

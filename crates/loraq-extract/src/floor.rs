@@ -89,10 +89,13 @@ fn exact_log2_floor(a: f32) -> i32 {
 /// The rounding floor $F = \sqrt{\sum \mathrm{ulp}(m_{ij})^2 / 12}$ of a tensor whose
 /// values (already widened to f32) are stored in `format`. Summed in f64.
 pub fn rounding_floor(values: &[f32], format: FloorFormat) -> f64 {
-    let sum: f64 = values
+    // Added in chunk order (a parallel `sum` pairs them as the work was split, which
+    // varies from run to run).
+    let sums: Vec<f64> = values
         .par_chunks(1 << 16)
         .map(|chunk| ulp_sq_sum(chunk, format))
-        .sum();
+        .collect();
+    let sum: f64 = sums.iter().sum();
     (sum / 12.0).sqrt()
 }
 
@@ -260,18 +263,21 @@ impl PairBytes {
                 let bad_d = bad(figures.top_delta, &|x| x.copy_from_slice(d));
                 (bad_m, bad_b, bad_d, figures.floor_sq, figures.norm_sq)
             })
-            .reduce(
-                || (None, None, None, 0.0, 0.0),
-                |x, y| {
-                    (
-                        min_index(x.0, y.0),
-                        min_index(x.1, y.1),
-                        min_index(x.2, y.2),
-                        x.3 + y.3,
-                        x.4 + y.4,
-                    )
-                },
-            );
+            // Collected in chunk order and added in that order: rayon's `reduce` pairs
+            // the partial sums as its work stealing split the range, so the f64 sums
+            // (and the report's norm, floor and residuals) moved in their last bits
+            // from one run to the next.
+            .collect::<Vec<_>>()
+            .into_iter()
+            .fold((None, None, None, 0.0, 0.0), |x, y| {
+                (
+                    min_index(x.0, y.0),
+                    min_index(x.1, y.1),
+                    min_index(x.2, y.2),
+                    x.3 + y.3,
+                    x.4 + y.4,
+                )
+            });
         // SAFETY: every chunk of the first n values was written above (`write_all`, or
         // `bf16_delta_chunk`, which writes each value of its chunk).
         unsafe { delta.set_len(n) };
