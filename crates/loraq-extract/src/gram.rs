@@ -196,7 +196,7 @@ const SPLIT_COLS: usize = 32;
 /// one the OS gave less time on a shared machine) takes over the others' pieces.
 const SPLIT_TASKS_PER_THREAD: usize = 4;
 
-/// `dst = lhs rhs` in f32, the output cut into blocks of rows (a tall output) or of
+/// `dst = lhs rhs` (f32 or f64), the output cut into blocks of rows (a tall output) or of
 /// columns (a wide one), each block a single-threaded faer product of its own, the
 /// blocks run as rayon tasks.
 ///
@@ -252,6 +252,53 @@ pub(crate) fn split_product<T: faer::traits::ComplexField>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `split_product` gives the single-threaded product's bits on tall and wide
+    /// outputs, sizes that are and are not multiples of its blocks, at several thread
+    /// counts (what lets the factorization call it without changing a factor).
+    #[test]
+    fn split_product_matches_the_single_threaded_product() {
+        let pool = |threads| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a rayon pool")
+        };
+        for &(m, k, n) in &[
+            (1000usize, 272usize, 272usize),
+            (97, 600, 1088),
+            (272, 5120, 70),
+            (5, 3, 2),
+        ] {
+            let lhs = matrix(m, k, 3);
+            let rhs = matrix(k, n, 4);
+            let mut seq = Mat::<f32>::zeros(m, n);
+            matmul(
+                seq.as_mut(),
+                Accum::Replace,
+                lhs.as_ref(),
+                rhs.as_ref(),
+                1.0,
+                Par::Seq,
+            );
+            for threads in [2usize, 3, 8] {
+                let mut split = Mat::<f32>::zeros(m, n);
+                pool(threads).install(|| {
+                    split_product(
+                        split.as_mut(),
+                        lhs.as_ref(),
+                        rhs.as_ref(),
+                        Par::rayon(threads),
+                    )
+                });
+                assert!(
+                    (0..n)
+                        .all(|j| (0..m).all(|i| split[(i, j)].to_bits() == seq[(i, j)].to_bits())),
+                    "{m}x{k}x{n} at {threads} threads"
+                );
+            }
+        }
+    }
 
     /// A deterministic `rows x cols` matrix of values of mixed sign and scale.
     fn matrix(rows: usize, cols: usize, seed: usize) -> Mat<f32> {
