@@ -652,6 +652,53 @@ pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
     }
 }
 
+/// Gated DeltaNet's gated RMSNorm per row of `x` (`scale.len()` wide, a value head),
+/// `gate <- silu(gate) * (x / rms(x) * scale)`, one row at a time: the same operations
+/// in the same order as [`rms_norm_body`] on `x` then [`silu_mul_body`] on `gate`,
+/// so the same bits, in one pass over both instead of two (and `x` is not written).
+#[inline(always)]
+fn rms_norm_silu_gate_body<const FUSED: bool>(
+    x: &[f32],
+    gate: &mut [f32],
+    scale: &[f32],
+    eps: f32,
+) {
+    let width = scale.len();
+    for (row, g_row) in x.chunks_exact(width).zip(gate.chunks_exact_mut(width)) {
+        let inv = inverse_rms::<FUSED>(row, eps);
+        for ((g, &v), &w) in g_row.iter_mut().zip(row).zip(scale) {
+            let u = v * inv * w;
+            *g = *g * sigmoid_fast::<FUSED>(*g) * u;
+        }
+    }
+}
+
+dispatch_simd!(
+    /// [`rms_norm_silu_gate`] on the calling thread.
+    fn rms_norm_silu_gate_serial(x: &[f32], gate: &mut [f32], scale: &[f32], eps: f32) = rms_norm_silu_gate_body
+);
+
+/// `gate <- silu(gate) * rms_norm(x) * scale` per row of `scale.len()` (`x` and `gate`
+/// the same length), in parallel pieces of whole rows on rayon's pool: bit-identical to
+/// [`rms_norm_rows`] of `x` then [`silu_mul`] of `gate` by it, without writing `x`.
+pub(crate) fn rms_norm_silu_gate(x: &[f32], gate: &mut [f32], scale: &[f32], eps: f32) {
+    use rayon::prelude::*;
+    assert_eq!(
+        x.len(),
+        gate.len(),
+        "gated RMSNorm of buffers of other lengths"
+    );
+    let width = scale.len().max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    if gate.len() <= piece {
+        rms_norm_silu_gate_serial(x, gate, scale, eps);
+    } else {
+        gate.par_chunks_mut(piece)
+            .zip(x.par_chunks(piece))
+            .for_each(|(g, from)| rms_norm_silu_gate_serial(from, g, scale, eps));
+    }
+}
+
 /// [`rms_norm_rows`] of `src` into `out` (same length), read from `src` and written to
 /// `out` in one pass (no copy first), in parallel pieces (the residual stream stays as
 /// is).
@@ -763,6 +810,11 @@ fn causal_conv_silu_body<const FUSED: bool>(
     let channels = weight_t.len() / kernel;
     for (row_index, row) in out.chunks_exact_mut(channels).enumerate() {
         let t = first + row_index;
+        // The first tap that reads a token (`t >= 0` always reads one: `j = kernel - 1`
+        // is the token itself) starts the row from zero, the same `madd(w, v, 0.0)` as
+        // accumulating into a zeroed row, so the caller need not zero `out` first (a
+        // memset of the whole projection per prompt and layer, outside L1).
+        let mut started = false;
         for j in 0..kernel {
             // Input token t - (kernel - 1) + j; skipped when before the start.
             let Some(src) = (t + j).checked_sub(kernel - 1) else {
@@ -770,8 +822,15 @@ fn causal_conv_silu_body<const FUSED: bool>(
             };
             let taps = &weight_t[j * channels..(j + 1) * channels];
             let xs = &x[src * channels..(src + 1) * channels];
-            for ((o, &w), &v) in row.iter_mut().zip(taps).zip(xs) {
-                *o = madd::<FUSED>(w, v, *o);
+            if started {
+                for ((o, &w), &v) in row.iter_mut().zip(taps).zip(xs) {
+                    *o = madd::<FUSED>(w, v, *o);
+                }
+            } else {
+                for ((o, &w), &v) in row.iter_mut().zip(taps).zip(xs) {
+                    *o = madd::<FUSED>(w, v, 0.0);
+                }
+                started = true;
             }
         }
         for o in row.iter_mut() {
@@ -783,7 +842,8 @@ fn causal_conv_silu_body<const FUSED: bool>(
 dispatch_simd!(
     /// The causal depthwise convolution + SiLU of [`crate::ops::causal_conv1d_silu`]
     /// with the taps transposed (`weight_t` `[kernel, channels]`) so every loop runs
-    /// along channels, for the tokens `first ..` of `x` that `out` holds (`out` zero).
+    /// along channels, for the tokens `first ..` of `x` that `out` holds (`out`'s values
+    /// on entry are not read: every row is overwritten).
     fn causal_conv_silu_serial(
         x: &[f32],
         weight_t: &[f32],
@@ -793,7 +853,7 @@ dispatch_simd!(
     ) = causal_conv_silu_body
 );
 
-/// [`causal_conv_silu_serial`] over all of `x`'s tokens (`out`, `x`'s shape, zero), in
+/// [`causal_conv_silu_serial`] over all of `x`'s tokens (`out`, `x`'s shape, overwritten), in
 /// parallel pieces of whole tokens: each output token reads only its own and the
 /// `kernel - 1` tokens before it.
 pub(crate) fn causal_conv_silu(x: &[f32], weight_t: &[f32], kernel: usize, out: &mut [f32]) {
