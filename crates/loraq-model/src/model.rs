@@ -1469,7 +1469,7 @@ impl Model {
         tasks
             .into_par_iter()
             .for_each(|(((seg, seg_mixed), seg_core), scratch)| {
-                seg_mixed.fill(0.0);
+                // Every row of `seg_mixed` is overwritten (no zeroing first).
                 crate::small_matmul::causal_conv_silu(
                     seg.rows(qkv, conv_dim),
                     weight_t,
@@ -1500,7 +1500,7 @@ impl Model {
                 );
             });
         // The output path's rows: all, or the kept ones.
-        let core: &mut [f32] = match kept {
+        let core: &[f32] = match kept {
             None => core,
             Some(kept) => {
                 let kept_core = sized(&mut arena.kept_core, kept.padded * value_dim);
@@ -1508,10 +1508,10 @@ impl Model {
                 kept_core
             }
         };
-        // Gated RMSNorm per value head: x / rms(x) * w * silu(z).
-        crate::small_matmul::rms_norm_rows(core, &net.norm_weight, c.rms_norm_eps);
-        // silu(z) * (w * norm(o)), in z's buffer.
-        crate::small_matmul::silu_mul(z, core);
+        // Gated RMSNorm per value head, silu(z) * (w * norm(o)), in z's buffer: one pass
+        // over both (the norm's row still in L1), the same bits as the norm in place
+        // then the gate.
+        crate::small_matmul::rms_norm_silu_gate(core, z, &net.norm_weight, c.rms_norm_eps);
         net.out_proj.forward(z, rows, out)
     }
 }

@@ -652,6 +652,53 @@ pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
     }
 }
 
+/// Gated DeltaNet's gated RMSNorm per row of `x` (`scale.len()` wide, a value head),
+/// `gate <- silu(gate) * (x / rms(x) * scale)`, one row at a time: the same operations
+/// in the same order as [`rms_norm_body`] on `x` then [`silu_mul_body`] on `gate`,
+/// so the same bits, in one pass over both instead of two (and `x` is not written).
+#[inline(always)]
+fn rms_norm_silu_gate_body<const FUSED: bool>(
+    x: &[f32],
+    gate: &mut [f32],
+    scale: &[f32],
+    eps: f32,
+) {
+    let width = scale.len();
+    for (row, g_row) in x.chunks_exact(width).zip(gate.chunks_exact_mut(width)) {
+        let inv = inverse_rms::<FUSED>(row, eps);
+        for ((g, &v), &w) in g_row.iter_mut().zip(row).zip(scale) {
+            let u = v * inv * w;
+            *g = *g * sigmoid_fast::<FUSED>(*g) * u;
+        }
+    }
+}
+
+dispatch_simd!(
+    /// [`rms_norm_silu_gate`] on the calling thread.
+    fn rms_norm_silu_gate_serial(x: &[f32], gate: &mut [f32], scale: &[f32], eps: f32) = rms_norm_silu_gate_body
+);
+
+/// `gate <- silu(gate) * rms_norm(x) * scale` per row of `scale.len()` (`x` and `gate`
+/// the same length), in parallel pieces of whole rows on rayon's pool: bit-identical to
+/// [`rms_norm_rows`] of `x` then [`silu_mul`] of `gate` by it, without writing `x`.
+pub(crate) fn rms_norm_silu_gate(x: &[f32], gate: &mut [f32], scale: &[f32], eps: f32) {
+    use rayon::prelude::*;
+    assert_eq!(
+        x.len(),
+        gate.len(),
+        "gated RMSNorm of buffers of other lengths"
+    );
+    let width = scale.len().max(1);
+    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    if gate.len() <= piece {
+        rms_norm_silu_gate_serial(x, gate, scale, eps);
+    } else {
+        gate.par_chunks_mut(piece)
+            .zip(x.par_chunks(piece))
+            .for_each(|(g, from)| rms_norm_silu_gate_serial(from, g, scale, eps));
+    }
+}
+
 /// [`rms_norm_rows`] of `src` into `out` (same length), read from `src` and written to
 /// `out` in one pass (no copy first), in parallel pieces (the residual stream stays as
 /// is).
@@ -763,6 +810,11 @@ fn causal_conv_silu_body<const FUSED: bool>(
     let channels = weight_t.len() / kernel;
     for (row_index, row) in out.chunks_exact_mut(channels).enumerate() {
         let t = first + row_index;
+        // The first tap that reads a token (`t >= 0` always reads one: `j = kernel - 1`
+        // is the token itself) starts the row from zero, the same `madd(w, v, 0.0)` as
+        // accumulating into a zeroed row, so the caller need not zero `out` first (a
+        // memset of the whole projection per prompt and layer, outside L1).
+        let mut started = false;
         for j in 0..kernel {
             // Input token t - (kernel - 1) + j; skipped when before the start.
             let Some(src) = (t + j).checked_sub(kernel - 1) else {
@@ -770,8 +822,15 @@ fn causal_conv_silu_body<const FUSED: bool>(
             };
             let taps = &weight_t[j * channels..(j + 1) * channels];
             let xs = &x[src * channels..(src + 1) * channels];
-            for ((o, &w), &v) in row.iter_mut().zip(taps).zip(xs) {
-                *o = madd::<FUSED>(w, v, *o);
+            if started {
+                for ((o, &w), &v) in row.iter_mut().zip(taps).zip(xs) {
+                    *o = madd::<FUSED>(w, v, *o);
+                }
+            } else {
+                for ((o, &w), &v) in row.iter_mut().zip(taps).zip(xs) {
+                    *o = madd::<FUSED>(w, v, 0.0);
+                }
+                started = true;
             }
         }
         for o in row.iter_mut() {
@@ -783,7 +842,8 @@ fn causal_conv_silu_body<const FUSED: bool>(
 dispatch_simd!(
     /// The causal depthwise convolution + SiLU of [`crate::ops::causal_conv1d_silu`]
     /// with the taps transposed (`weight_t` `[kernel, channels]`) so every loop runs
-    /// along channels, for the tokens `first ..` of `x` that `out` holds (`out` zero).
+    /// along channels, for the tokens `first ..` of `x` that `out` holds (`out`'s values
+    /// on entry are not read: every row is overwritten).
     fn causal_conv_silu_serial(
         x: &[f32],
         weight_t: &[f32],
@@ -793,7 +853,7 @@ dispatch_simd!(
     ) = causal_conv_silu_body
 );
 
-/// [`causal_conv_silu_serial`] over all of `x`'s tokens (`out`, `x`'s shape, zero), in
+/// [`causal_conv_silu_serial`] over all of `x`'s tokens (`out`, `x`'s shape, overwritten), in
 /// parallel pieces of whole tokens: each output token reads only its own and the
 /// `kernel - 1` tokens before it.
 pub(crate) fn causal_conv_silu(x: &[f32], weight_t: &[f32], kernel: usize, out: &mut [f32]) {
@@ -953,6 +1013,62 @@ mod tests {
         assert_eq!(exp_nonpositive::<false>(0.0), 1.0);
         assert_eq!(exp_nonpositive::<false>(-200.0), 0.0);
         assert_eq!(exp_nonpositive::<false>(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn conv_overwrites_its_output() {
+        // 70 channels x 600 tokens (more than one parallel piece): an output full of
+        // NaN gives the same bits as the zeroed output the convolution used to add into.
+        let (channels, tokens, kernel) = (70, 600, 4);
+        let value = |i: usize| ((i * 2_654_435_761) % 1000) as f32 / 500.0 - 1.0;
+        let x: Vec<f32> = (0..channels * tokens).map(value).collect();
+        let weight_t: Vec<f32> = (0..channels * kernel).map(|i| value(i + 7)).collect();
+        let mut zeroed = vec![0f32; x.len()];
+        let mut nan = vec![f32::NAN; x.len()];
+        causal_conv_silu(&x, &weight_t, kernel, &mut zeroed);
+        causal_conv_silu(&x, &weight_t, kernel, &mut nan);
+        assert!(
+            zeroed
+                .iter()
+                .zip(&nan)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+    }
+
+    #[test]
+    fn gated_rms_norm_equals_the_norm_then_the_gate() {
+        // 600 rows of 64 (more than one parallel piece): bit-equal to the two passes it
+        // replaces, and within 1e-5 of z sigmoid(z) x w / rms(x) in f64.
+        let (width, rows, eps) = (64, 600, 1e-6);
+        let value = |i: usize| ((i * 2_654_435_761) % 1000) as f32 / 250.0 - 2.0;
+        let x: Vec<f32> = (0..width * rows).map(value).collect();
+        let z: Vec<f32> = (0..width * rows).map(|i| value(i + 3)).collect();
+        let scale: Vec<f32> = (0..width).map(|i| 0.5 + value(i + 11).abs()).collect();
+        let mut fused = z.clone();
+        rms_norm_silu_gate(&x, &mut fused, &scale, eps);
+        let mut normed = x.clone();
+        rms_norm_rows(&mut normed, &scale, eps);
+        let mut two_pass = z.clone();
+        silu_mul(&mut two_pass, &normed);
+        assert!(
+            fused
+                .iter()
+                .zip(&two_pass)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+        for (r, row) in x.chunks_exact(width).enumerate() {
+            let ms = row.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / width as f64;
+            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+            for (c, &v) in row.iter().enumerate() {
+                let g = f64::from(z[r * width + c]);
+                let want = g / (1.0 + (-g).exp()) * f64::from(v) * inv * f64::from(scale[c]);
+                let got = f64::from(fused[r * width + c]);
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "row {r} col {c}"
+                );
+            }
+        }
     }
 
     #[test]
