@@ -616,8 +616,7 @@ pub(crate) fn add_rms_norm_rows_into(
         x.len() == y.len() && x.len() == out.len(),
         "residual add and RMSNorm of buffers of other lengths"
     );
-    let width = scale.len().max(1);
-    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    let piece = whole_rows_piece(scale.len());
     if x.len() <= piece {
         add_rms_norm_rows_into_serial(x, y, out, scale, eps);
     } else {
@@ -642,8 +641,7 @@ dispatch_simd!(
 /// wide), vectorized, in parallel pieces of whole rows on rayon's pool.
 pub(crate) fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
     use rayon::prelude::*;
-    let width = scale.len().max(1);
-    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
+    let piece = whole_rows_piece(scale.len());
     if x.len() <= piece {
         rms_norm_rows_serial(x, scale, eps);
     } else {
@@ -682,42 +680,30 @@ dispatch_simd!(
 /// the same length), in parallel pieces of whole rows on rayon's pool: bit-identical to
 /// [`rms_norm_rows`] of `x` then [`silu_mul`] of `gate` by it, without writing `x`.
 pub(crate) fn rms_norm_silu_gate(x: &[f32], gate: &mut [f32], scale: &[f32], eps: f32) {
-    use rayon::prelude::*;
     assert_eq!(
         x.len(),
         gate.len(),
         "gated RMSNorm of buffers of other lengths"
     );
-    let width = scale.len().max(1);
-    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
-    if gate.len() <= piece {
-        rms_norm_silu_gate_serial(x, gate, scale, eps);
-    } else {
-        gate.par_chunks_mut(piece)
-            .zip(x.par_chunks(piece))
-            .for_each(|(g, from)| rms_norm_silu_gate_serial(from, g, scale, eps));
-    }
+    let piece = whole_rows_piece(scale.len());
+    par_pieces(gate, x, piece, |g, from| {
+        rms_norm_silu_gate_serial(from, g, scale, eps)
+    });
 }
 
 /// [`rms_norm_rows`] of `src` into `out` (same length), read from `src` and written to
 /// `out` in one pass (no copy first), in parallel pieces (the residual stream stays as
 /// is).
 pub(crate) fn rms_norm_rows_into(src: &[f32], out: &mut [f32], scale: &[f32], eps: f32) {
-    use rayon::prelude::*;
     assert_eq!(
         src.len(),
         out.len(),
         "RMSNorm into a buffer of another length"
     );
-    let width = scale.len().max(1);
-    let piece = ELEMENTWISE_PIECE.div_ceil(width) * width;
-    if out.len() <= piece {
-        rms_norm_rows_into_serial(src, out, scale, eps);
-    } else {
-        out.par_chunks_mut(piece)
-            .zip(src.par_chunks(piece))
-            .for_each(|(rows, from)| rms_norm_rows_into_serial(from, rows, scale, eps));
-    }
+    let piece = whole_rows_piece(scale.len());
+    par_pieces(out, src, piece, |rows, from| {
+        rms_norm_rows_into_serial(from, rows, scale, eps)
+    });
 }
 
 /// [`par_rows`] over two matrices of the same row count, `x` `width` wide and `y`
@@ -766,9 +752,19 @@ where
 /// (hundreds of thousands of values) split among the threads.
 pub(crate) const ELEMENTWISE_PIECE: usize = 1 << 15;
 
+/// [`ELEMENTWISE_PIECE`] rounded up to whole rows of `width` (at least 1): the pieces
+/// of the row-wise helpers (norms), so no row is split between two threads.
+fn whole_rows_piece(width: usize) -> usize {
+    let width = width.max(1);
+    ELEMENTWISE_PIECE.div_ceil(width) * width
+}
+
 /// Runs `f` on matching pieces of `x` and `y` (`piece` long, the last shorter) in
 /// parallel, or once on the whole when they fit in one piece.
-fn par_pieces(x: &mut [f32], y: &[f32], piece: usize, f: fn(&mut [f32], &[f32])) {
+fn par_pieces<F>(x: &mut [f32], y: &[f32], piece: usize, f: F)
+where
+    F: Fn(&mut [f32], &[f32]) + Sync,
+{
     use rayon::prelude::*;
     let y = &y[..x.len().min(y.len())];
     let x_len = y.len();
