@@ -867,8 +867,8 @@ unsafe fn micro_avx2(kc: usize, panel: &[f32], x: &[f32], x_stride: usize, y: Ou
         }
         // The reduction four steps per loop trip, each token's row through its own
         // pointer: the plain loop recomputed `t * x_stride + kk` and paid a loop
-        // trip per 12 FMAs, which held it at about 78% of the FMA peak on a Zen 4
-        // without AVX-512 (docs/kernels.md, "AVX2"). Every accumulator still takes
+        // trip per 12 FMAs, and ran 5-7% slower on a Zen 4 without AVX-512
+        // (docs/kernels.md, "The AVX2 prefill GEMM"). Every accumulator still takes
         // its FMAs in the order of kk, so the bits are the plain loop's.
         let rows: [*const f32; MR] = std::array::from_fn(|t| xp.add(t * x_stride));
         let step = |acc: &mut [[__m256; 2]; MR], kk: usize| {
