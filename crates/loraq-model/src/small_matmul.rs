@@ -319,36 +319,52 @@ fn cover_tiles<const FUSED: bool, const ROWS: usize, const COLS: usize>(
     let row_end = rows.start + rows.len() / ROWS * ROWS;
     let col_end = cols.start + cols.len() / COLS * COLS;
     #[cfg(target_arch = "x86_64")]
-    if FUSED && ROWS == 8 && COLS == 32 && row_end > rows.start && col_end > cols.start {
-        // Every element the tiles read or write exists (each slice index below is
-        // checked once here instead of in the inner loop).
-        assert!(k == 0 || (row_end - 1) * lda + k <= a.len());
-        assert!(k == 0 || (k - 1) * ldb + col_end <= b.len());
-        assert!((row_end - 1) * ldc + col_end <= c.len());
-        let mut i0 = rows.start;
-        while i0 < row_end {
-            let mut j0 = cols.start;
-            while j0 < col_end {
-                let tile = Tile8x32 {
-                    k,
-                    a: a[i0 * lda..].as_ptr(),
-                    lda,
-                    b: b[j0..].as_ptr(),
-                    ldb,
-                    c: c[i0 * ldc + j0..].as_mut_ptr(),
-                    ldc,
-                    alpha,
-                };
-                // SAFETY: FUSED and ROWS x COLS = 8 x 32 only on the AVX-512 path of
-                // matmul_acc (Simd::detect found AVX-512F); rows i0 .. i0 + 8 of A
-                // (k values each), rows 0 .. k of B (columns j0 .. j0 + 32) and the
-                // 8 x 32 block of C are in bounds (asserted above), C borrowed mutably.
-                unsafe { tile_8x32_avx512(&tile) };
-                j0 += COLS;
+    if FUSED && row_end > rows.start && col_end > cols.start {
+        // The register tiles on raw pointers: 8 x 32 only on matmul_acc's AVX-512 path
+        // (Simd::detect found AVX-512F); 4 x 16 wherever the CPU has AVX2 and FMA
+        // (FUSED: Simd::detect found AVX2 or AVX-512F and FMA).
+        let on_pointers = match (ROWS, COLS) {
+            (8, 32) => true,
+            (4, 16) => is_x86_feature_detected!("avx2"),
+            _ => false,
+        };
+        if on_pointers {
+            // Every element the tiles read or write exists (each slice index below is
+            // checked once here instead of in the inner loop).
+            assert!(k == 0 || (row_end - 1) * lda + k <= a.len());
+            assert!(k == 0 || (k - 1) * ldb + col_end <= b.len());
+            assert!((row_end - 1) * ldc + col_end <= c.len());
+            let mut i0 = rows.start;
+            while i0 < row_end {
+                let mut j0 = cols.start;
+                while j0 < col_end {
+                    let tile = TilePointers {
+                        k,
+                        a: a[i0 * lda..].as_ptr(),
+                        lda,
+                        b: b[j0..].as_ptr(),
+                        ldb,
+                        c: c[i0 * ldc + j0..].as_mut_ptr(),
+                        ldc,
+                        alpha,
+                    };
+                    // SAFETY: the tile's instruction set is present (above); rows
+                    // i0 .. i0 + ROWS of A (k values each), rows 0 .. k of B (columns
+                    // j0 .. j0 + COLS) and the ROWS x COLS block of C are in bounds
+                    // (asserted above), C borrowed mutably.
+                    unsafe {
+                        if ROWS == 8 {
+                            tile_8x32_avx512(&tile)
+                        } else {
+                            tile_4x16_avx2(&tile)
+                        }
+                    };
+                    j0 += COLS;
+                }
+                i0 += ROWS;
             }
-            i0 += ROWS;
+            return (row_end, col_end);
         }
-        return (row_end, col_end);
     }
     let mut i0 = rows.start;
     while i0 < row_end {
@@ -377,13 +393,13 @@ fn cover_tiles<const FUSED: bool, const ROWS: usize, const COLS: usize>(
     (row_end, col_end)
 }
 
-/// One 8 x 32 tile of `C += alpha A B` by raw pointers (the bounds are checked once by
-/// the caller, so the inner loop is two loads, eight broadcasts and sixteen FMAs with
-/// no per-iteration index checks, which the slice-indexed loop carried: eight compares
-/// and stack reloads per step of `k`). Same operations in the same order as the
-/// portable tile loop, so the results are bit-identical.
+/// One register tile of `C += alpha A B` by raw pointers (the bounds are checked once by
+/// the caller, so the inner loop of the 8 x 32 tile is two loads, eight broadcasts and
+/// sixteen FMAs with no per-iteration index checks, which the slice-indexed loop
+/// carried: eight compares and stack reloads per step of `k`). Same operations in the
+/// same order as the portable tile loop, so the results are bit-identical.
 #[cfg(target_arch = "x86_64")]
-struct Tile8x32 {
+struct TilePointers {
     k: usize,
     /// `A[i0, 0]`; row `r` at `a + r * lda`.
     a: *const f32,
@@ -397,7 +413,7 @@ struct Tile8x32 {
     alpha: f32,
 }
 
-/// Runs one [`Tile8x32`].
+/// Runs one 8 x 32 [`TilePointers`] tile.
 ///
 /// # Safety
 /// The CPU has AVX-512F; `a + r * lda + kk` (`r < 8`, `kk < k`), `b + kk * ldb + j`
@@ -407,7 +423,7 @@ struct Tile8x32 {
 #[target_feature(enable = "avx512f")]
 // Intrinsics rather than plain arrays: written as arrays, the loop stored its sixteen
 // accumulators to the stack at every step of k.
-unsafe fn tile_8x32_avx512(t: &Tile8x32) {
+unsafe fn tile_8x32_avx512(t: &TilePointers) {
     use std::arch::x86_64::*;
     let zero = _mm512_setzero_ps();
     let mut acc = [[zero; 2]; 8];
@@ -431,6 +447,48 @@ unsafe fn tile_8x32_avx512(t: &Tile8x32) {
             for (half, &x) in acc_r.iter().enumerate() {
                 let dst = crow.add(16 * half);
                 _mm512_storeu_ps(dst, _mm512_fmadd_ps(alpha, x, _mm512_loadu_ps(dst)));
+            }
+        }
+    }
+}
+
+/// Runs one 4 x 16 [`TilePointers`] tile: two loads, four broadcasts and eight FMAs
+/// per step of `k`. The portable loop it replaces (on AVX2, and for the narrow strips
+/// on AVX-512) kept its accumulators in arrays indexed through slices, with a bounds
+/// check per load; the same operations in the same order, so the results are
+/// bit-identical (`one_row_alone_equals_its_row_of_the_whole_product` compares them
+/// with the scalar row path bit for bit).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a + r * lda + kk` (`r < 4`, `kk < k`), `b + kk * ldb + j`
+/// (`j < 16`) are readable and `c + r * ldc + j` writable, with no other live reference
+/// to the latter.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_4x16_avx2(t: &TilePointers) {
+    use std::arch::x86_64::*;
+    let zero = _mm256_setzero_ps();
+    let mut acc = [[zero; 2]; 4];
+    // SAFETY: every pointer below stays inside the ranges the caller guarantees.
+    unsafe {
+        let rows: [*const f32; 4] = std::array::from_fn(|r| t.a.add(r * t.lda));
+        let mut brow = t.b;
+        for kk in 0..t.k {
+            let b0 = _mm256_loadu_ps(brow);
+            let b1 = _mm256_loadu_ps(brow.add(8));
+            for (acc_r, row) in acc.iter_mut().zip(&rows) {
+                let av = _mm256_broadcast_ss(&*row.add(kk));
+                acc_r[0] = _mm256_fmadd_ps(av, b0, acc_r[0]);
+                acc_r[1] = _mm256_fmadd_ps(av, b1, acc_r[1]);
+            }
+            brow = brow.add(t.ldb);
+        }
+        let alpha = _mm256_set1_ps(t.alpha);
+        for (r, acc_r) in acc.iter().enumerate() {
+            let crow = t.c.add(r * t.ldc);
+            for (half, &x) in acc_r.iter().enumerate() {
+                let dst = crow.add(8 * half);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(alpha, x, _mm256_loadu_ps(dst)));
             }
         }
     }
