@@ -398,8 +398,9 @@ impl ChunkFigures {
 }
 
 /// The delta of one chunk of little-endian bf16 bytes and its [`ChunkFigures`], in one
-/// loop over the values (no decoded copies): with AVX-512 where the CPU has it (the
-/// build targets baseline x86-64, whose SSE2 loop is four lanes wide).
+/// loop over the values (no decoded copies): with AVX-512 or AVX2 where the CPU has it
+/// (the build targets baseline x86-64, whose SSE2 loop is four lanes wide). The loop has
+/// no multiply-add for the compiler to fuse, so every version gives the same bits.
 fn bf16_delta_chunk<'a>(
     m: &[u8],
     b: &[u8],
@@ -413,6 +414,11 @@ fn bf16_delta_chunk<'a>(
         {
             // SAFETY: the CPU has the features the function is compiled for.
             break 'written unsafe { bf16_delta_chunk_avx512(m, b, d, format) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has the feature the function is compiled for.
+            break 'written unsafe { bf16_delta_chunk_avx2(m, b, d, format) };
         }
         bf16_delta_chunk_body(m, b, d, format)
     };
@@ -436,6 +442,18 @@ fn write_all<'a>(dst: &'a mut [MaybeUninit<f32>], values: &[f32]) -> &'a mut [f3
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
 unsafe fn bf16_delta_chunk_avx512(
+    m: &[u8],
+    b: &[u8],
+    d: &mut [MaybeUninit<f32>],
+    format: FloorFormat,
+) -> ChunkFigures {
+    bf16_delta_chunk_body(m, b, d, format)
+}
+
+/// [`bf16_delta_chunk_body`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_delta_chunk_avx2(
     m: &[u8],
     b: &[u8],
     d: &mut [MaybeUninit<f32>],
