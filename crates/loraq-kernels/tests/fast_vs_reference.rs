@@ -201,6 +201,41 @@ fn lora_phased_schedule_gives_the_same_bits() {
     }
 }
 
+/// A prefill batch that is not a whole number of micro-kernel rows (262 tokens: 6 x 43 +
+/// 4 on AVX2, 8 x 32 + 6 on AVX-512) runs its whole rows in place and its last rows
+/// through a padded copy; each row's outputs are bit for bit those the same row gets in
+/// a batch of whole rows (264 tokens, the copy-free path), with and without a LoRA.
+#[test]
+fn a_ragged_prefill_batch_gives_the_bits_of_a_whole_one() {
+    let (ragged, whole) = (262, 264);
+    for format in FORMATS {
+        for rank in [0, 24] {
+            let in_features = legal_in_features(format, 272);
+            let linear = random_linear(format, 70, in_features, rank, 9);
+            let x = random_activations(whole * in_features, 9);
+            for isa in Isa::available() {
+                let opts = CpuOptions {
+                    isa: Some(isa),
+                    parallelism: Parallelism::Rayon,
+                };
+                let mut y_whole = vec![f32::NAN; whole * 70];
+                let mut y_ragged = vec![f32::NAN; ragged * 70];
+                linear.forward(&x, whole, &mut y_whole, opts).unwrap();
+                linear
+                    .forward(&x[..ragged * in_features], ragged, &mut y_ragged, opts)
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&y_ragged),
+                    bits(&y_whole[..ragged * 70]),
+                    "{format:?} rank {rank} {}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}
+
 fn check_linear(linear: &QuantLoraLinear, batch: usize, x: &[f32], context: &str) {
     let (want, magnitude) = linear.forward_reference_with_magnitude(x, batch).unwrap();
     for isa in Isa::available() {
