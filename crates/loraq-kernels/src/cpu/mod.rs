@@ -611,7 +611,7 @@ fn forward_gemm(
         forward_gemm(linear, &x[..whole * in_features], whole, head, isa, par)?;
         return forward_gemm(
             linear,
-            &x[whole * in_features..],
+            &x[whole * in_features..batch * in_features],
             batch - whole,
             tail,
             isa,
