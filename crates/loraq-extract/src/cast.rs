@@ -482,66 +482,29 @@ fn round_vectors(
     (out, loss)
 }
 
-/// [`round_vectors`] on one task's `k x len` block (vectors as columns): returns the
-/// bf16 values (as f32) in the same layout, and the block's loss $\sum_j e_j H e_j^\top$
-/// as tracked by the rounding (meaningful with `feedback` only; [`round_block_body`]).
-/// The loops over the vectors (rounding, feedback, single-ulp moves) are compiled for
-/// AVX-512 or AVX2 where the CPU has it: the build targets baseline x86-64, whose SSE2
-/// loops are four lanes wide (the products are faer's, which picks its kernels at run
-/// time either way). The loops have no multiply-add for the compiler to fuse (Rust
-/// never contracts `a * b + c`), so every ISA rounds to the same bits.
-fn round_block(
-    x: &[f32],
-    k: usize,
-    len: usize,
-    feedback: Option<MatRef<'_, f32>>,
-    h: MatRef<'_, f32>,
-    sweeps: usize,
-    panels: Option<&Panels>,
-) -> (Vec<f32>, f64) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has the feature the function is compiled for.
-        return unsafe { round_block_avx512(x, k, len, feedback, h, sweeps, panels) };
+loraq_quant::multiversion! {
+    /// [`round_vectors`] on one task's `k x len` block (vectors as columns): returns the
+    /// bf16 values (as f32) in the same layout, and the block's loss
+    /// $\sum_j e_j H e_j^\top$ as tracked by the rounding (meaningful with `feedback`
+    /// only; [`round_block_body`]). The loops over the vectors (rounding, feedback,
+    /// single-ulp moves) are compiled for AVX-512 and AVX2 too (`multiversion!`): the
+    /// build targets baseline x86-64, whose SSE2 loops are four lanes wide, and on a CPU
+    /// without AVX-512 they took about half of the cast's CPU time on the 17408 x 5120
+    /// bench delta (docs/extraction.md, "The same loops on AVX2"). The products are
+    /// faer's, which picks its kernels at run time either way. The loops have no
+    /// multiply-add for the compiler to fuse (Rust never contracts `a * b + c`), so
+    /// every ISA rounds to the same bits.
+    fn round_block(
+        x: &[f32],
+        k: usize,
+        len: usize,
+        feedback: Option<MatRef<'_, f32>>,
+        h: MatRef<'_, f32>,
+        sweeps: usize,
+        panels: Option<&Panels>,
+    ) -> (Vec<f32>, f64) {
+        round_block_body(x, k, len, feedback, h, sweeps, panels)
     }
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has the feature the function is compiled for.
-        return unsafe { round_block_avx2(x, k, len, feedback, h, sweeps, panels) };
-    }
-    round_block_body(x, k, len, feedback, h, sweeps, panels)
-}
-
-/// [`round_block_body`] compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
-unsafe fn round_block_avx512(
-    x: &[f32],
-    k: usize,
-    len: usize,
-    feedback: Option<MatRef<'_, f32>>,
-    h: MatRef<'_, f32>,
-    sweeps: usize,
-    panels: Option<&Panels>,
-) -> (Vec<f32>, f64) {
-    round_block_body(x, k, len, feedback, h, sweeps, panels)
-}
-
-/// [`round_block_body`] compiled for AVX2: on a CPU without AVX-512 the SSE2 loops took
-/// about half of the cast's CPU time on the 17408 x 5120 bench delta (docs/extraction.md,
-/// "The same loops on AVX2").
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn round_block_avx2(
-    x: &[f32],
-    k: usize,
-    len: usize,
-    feedback: Option<MatRef<'_, f32>>,
-    h: MatRef<'_, f32>,
-    sweeps: usize,
-    panels: Option<&Panels>,
-) -> (Vec<f32>, f64) {
-    round_block_body(x, k, len, feedback, h, sweeps, panels)
 }
 
 /// The work of [`round_block`]. Both phases are ordered so that the products which

@@ -407,21 +407,7 @@ fn bf16_delta_chunk<'a>(
     d: &'a mut [MaybeUninit<f32>],
     format: FloorFormat,
 ) -> (ChunkFigures, &'a mut [f32]) {
-    let figures = 'written: {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-        {
-            // SAFETY: the CPU has the features the function is compiled for.
-            break 'written unsafe { bf16_delta_chunk_avx512(m, b, d, format) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has the feature the function is compiled for.
-            break 'written unsafe { bf16_delta_chunk_avx2(m, b, d, format) };
-        }
-        bf16_delta_chunk_body(m, b, d, format)
-    };
+    let figures = bf16_delta_chunk_figures(m, b, d, format);
     // SAFETY: the loop wrote every value of `d` (one per pair of bytes, the lengths
     // checked there); MaybeUninit<f32> has f32's layout.
     let d = unsafe { &mut *(d as *mut [MaybeUninit<f32>] as *mut [f32]) };
@@ -438,28 +424,17 @@ fn write_all<'a>(dst: &'a mut [MaybeUninit<f32>], values: &[f32]) -> &'a mut [f3
     unsafe { &mut *(dst as *mut [MaybeUninit<f32>] as *mut [f32]) }
 }
 
-/// [`bf16_delta_chunk_body`] compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
-unsafe fn bf16_delta_chunk_avx512(
-    m: &[u8],
-    b: &[u8],
-    d: &mut [MaybeUninit<f32>],
-    format: FloorFormat,
-) -> ChunkFigures {
-    bf16_delta_chunk_body(m, b, d, format)
-}
-
-/// [`bf16_delta_chunk_body`] compiled for AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn bf16_delta_chunk_avx2(
-    m: &[u8],
-    b: &[u8],
-    d: &mut [MaybeUninit<f32>],
-    format: FloorFormat,
-) -> ChunkFigures {
-    bf16_delta_chunk_body(m, b, d, format)
+loraq_quant::multiversion! {
+    /// [`bf16_delta_chunk_body`] compiled for the widest instruction set the CPU has
+    /// (`multiversion!`).
+    fn bf16_delta_chunk_figures(
+        m: &[u8],
+        b: &[u8],
+        d: &mut [MaybeUninit<f32>],
+        format: FloorFormat,
+    ) -> ChunkFigures {
+        bf16_delta_chunk_body(m, b, d, format)
+    }
 }
 
 /// The loop of [`bf16_delta_chunk`]: eight lanes of each figure, so that nothing chains

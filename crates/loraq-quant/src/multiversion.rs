@@ -4,7 +4,9 @@
 //! scalar code, so results are bit-identical whichever is picked.
 
 /// Defines `fn $name(args) -> ret` that runs `$body` compiled for the best
-/// instruction set the CPU offers.
+/// instruction set the CPU offers. Exported for the other crates' loops (loraq-extract's
+/// delta pass and cast rounding).
+#[macro_export]
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
