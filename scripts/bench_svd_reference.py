@@ -54,7 +54,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="best of N for torch.svd_lowrank (loraq's bench is best of 3)")
     parser.add_argument("--interleave", metavar="FACTOR_FILE_BIN", help="alternate N runs of loraq's "
                         "factor_file example (path to the built binary) with N of torch.svd_lowrank and "
-                        "compare the best of each: fair on a machine shared with other work")
+                        "compare the best of each: fair on a machine shared with other work. Each "
+                        "factor_file run times its second factorization (--warm-up), as torch's "
+                        "calls follow a warm-up call")
     parser.add_argument("--cast", metavar="FACTOR_FILE_BIN", help="run loraq's factor_file with a "
                         "factors file and compare the exact residual of its bf16 factors with "
                         "torch.svd_lowrank's f32-factor residual")
@@ -69,20 +71,26 @@ def main() -> None:
     torch.manual_seed(0)
     torch.svd_lowrank(d, q=RANK + 16, niter=2)  # warm-up: allocations, thread pool
     if args.interleave:
-        ours, theirs = [], []
+        ours, theirs, cold = [], [], []
         for _ in range(args.repeat):
-            out = subprocess.run([args.interleave, stem + ".f32", str(args.rows), str(args.cols), repr(floor)],
-                                 check=True, capture_output=True, text=True).stdout
-            ours.append(json.loads(out)["seconds"])
+            # --warm-up: factor_file runs the factorization once untimed first, as torch
+            # was called once above before it is timed (its cold run is printed too).
+            out = json.loads(subprocess.run([args.interleave, "--warm-up", stem + ".f32", str(args.rows),
+                                             str(args.cols), repr(floor)],
+                                            check=True, capture_output=True, text=True).stdout)
+            ours.append(out["seconds"])
+            cold.append(out["cold_seconds"])
             t = time.perf_counter()
             torch.svd_lowrank(d, q=RANK + 16, niter=2)
             theirs.append(time.perf_counter() - t)
         print("interleaved, seconds per run:")
         print("  loraq randomized:  " + " ".join(f"{x:.3f}" for x in ours))
+        print("  loraq, cold run:   " + " ".join(f"{x:.3f}" for x in cold))
         print("  torch.svd_lowrank: " + " ".join(f"{x:.3f}" for x in theirs))
         print(f"best: loraq {min(ours):.3f} s, torch {min(theirs):.3f} s, ratio {min(ours) / min(theirs):.3f}; "
               f"median: loraq {sorted(ours)[len(ours) // 2]:.3f} s, torch {sorted(theirs)[len(theirs) // 2]:.3f} s, "
               f"ratio {sorted(ours)[len(ours) // 2] / sorted(theirs)[len(theirs) // 2]:.3f}", flush=True)
+        print(f"cold: loraq {min(cold):.3f} s best, {sorted(cold)[len(cold) // 2]:.3f} s median", flush=True)
 
     results = {}
     best = float("inf")

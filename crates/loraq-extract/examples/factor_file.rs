@@ -10,16 +10,28 @@
 //! raw little-endian bf16, and adds the cast's seconds and error to the line, so the
 //! script can measure the exact residual after the cast against torch's.
 //!
-//! `cargo run --release -p loraq-extract --example factor_file -- FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]`
+//! With `--warm-up` it first runs the same factorization once untimed and reports that
+//! run's seconds as `cold_seconds`: the script calls `torch.svd_lowrank` once before it
+//! times it, and this gives loraq the same. The first factorization in a process
+//! touches every buffer it allocates for the first time (about 135 MB here), which on
+//! the development VM costs up to 8 ms per MB right after torch's run; `loraq extract`
+//! pays that once per run, not once per projection (benches/README.md, "Warm runs on
+//! both sides").
+//!
+//! `cargo run --release -p loraq-extract --example factor_file -- [--warm-up] FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]`
 
 use loraq_extract::factor::{FactorParams, Method, factorize, process_cpu_seconds};
 use loraq_extract::split::{Split, split_and_cast};
 use std::time::Instant;
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
+    let warm_up = args.get(1).is_some_and(|a| a == "--warm-up");
+    if warm_up {
+        args.remove(1);
+    }
     if args.len() < 5 {
-        eprintln!("usage: factor_file FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]");
+        eprintln!("usage: factor_file [--warm-up] FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]");
         std::process::exit(2);
     }
     let rows: usize = args[2].parse().expect("ROWS");
@@ -37,6 +49,11 @@ fn main() {
         floor: Some(floor),
         ..FactorParams::default()
     };
+    let cold = warm_up.then(|| {
+        let started = Instant::now();
+        factorize("file", &delta, rows, cols, &params).expect("factorize");
+        format!(", \"cold_seconds\": {}", started.elapsed().as_secs_f64())
+    });
     let started = Instant::now();
     let f = factorize("file", &delta, rows, cols, &params).expect("factorize");
     let seconds = started.elapsed().as_secs_f64();
@@ -78,11 +95,12 @@ fn main() {
             .join(", ")
     };
     println!(
-        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"passes\": {}, \"converged\": {}, \"stages\": {{{}}}, \"stages_cpu\": {{{}}}{cast}}}",
+        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"passes\": {}, \"converged\": {}, \"stages\": {{{}}}, \"stages_cpu\": {{{}}}{}{cast}}}",
         f.truncation_residual(rank),
         f.passes,
         f.converged,
         listed(false),
-        listed(true)
+        listed(true),
+        cold.unwrap_or_default()
     );
 }
