@@ -13,9 +13,8 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use faer::Par;
 use half::bf16;
-use loraq_extract::factor::{FactorParams, Method, factorize_prechecked};
-use loraq_extract::floor::{DeltaFigures, PairBytes, expected_floor_ratio};
-use loraq_extract::split::{Split, split_and_cast};
+use loraq_extract::factoring::factor_projection_at_rank;
+use loraq_extract::floor::{PairBytes, expected_floor_ratio};
 use loraq_io::DType;
 
 const NAME: &str = "model.language_model.layers.0.mlp.up_proj.weight";
@@ -24,29 +23,13 @@ const COLS: usize = 5120;
 const RANK: usize = 256;
 
 /// merged - base to the bf16 factors of rank `RANK`, as `loraq extract` does it once the
-/// two tensors' bytes are read: one pass for the delta, its norm and the floor, then the
-/// factorization of the checked delta and the cast. The delta is written into `spare`'s
-/// buffer and the buffer left there, as `loraq extract` hands each module's delta
-/// buffer to the next.
+/// two tensors' bytes are read ([`factor_projection_at_rank`]); the delta's buffer is
+/// handed from one iteration to the next, as `loraq extract` hands it from module to
+/// module.
 fn extract_projection(pair: &PairBytes, spare: &mut Vec<f32>) -> (f64, f64) {
-    let DeltaFigures {
-        delta,
-        floor,
-        norm_sq,
-    } = pair
-        .delta_into(std::mem::take(spare))
-        .expect("finite delta");
-    let params = FactorParams {
-        max_rank: RANK,
-        method: Method::Randomized,
-        floor: Some(floor),
-        ..FactorParams::default()
-    };
-    let factors =
-        factorize_prechecked(NAME, &delta, ROWS, COLS, norm_sq, &params).expect("factorize");
-    *spare = delta;
-    let cast =
-        split_and_cast(NAME, &factors, RANK, Split::Balanced, Par::rayon(0)).expect("bf16 factors");
+    let (factors, cast, floor) =
+        factor_projection_at_rank(NAME, pair, [ROWS, COLS], RANK, Par::rayon(0), spare)
+            .expect("bf16 factors");
     black_box(&cast);
     (factors.truncation_residual(RANK), floor)
 }

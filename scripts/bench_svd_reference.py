@@ -13,6 +13,11 @@ and for each the rank-256 truncation residual over the bf16 rounding floor, then
 the ratios against loraq's figures. Run both on the same machine, one after the other.
 
 Pinned: python 3.11, torch==2.15.0 (CPU), numpy==2.4.6.
+With --interleave, and the pair the delta is the difference of beside it
+(delta_ROWSxCOLS.merged.bf16 / .base.bf16, written by the same bench), it also alternates
+factor_file --pair (the whole per-projection run: the delta from the two bf16 weights,
+the factorization and the bf16 cast, as loraq extract runs it) with torch.svd_lowrank and
+prints a "whole:" line against torch's runs of the same loop.
 With --cast FACTOR_FILE_BIN it also runs loraq's factor_file with a factors file, reads
 the bf16 lora_B / lora_A it wrote, and gives the exact residual after the bf16 cast,
 ||D - B_bf16 A_bf16||_F in f64, over torch.svd_lowrank's residual with its f32 factors.
@@ -71,7 +76,17 @@ def main() -> None:
     torch.manual_seed(0)
     torch.svd_lowrank(d, q=RANK + 16, niter=2)  # warm-up: allocations, thread pool
     if args.interleave:
-        ours, theirs, cold = [], [], []
+        # The whole per-projection run (delta from the two bf16 weights, factorization,
+        # cast) when the factorize bench wrote the pair the delta comes from.
+        pair = [stem + ".merged.bf16", stem + ".base.bf16"]
+        whole = all(os.path.exists(p) for p in pair)
+        ours, theirs, cold, ours_whole, cold_whole = [], [], [], [], []
+
+        def torch_run() -> None:
+            t = time.perf_counter()
+            torch.svd_lowrank(d, q=RANK + 16, niter=2)
+            theirs.append(time.perf_counter() - t)
+
         for _ in range(args.repeat):
             # --warm-up: factor_file runs the factorization once untimed first, as torch
             # was called once above before it is timed (its cold run is printed too).
@@ -80,17 +95,34 @@ def main() -> None:
                                             check=True, capture_output=True, text=True).stdout)
             ours.append(out["seconds"])
             cold.append(out["cold_seconds"])
-            t = time.perf_counter()
-            torch.svd_lowrank(d, q=RANK + 16, niter=2)
-            theirs.append(time.perf_counter() - t)
+            torch_run()
+            if whole:
+                out = json.loads(subprocess.run([args.interleave, "--warm-up", "--pair", *pair,
+                                                 str(args.rows), str(args.cols)],
+                                                check=True, capture_output=True, text=True).stdout)
+                ours_whole.append(out["seconds"])
+                cold_whole.append(out["cold_seconds"])
+                torch_run()
+
+        def best_median(xs: list) -> tuple:
+            return min(xs), sorted(xs)[len(xs) // 2]
+
         print("interleaved, seconds per run:")
         print("  loraq randomized:  " + " ".join(f"{x:.3f}" for x in ours))
         print("  loraq, cold run:   " + " ".join(f"{x:.3f}" for x in cold))
+        if whole:
+            print("  loraq whole run:   " + " ".join(f"{x:.3f}" for x in ours_whole))
+            print("  whole, cold run:   " + " ".join(f"{x:.3f}" for x in cold_whole))
         print("  torch.svd_lowrank: " + " ".join(f"{x:.3f}" for x in theirs))
-        print(f"best: loraq {min(ours):.3f} s, torch {min(theirs):.3f} s, ratio {min(ours) / min(theirs):.3f}; "
-              f"median: loraq {sorted(ours)[len(ours) // 2]:.3f} s, torch {sorted(theirs)[len(theirs) // 2]:.3f} s, "
-              f"ratio {sorted(ours)[len(ours) // 2] / sorted(theirs)[len(theirs) // 2]:.3f}", flush=True)
+        (ob, om), (tb, tm) = best_median(ours), best_median(theirs)
+        print(f"best: loraq {ob:.3f} s, torch {tb:.3f} s, ratio {ob / tb:.3f}; "
+              f"median: loraq {om:.3f} s, torch {tm:.3f} s, ratio {om / tm:.3f}", flush=True)
         print(f"cold: loraq {min(cold):.3f} s best, {sorted(cold)[len(cold) // 2]:.3f} s median", flush=True)
+        if whole:
+            (wb, wm), (cb, cm) = best_median(ours_whole), best_median(cold_whole)
+            print(f"whole: loraq {wb:.3f} s, torch {tb:.3f} s, ratio {wb / tb:.3f}; "
+                  f"median: loraq {wm:.3f} s, torch {tm:.3f} s, ratio {wm / tm:.3f}; "
+                  f"cold: {cb:.3f} / {cm:.3f} s", flush=True)
 
     results = {}
     best = float("inf")

@@ -3,7 +3,9 @@
 //!
 //! The delta is also written to `$LORAQ_BENCH_DIR` (default: the system temp dir) as
 //! `delta_17408x5120.f32` (raw little-endian f32, row-major) together with
-//! `delta_17408x5120.json` (shape, floor, residuals), so `scripts/bench_svd_reference.py`
+//! `delta_17408x5120.json` (shape, floor, residuals), and the two bf16 weights it is the
+//! difference of as `delta_17408x5120.merged.bf16` and `.base.bf16` (raw little-endian
+//! bf16, for `factor_file --pair`'s whole run), so `scripts/bench_svd_reference.py`
 //! times torch.svd_lowrank / torch.linalg.svd / f64 Gram eigh on the same matrix and
 //! prints the ratios. Set `LORAQ_BENCH_ROWS` / `LORAQ_BENCH_COLS` for other shapes.
 
@@ -27,9 +29,28 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The bench's matrix and where it comes from.
+struct Synthetic {
+    /// merged - base, row-major f32.
+    delta: Vec<f32>,
+    /// The rounding floor of merged.
+    floor: f64,
+    /// merged and base as raw little-endian bf16 (what `loraq extract` reads).
+    merged_bf16: Vec<u8>,
+    base_bf16: Vec<u8>,
+}
+
+/// Little-endian bf16 bytes of values that are bf16 already.
+fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+        .collect()
+}
+
 /// Base ~ N(0, 0.02) in bf16; a rank-256 change with singular values decaying 30x and
 /// norm 10% of the base's; merged = bf16(base + change); delta = merged - base.
-fn synthetic_delta(rows: usize, cols: usize) -> (Vec<f32>, f64) {
+fn synthetic_delta(rows: usize, cols: usize) -> Synthetic {
     let mut rng = ChaCha8Rng::seed_from_u64(2026);
     let mut gauss = move || {
         let u1: f64 = rng.random::<f64>().max(1e-300);
@@ -79,13 +100,23 @@ fn synthetic_delta(rows: usize, cols: usize) -> (Vec<f32>, f64) {
         .zip(base.par_iter())
         .map(|(&m, &b)| m - b)
         .collect();
-    (delta, floor)
+    Synthetic {
+        delta,
+        floor,
+        merged_bf16: bf16_bytes(&merged),
+        base_bf16: bf16_bytes(&base),
+    }
 }
 
 fn bench(c: &mut Criterion) {
     let rows = env_usize("LORAQ_BENCH_ROWS", 17408);
     let cols = env_usize("LORAQ_BENCH_COLS", 5120);
-    let (delta, floor) = synthetic_delta(rows, cols);
+    let Synthetic {
+        delta,
+        floor,
+        merged_bf16,
+        base_bf16,
+    } = synthetic_delta(rows, cols);
     let params = |method| FactorParams {
         max_rank: RANK,
         method,
@@ -138,8 +169,13 @@ fn bench(c: &mut Criterion) {
     let stem = dir.join(format!("delta_{rows}x{cols}"));
     let bytes: Vec<u8> = delta.iter().flat_map(|x| x.to_le_bytes()).collect();
     std::fs::write(stem.with_extension("f32"), bytes).expect("write the bench delta");
+    std::fs::write(stem.with_extension("merged.bf16"), merged_bf16).expect("write merged");
+    std::fs::write(stem.with_extension("base.bf16"), base_bf16).expect("write base");
     std::fs::write(stem.with_extension("json"), summary).expect("write the bench summary");
-    eprintln!("wrote {}.f32 / .json", stem.display());
+    eprintln!(
+        "wrote {}.f32 / .merged.bf16 / .base.bf16 / .json",
+        stem.display()
+    );
 
     let mut group = c.benchmark_group("factorize_17408x5120_r256");
     group.sample_size(10);

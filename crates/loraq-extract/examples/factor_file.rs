@@ -18,17 +18,75 @@
 //! pays that once per run, not once per projection (benches/README.md, "Warm runs on
 //! both sides").
 //!
+//! With `--pair MERGED BASE` it times the whole per-projection work instead, from two raw
+//! little-endian bf16 files (`merged`, `base`; the `factorize` bench writes the pair its
+//! delta comes from): the delta with its norm and floor, the factorization and the bf16
+//! cast, as the `extract_projection` bench and `loraq extract` run them
+//! (`factor_projection_at_rank`), after one untimed run with `--warm-up`.
+//!
 //! `cargo run --release -p loraq-extract --example factor_file -- [--warm-up] FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]`
+//! `cargo run --release -p loraq-extract --example factor_file -- [--warm-up] --pair MERGED BASE ROWS COLS [RANK]`
 
 use loraq_extract::factor::{FactorParams, Method, factorize, process_cpu_seconds};
+use loraq_extract::factoring::factor_projection_at_rank;
+use loraq_extract::floor::PairBytes;
 use loraq_extract::split::{Split, split_and_cast};
+use loraq_io::DType;
 use std::time::Instant;
+
+/// `--pair MERGED BASE ROWS COLS [RANK]`: the whole run on the bf16 pair, timed warm
+/// when `warm_up` (the second of two runs, the delta's buffer handed from the first).
+fn whole_run(args: &[String], warm_up: bool) {
+    if args.len() < 4 {
+        eprintln!("usage: factor_file [--warm-up] --pair MERGED BASE ROWS COLS [RANK]");
+        std::process::exit(2);
+    }
+    let rows: usize = args[2].parse().expect("ROWS");
+    let cols: usize = args[3].parse().expect("COLS");
+    let rank: usize = args.get(4).map_or(256, |r| r.parse().expect("RANK"));
+    let read = |path: &String| std::fs::read(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
+    let pair = PairBytes::from_bytes(
+        "file",
+        DType::BF16,
+        read(&args[0]),
+        read(&args[1]),
+        args[0].clone().into(),
+        args[1].clone().into(),
+    )
+    .expect("a pair of equal lengths");
+    let mut spare = Vec::new();
+    let par = faer::Par::rayon(0);
+    let cold = warm_up.then(|| {
+        let started = Instant::now();
+        factor_projection_at_rank("file", &pair, [rows, cols], rank, par, &mut spare)
+            .expect("bf16 factors");
+        format!(", \"cold_seconds\": {}", started.elapsed().as_secs_f64())
+    });
+    let started = Instant::now();
+    let (f, cast, floor) =
+        factor_projection_at_rank("file", &pair, [rows, cols], rank, par, &mut spare)
+            .expect("bf16 factors");
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "{{\"seconds\": {seconds}, \"residual\": {:e}, \"floor\": {floor:e}, \"cast_error\": {:e}, \"rank\": {}, \"passes\": {}, \"converged\": {}{}}}",
+        f.truncation_residual(rank),
+        cast.cast_error,
+        cast.rank,
+        f.passes,
+        f.converged,
+        cold.unwrap_or_default()
+    );
+}
 
 fn main() {
     let mut args: Vec<String> = std::env::args().collect();
     let warm_up = args.get(1).is_some_and(|a| a == "--warm-up");
     if warm_up {
         args.remove(1);
+    }
+    if args.get(1).is_some_and(|a| a == "--pair") {
+        whole_run(&args[2..], warm_up);
+        return;
     }
     if args.len() < 5 {
         eprintln!("usage: factor_file [--warm-up] FILE ROWS COLS FLOOR [RANK [FACTORS_OUT]]");

@@ -4,7 +4,7 @@
 //! thresholds checked before anything is written.
 
 use crate::error::{ExtractError, Result};
-use crate::factor::{FactorParams, Factorization, factorize_prechecked};
+use crate::factor::{FactorParams, Factorization, Method, factorize_prechecked};
 use crate::floor::{DeltaFigures, PairBytes, expected_floor_ratio};
 use crate::options::{AUTO_RANK_CAP, AUTO_RANK_SLACK, ExtractOptions, RankChoice};
 use crate::plan::{ExtractionPlan, MAX_MODULE_RANK, ModuleRole, PlannedModule};
@@ -12,7 +12,7 @@ use crate::quant_aware::{QaContext, qa_module};
 use crate::read::{PairQueue, ShardFiles};
 use crate::report::{CorrectionReport, ModuleReport};
 use crate::scan::{Projection, ScanReport};
-use crate::split::{CastFactors, split_and_cast};
+use crate::split::{CastFactors, Split, split_and_cast};
 use faer::Par;
 use std::time::Instant;
 
@@ -215,6 +215,41 @@ fn factor_in_order(
         });
     }
     Ok(())
+}
+
+/// One projection at a fixed rank, as [`factor`] handles a LoRA module without a
+/// quantization target, from the two tensors' bytes to the bf16 factors: the delta,
+/// its norm and rounding floor in one pass ([`PairBytes::delta_into`]), the randomized
+/// factorization of the checked delta, then the balanced split and the cast. The
+/// delta is written into `spare`'s buffer and the buffer left there, as `loraq extract`
+/// hands each module's delta buffer to the next. What the `extract_projection` bench
+/// and `factor_file --pair` time; returns the factorization, the factors and the floor.
+pub fn factor_projection_at_rank(
+    module: &str,
+    pair: &PairBytes,
+    shape: [usize; 2],
+    rank: usize,
+    par: Par,
+    spare: &mut Vec<f32>,
+) -> Result<(Factorization, CastFactors, f64)> {
+    let [rows, cols] = shape;
+    let DeltaFigures {
+        delta,
+        floor,
+        norm_sq,
+    } = pair.delta_into(std::mem::take(spare))?;
+    let params = FactorParams {
+        max_rank: rank,
+        method: Method::Randomized,
+        floor: Some(floor),
+        par,
+        ..FactorParams::default()
+    };
+    let factorization = factorize_prechecked(module, &delta, rows, cols, norm_sq, &params);
+    *spare = delta;
+    let factorization = factorization?;
+    let cast = split_and_cast(module, &factorization, rank, Split::Balanced, par)?;
+    Ok((factorization, cast, floor))
 }
 
 /// One of the LoRA's modules: merged - base factored at the floor (rank fixed or
