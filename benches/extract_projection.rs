@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use faer::Par;
-use half::bf16;
 use loraq_extract::factoring::factor_projection_at_rank;
 use loraq_extract::floor::{PairBytes, expected_floor_ratio};
 use loraq_io::DType;
+use loraq_io::convert::f32_to_bf16_bytes;
 
 const NAME: &str = "model.language_model.layers.0.mlp.up_proj.weight";
 const ROWS: usize = 17408;
@@ -34,21 +34,13 @@ fn extract_projection(pair: &PairBytes, spare: &mut Vec<f32>) -> (f64, f64) {
     (factors.truncation_residual(RANK), floor)
 }
 
-/// Little-endian bf16 bytes of values that are bf16 already (the synthetic checkpoints').
-fn bf16_bytes(values: &[f32]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-        .collect()
-}
-
 fn bench(c: &mut Criterion) {
     let pair = loraq_synth::projection_pair(NAME, ROWS, COLS, RANK, 1).expect("synthetic pair");
     let bytes = PairBytes::from_bytes(
         NAME,
         DType::BF16,
-        bf16_bytes(&pair.merged),
-        bf16_bytes(&pair.base),
+        f32_to_bf16_bytes(&pair.merged),
+        f32_to_bf16_bytes(&pair.base),
         "merged".into(),
         "base".into(),
     )

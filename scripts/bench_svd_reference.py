@@ -83,6 +83,11 @@ def main() -> None:
         whole = all(os.path.exists(p) for p in pair)
         ours, theirs, cold, ours_whole, cold_whole = [], [], [], [], []
 
+        def factor_file(*rest: str) -> dict:
+            """One warm factor_file run (--warm-up), its JSON line."""
+            return json.loads(subprocess.run([args.interleave, "--warm-up", *rest], check=True,
+                                             capture_output=True, text=True).stdout)
+
         def torch_run() -> None:
             t = time.perf_counter()
             torch.svd_lowrank(d, q=RANK + 16, niter=2)
@@ -91,16 +96,12 @@ def main() -> None:
         for _ in range(args.repeat):
             # --warm-up: factor_file runs the factorization once untimed first, as torch
             # was called once above before it is timed (its cold run is printed too).
-            out = json.loads(subprocess.run([args.interleave, "--warm-up", stem + ".f32", str(args.rows),
-                                             str(args.cols), repr(floor)],
-                                            check=True, capture_output=True, text=True).stdout)
+            out = factor_file(stem + ".f32", str(args.rows), str(args.cols), repr(floor))
             ours.append(out["seconds"])
             cold.append(out["cold_seconds"])
             torch_run()
             if whole:
-                out = json.loads(subprocess.run([args.interleave, "--warm-up", "--pair", *pair,
-                                                 str(args.rows), str(args.cols)],
-                                                check=True, capture_output=True, text=True).stdout)
+                out = factor_file("--pair", *pair, str(args.rows), str(args.cols))
                 ours_whole.append(out["seconds"])
                 cold_whole.append(out["cold_seconds"])
                 torch_run()

@@ -15,6 +15,7 @@ use faer::{Accum, Mat, Par};
 use half::bf16;
 use loraq_extract::factor::{FactorParams, Method, factorize};
 use loraq_extract::floor::{FloorFormat, expected_floor_ratio, rounding_floor};
+use loraq_io::convert::f32_to_bf16_bytes;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -38,14 +39,6 @@ struct Synthetic {
     /// merged and base as raw little-endian bf16 (what `loraq extract` reads).
     merged_bf16: Vec<u8>,
     base_bf16: Vec<u8>,
-}
-
-/// Little-endian bf16 bytes of values that are bf16 already.
-fn bf16_bytes(values: &[f32]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-        .collect()
 }
 
 /// Base ~ N(0, 0.02) in bf16; a rank-256 change with singular values decaying 30x and
@@ -103,8 +96,8 @@ fn synthetic_delta(rows: usize, cols: usize) -> Synthetic {
     Synthetic {
         delta,
         floor,
-        merged_bf16: bf16_bytes(&merged),
-        base_bf16: bf16_bytes(&base),
+        merged_bf16: f32_to_bf16_bytes(&merged),
+        base_bf16: f32_to_bf16_bytes(&base),
     }
 }
 

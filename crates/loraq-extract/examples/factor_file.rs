@@ -34,6 +34,23 @@ use loraq_extract::split::{Split, split_and_cast};
 use loraq_io::DType;
 use std::time::Instant;
 
+/// Runs `work` and returns its result and seconds; with `warm_up`, runs it once untimed
+/// first and also returns that run's seconds as the `cold_seconds` JSON field.
+fn timed<T>(warm_up: bool, mut work: impl FnMut() -> T) -> (T, f64, String) {
+    let cold = warm_up.then(|| {
+        let started = Instant::now();
+        work();
+        format!(", \"cold_seconds\": {}", started.elapsed().as_secs_f64())
+    });
+    let started = Instant::now();
+    let result = work();
+    (
+        result,
+        started.elapsed().as_secs_f64(),
+        cold.unwrap_or_default(),
+    )
+}
+
 /// `--pair MERGED BASE ROWS COLS [RANK]`: the whole run on the bf16 pair, timed warm
 /// when `warm_up` (the second of two runs, the delta's buffer handed from the first).
 fn whole_run(args: &[String], warm_up: bool) {
@@ -56,17 +73,10 @@ fn whole_run(args: &[String], warm_up: bool) {
     .expect("a pair of equal lengths");
     let mut spare = Vec::new();
     let par = faer::Par::rayon(0);
-    let cold = warm_up.then(|| {
-        let started = Instant::now();
+    let ((f, cast, floor), seconds, cold) = timed(warm_up, || {
         factor_projection_at_rank("file", &pair, [rows, cols], rank, par, &mut spare)
-            .expect("bf16 factors");
-        format!(", \"cold_seconds\": {}", started.elapsed().as_secs_f64())
+            .expect("bf16 factors")
     });
-    let started = Instant::now();
-    let (f, cast, floor) =
-        factor_projection_at_rank("file", &pair, [rows, cols], rank, par, &mut spare)
-            .expect("bf16 factors");
-    let seconds = started.elapsed().as_secs_f64();
     println!(
         "{{\"seconds\": {seconds}, \"residual\": {:e}, \"floor\": {floor:e}, \"cast_error\": {:e}, \"rank\": {}, \"passes\": {}, \"converged\": {}{}}}",
         f.truncation_residual(rank),
@@ -74,7 +84,7 @@ fn whole_run(args: &[String], warm_up: bool) {
         cast.rank,
         f.passes,
         f.converged,
-        cold.unwrap_or_default()
+        cold
     );
 }
 
@@ -107,14 +117,9 @@ fn main() {
         floor: Some(floor),
         ..FactorParams::default()
     };
-    let cold = warm_up.then(|| {
-        let started = Instant::now();
-        factorize("file", &delta, rows, cols, &params).expect("factorize");
-        format!(", \"cold_seconds\": {}", started.elapsed().as_secs_f64())
+    let (f, seconds, cold) = timed(warm_up, || {
+        factorize("file", &delta, rows, cols, &params).expect("factorize")
     });
-    let started = Instant::now();
-    let f = factorize("file", &delta, rows, cols, &params).expect("factorize");
-    let seconds = started.elapsed().as_secs_f64();
     // Wall and CPU seconds per stage, summed over iterations, in first-seen order.
     let mut totals: Vec<(&str, f64, f64)> = Vec::new();
     for stage in &f.stages {
@@ -159,6 +164,6 @@ fn main() {
         f.converged,
         listed(false),
         listed(true),
-        cold.unwrap_or_default()
+        cold
     );
 }
