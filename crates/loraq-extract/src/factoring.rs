@@ -217,6 +217,39 @@ fn factor_in_order(
     Ok(())
 }
 
+/// The factorization of a checked delta at its rounding floor, up to `max_rank`: the
+/// step [`factor_lora_module`] and [`factor_projection_at_rank`] share. The delta's
+/// buffer goes back into `spare` when one is given (as `loraq extract` hands it from
+/// module to module), and is dropped otherwise. Returns the factorization and the floor.
+fn factor_delta(
+    module: &str,
+    figures: DeltaFigures,
+    shape: [usize; 2],
+    max_rank: usize,
+    method: Method,
+    par: Par,
+    spare: Option<&mut Vec<f32>>,
+) -> Result<(Factorization, f64)> {
+    let DeltaFigures {
+        delta,
+        floor,
+        norm_sq,
+    } = figures;
+    let [rows, cols] = shape;
+    let params = FactorParams {
+        max_rank,
+        method,
+        floor: Some(floor),
+        par,
+        ..FactorParams::default()
+    };
+    let factorization = factorize_prechecked(module, &delta, rows, cols, norm_sq, &params);
+    if let Some(spare) = spare {
+        *spare = delta;
+    }
+    Ok((factorization?, floor))
+}
+
 /// One projection at a fixed rank, as [`factor`] handles a LoRA module without a
 /// quantization target, from the two tensors' bytes to the bf16 factors: the delta,
 /// its norm and rounding floor in one pass ([`PairBytes::delta_into`]), the randomized
@@ -232,22 +265,16 @@ pub fn factor_projection_at_rank(
     par: Par,
     spare: &mut Vec<f32>,
 ) -> Result<(Factorization, CastFactors, f64)> {
-    let [rows, cols] = shape;
-    let DeltaFigures {
-        delta,
-        floor,
-        norm_sq,
-    } = pair.delta_into(std::mem::take(spare))?;
-    let params = FactorParams {
-        max_rank: rank,
-        method: Method::Randomized,
-        floor: Some(floor),
+    let figures = pair.delta_into(std::mem::take(spare))?;
+    let (factorization, floor) = factor_delta(
+        module,
+        figures,
+        shape,
+        rank,
+        Method::Randomized,
         par,
-        ..FactorParams::default()
-    };
-    let factorization = factorize_prechecked(module, &delta, rows, cols, norm_sq, &params);
-    *spare = delta;
-    let factorization = factorization?;
+        Some(spare),
+    )?;
     let cast = split_and_cast(module, &factorization, rank, Split::Balanced, par)?;
     Ok((factorization, cast, floor))
 }
@@ -269,39 +296,25 @@ fn factor_lora_module(
 ) -> Result<Option<(ModuleFigures, CastFactors)>> {
     let projection = &planned.projection;
     let (rows, cols) = (projection.out_features, projection.in_features);
-    let DeltaFigures {
-        delta,
-        floor,
-        norm_sq,
-    } = pair.delta_into(std::mem::take(spare))?;
+    let figures = pair.delta_into(std::mem::take(spare))?;
     drop(pair);
     let max_rank = match options.rank {
         RankChoice::Fixed(r) => r,
         RankChoice::Auto => AUTO_RANK_CAP,
     };
-    let params = FactorParams {
-        max_rank,
-        method: options.method,
-        floor: Some(floor),
-        par,
-        ..FactorParams::default()
-    };
-    let f = match factorize_prechecked(
+    let spare = qa_context.is_none().then_some(spare);
+    let (f, floor) = match factor_delta(
         &projection.module_path,
-        &delta,
-        rows,
-        cols,
-        norm_sq,
-        &params,
+        figures,
+        [rows, cols],
+        max_rank,
+        options.method,
+        par,
+        spare,
     ) {
         Err(ExtractError::AllZeroDelta { .. }) => return Ok(None),
         other => other?,
     };
-    if qa_context.is_none() {
-        *spare = delta;
-    } else {
-        drop(delta);
-    }
     let rank = match options.rank {
         RankChoice::Fixed(_) => f.kept(),
         RankChoice::Auto => auto_rank(&f, floor),
