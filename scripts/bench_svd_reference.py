@@ -120,7 +120,7 @@ def main() -> None:
         (ob, om), (tb, tm) = best_median(ours), best_median(theirs)
         print(f"best: loraq {ob:.3f} s, torch {tb:.3f} s, ratio {ob / tb:.3f}; "
               f"median: loraq {om:.3f} s, torch {tm:.3f} s, ratio {om / tm:.3f}", flush=True)
-        print(f"cold: loraq {min(cold):.3f} s best, {sorted(cold)[len(cold) // 2]:.3f} s median", flush=True)
+        print("cold: loraq {:.3f} s best, {:.3f} s median".format(*best_median(cold)), flush=True)
         if whole:
             (wb, wm), (cb, cm) = best_median(ours_whole), best_median(cold_whole)
             print(f"whole: loraq {wb:.3f} s, torch {tb:.3f} s, ratio {wb / tb:.3f}; "
