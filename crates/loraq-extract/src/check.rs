@@ -2,6 +2,7 @@
 //! configurations, reconstructed deltas, and factor pairs up to a shared sign.
 
 use crate::error::Result;
+use crate::ordered_sum::fold_in_order;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
 use loraq_io::module_name::text_module_path;
@@ -250,9 +251,8 @@ pub fn check(
             let d1 = delta(&b1, &a1, rows, cols, mx.rank, par);
             let d2 = delta(&b2, &a2, rows, cols, my.rank, par);
             let (s1, s2) = (mx.scale, my.scale);
-            let (num, den) = (0..cols)
-                .into_par_iter()
-                .map(|j| {
+            let (num, den) = fold_in_order(
+                (0..cols).into_par_iter().map(|j| {
                     let (c1, c2) = (d1.col(j), d2.col(j));
                     let mut num = 0f64;
                     let mut den = 0f64;
@@ -263,8 +263,10 @@ pub fn check(
                         den += p * p;
                     }
                     (num, den)
-                })
-                .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+                }),
+                (0.0, 0.0),
+                |a, b| (a.0 + b.0, a.1 + b.1),
+            );
             if den > 0.0 {
                 (num / den).sqrt()
             } else if num > 0.0 {

@@ -28,6 +28,7 @@
 use crate::error::{ExtractError, Result};
 use crate::floor::expected_floor_ratio;
 use crate::gram::{split_product, tall_gram_f64};
+use crate::ordered_sum::fold_in_order;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
 use loraq_amx::{Accumulate, Amx, MatrixMut, MatrixRef, Operand, Planes};
@@ -384,40 +385,33 @@ pub fn check_delta(module: &str, delta: &[f32], rows: usize, cols: usize) -> Res
     }
     // One pass: the first non-finite index per chunk, and the sum of squares.
     const CHUNK: usize = 1 << 16;
-    let (first_bad, norm_sq) = delta
-        .par_chunks(CHUNK)
-        .enumerate()
-        .map(|(c, chunk)| {
-            // Two branch-free loops the compiler vectorizes: eight f64 lanes of
-            // squares, then the finite test (a mask on the exponent bits).
-            let mut lanes = [0.0f64; 8];
-            for block in chunk.chunks(8) {
-                for (lane, &x) in lanes.iter_mut().zip(block) {
-                    *lane += (x as f64) * (x as f64);
-                }
+    let parts = delta.par_chunks(CHUNK).enumerate().map(|(c, chunk)| {
+        // Two branch-free loops the compiler vectorizes: eight f64 lanes of
+        // squares, then the finite test (a mask on the exponent bits).
+        let mut lanes = [0.0f64; 8];
+        for block in chunk.chunks(8) {
+            for (lane, &x) in lanes.iter_mut().zip(block) {
+                *lane += (x as f64) * (x as f64);
             }
-            let sum: f64 = lanes.iter().sum();
-            let bad = if chunk.iter().all(|x| x.is_finite()) {
-                None
-            } else {
-                chunk
-                    .iter()
-                    .position(|x| !x.is_finite())
-                    .map(|i| c * CHUNK + i)
-            };
-            (bad, sum)
-        })
-        // In chunk order, so that the f64 sum is the same from run to run (rayon's
-        // `reduce` pairs the parts as its work stealing split them).
-        .collect::<Vec<_>>()
-        .into_iter()
-        .fold((None, 0.0), |a, b| {
-            (
-                a.0.or(b.0)
-                    .map(|_| a.0.unwrap_or(usize::MAX).min(b.0.unwrap_or(usize::MAX))),
-                a.1 + b.1,
-            )
-        });
+        }
+        let sum: f64 = lanes.iter().sum();
+        let bad = if chunk.iter().all(|x| x.is_finite()) {
+            None
+        } else {
+            chunk
+                .iter()
+                .position(|x| !x.is_finite())
+                .map(|i| c * CHUNK + i)
+        };
+        (bad, sum)
+    });
+    let (first_bad, norm_sq) = fold_in_order(parts, (None, 0.0), |a, b| {
+        (
+            a.0.or(b.0)
+                .map(|_| a.0.unwrap_or(usize::MAX).min(b.0.unwrap_or(usize::MAX))),
+            a.1 + b.1,
+        )
+    });
     if let Some(index) = first_bad {
         return Err(ExtractError::NonFinite {
             module: module.to_string(),

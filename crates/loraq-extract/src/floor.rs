@@ -7,6 +7,7 @@
 //! expected to do better than this noise allows, so every residual is reported over $F$.
 
 use crate::error::{ExtractError, Result};
+use crate::ordered_sum::fold_in_order;
 use crate::read::ShardFiles;
 use loraq_io::{Checkpoint, DType};
 use rayon::prelude::*;
@@ -89,14 +90,10 @@ fn exact_log2_floor(a: f32) -> i32 {
 /// The rounding floor $F = \sqrt{\sum \mathrm{ulp}(m_{ij})^2 / 12}$ of a tensor whose
 /// values (already widened to f32) are stored in `format`. Summed in f64.
 pub fn rounding_floor(values: &[f32], format: FloorFormat) -> f64 {
-    // Added in chunk order (a parallel `sum` pairs them as the work was split, which
-    // varies from run to run).
-    let sums: Vec<f64> = values
+    let parts = values
         .par_chunks(1 << 16)
-        .map(|chunk| ulp_sq_sum(chunk, format))
-        .collect();
-    let sum: f64 = sums.iter().sum();
-    (sum / 12.0).sqrt()
+        .map(|chunk| ulp_sq_sum(chunk, format));
+    (fold_in_order(parts, 0.0, |a, b| a + b) / 12.0).sqrt()
 }
 
 /// The residual over the floor that a rank-`rank` truncated SVD of an `rows x cols`
@@ -232,7 +229,7 @@ impl PairBytes {
         delta.clear();
         delta.reserve(n);
         crate::read::advise_huge_pages(delta.spare_capacity_mut());
-        let partials = delta.spare_capacity_mut()[..n]
+        let parts = delta.spare_capacity_mut()[..n]
             .par_chunks_mut(CHUNK)
             .zip(self.merged.par_chunks(CHUNK * width))
             .zip(self.base.par_chunks(CHUNK * width))
@@ -262,22 +259,16 @@ impl PairBytes {
                 let bad_b = bad(figures.top_base, &|x| decode_chunk(dtype, b_bytes, x));
                 let bad_d = bad(figures.top_delta, &|x| x.copy_from_slice(d));
                 (bad_m, bad_b, bad_d, figures.floor_sq, figures.norm_sq)
-            })
-            // Collected in chunk order and added in that order: rayon's `reduce` pairs
-            // the partial sums as its work stealing split the range, so the f64 sums
-            // (and the report's norm, floor and residuals) moved in their last bits
-            // from one run to the next.
-            .collect::<Vec<_>>()
-            .into_iter()
-            .fold((None, None, None, 0.0, 0.0), |x, y| {
-                (
-                    min_index(x.0, y.0),
-                    min_index(x.1, y.1),
-                    min_index(x.2, y.2),
-                    x.3 + y.3,
-                    x.4 + y.4,
-                )
             });
+        let partials = fold_in_order(parts, (None, None, None, 0.0, 0.0), |x, y| {
+            (
+                min_index(x.0, y.0),
+                min_index(x.1, y.1),
+                min_index(x.2, y.2),
+                x.3 + y.3,
+                x.4 + y.4,
+            )
+        });
         // SAFETY: every chunk of the first n values was written above (`write_all`, or
         // `bf16_delta_chunk`, which writes each value of its chunk).
         unsafe { delta.set_len(n) };

@@ -29,6 +29,7 @@ pub mod factoring;
 pub mod floor;
 mod gram;
 pub mod options;
+mod ordered_sum;
 pub mod output;
 pub mod plan;
 pub mod quant_aware;

@@ -15,6 +15,7 @@ use crate::activation_stats::ActivationStatsFile;
 use crate::error::{ExtractError, Result};
 use crate::factor::{FactorParams, Method, factorize};
 use crate::floor::FloorFormat;
+use crate::ordered_sum::fold_in_order;
 use crate::read::ShardFiles;
 use crate::split::{CastFactors, Split, cast_pair, f32_factors};
 use crate::target::TargetBase;
@@ -127,9 +128,8 @@ pub fn residuals(
         matmul(p.as_mut(), Accum::Replace, bm, am, 1.0, par);
         p
     });
-    let (plain, weighted) = (0..rows)
-        .into_par_iter()
-        .map(|i| {
+    let (plain, weighted) = fold_in_order(
+        (0..rows).into_par_iter().map(|i| {
             let row = &delta[i * cols..(i + 1) * cols];
             let (mut sum, mut wsum) = (0f64, 0f64);
             for (j, &d) in row.iter().enumerate() {
@@ -141,8 +141,10 @@ pub fn residuals(
                 }
             }
             (sum, wsum)
-        })
-        .reduce(|| (0.0, 0.0), |x, y| (x.0 + y.0, x.1 + y.1));
+        }),
+        (0.0, 0.0),
+        |x, y| (x.0 + y.0, x.1 + y.1),
+    );
     (plain.sqrt(), weights.map(|_| weighted.sqrt()))
 }
 
@@ -199,9 +201,8 @@ pub(crate) fn qa_module(
     let floor =
         floor.unwrap_or_else(|| crate::floor::rounding_floor(&merged, FloorFormat::of(info.dtype)));
     let format = FloorFormat::of(info.dtype);
-    let (merged_sq, weighted_merged_sq, weighted_floor_sq) = merged
-        .par_chunks(cols)
-        .map(|row| {
+    let (merged_sq, weighted_merged_sq, weighted_floor_sq) = fold_in_order(
+        merged.par_chunks(cols).map(|row| {
             let (mut m2, mut wm2, mut wf2) = (0f64, 0f64, 0f64);
             for (j, &m) in row.iter().enumerate() {
                 let m = m as f64;
@@ -214,8 +215,10 @@ pub(crate) fn qa_module(
                 }
             }
             (m2, wm2, wf2)
-        })
-        .reduce(|| (0.0, 0.0, 0.0), |x, y| (x.0 + y.0, x.1 + y.1, x.2 + y.2));
+        }),
+        (0.0, 0.0, 0.0),
+        |x, y| (x.0 + y.0, x.1 + y.1, x.2 + y.2),
+    );
     let merged_norm = merged_sq.sqrt();
     let weighted_merged_norm = weights.as_ref().map(|_| weighted_merged_sq.sqrt());
     let weighted_floor = (weighted_floor_sq / 12.0).sqrt();
@@ -225,14 +228,18 @@ pub(crate) fn qa_module(
     // D_q = f32(M) - target, one subtraction (bit-identical to the plain delta when
     // the target keeps the base's weight).
     let (quantization_error, target_values) = match &target {
-        Some(t) => (
-            base.par_iter()
-                .zip(t)
-                .map(|(&b, &q)| ((b - q) as f64).powi(2))
-                .sum::<f64>()
-                .sqrt(),
-            t.as_slice(),
-        ),
+        Some(t) => {
+            let parts = base
+                .par_chunks(1 << 16)
+                .zip(t.par_chunks(1 << 16))
+                .map(|(b, q)| {
+                    b.iter()
+                        .zip(q)
+                        .map(|(&b, &q)| ((b - q) as f64).powi(2))
+                        .sum::<f64>()
+                });
+            (fold_in_order(parts, 0.0, |a, b| a + b).sqrt(), t.as_slice())
+        }
         None => (0.0, base.as_slice()),
     };
     merged

@@ -3,6 +3,7 @@
 
 use crate::error::{ExtractError, Result};
 use crate::floor::{FloorFormat, delta_and_floor};
+use crate::ordered_sum::{fold_in_order, sum_in_order};
 use crate::scan::scan;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par};
@@ -123,17 +124,14 @@ pub fn residual_of(delta: &[f32], rows: usize, cols: usize, pair: LoraPair<'_>, 
     let mut product = Mat::<f32>::zeros(rows, cols);
     matmul(product.as_mut(), Accum::Replace, bm, am, 1.0, par);
     let product = &product;
-    (0..rows)
-        .into_par_iter()
-        .map(|i| {
-            let row = &delta[i * cols..(i + 1) * cols];
-            row.iter()
-                .enumerate()
-                .map(|(j, &d)| (d as f64 - scale * product[(i, j)] as f64).powi(2))
-                .sum::<f64>()
-        })
-        .sum::<f64>()
-        .sqrt()
+    let rows_sq = (0..rows).into_par_iter().map(|i| {
+        let row = &delta[i * cols..(i + 1) * cols];
+        row.iter()
+            .enumerate()
+            .map(|(j, &d)| (d as f64 - scale * product[(i, j)] as f64).powi(2))
+            .sum::<f64>()
+    });
+    fold_in_order(rows_sq, 0.0, |a, b| a + b).sqrt()
 }
 
 fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
@@ -227,11 +225,7 @@ pub fn verify(
                 ),
             });
         }
-        let delta_norm = delta
-            .par_iter()
-            .map(|&x| (x as f64).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        let delta_norm = sum_in_order(&delta, |&x| (x as f64).powi(2)).sqrt();
         let pair = LoraPair {
             b: &b,
             a: &a,
